@@ -1,0 +1,49 @@
+"""The bus: NATS connection, embedded server, subjects, streams/KV, membership, quorum."""
+
+from rlfabric.bus.connect import ConnectOptions, connect
+from rlfabric.bus.errors import (
+    BusError,
+    InvalidWorkerId,
+    MembershipChanged,
+    NatsServerError,
+    NatsUnavailable,
+    ProvisioningError,
+    QuorumNotReached,
+)
+from rlfabric.bus.membership import MembershipWatcher, Registration, fingerprint, new_worker_info
+from rlfabric.bus.provision import Limits, provision
+from rlfabric.bus.quorum import Broadcaster, Fanout, QuorumPolicy, new_cmd_id
+from rlfabric.bus.receiver import AckFields, CommandContext, CommandFailed, CommandReceiver
+from rlfabric.bus.server import EmbeddedNats, find_nats_server
+from rlfabric.bus.session import Bus
+from rlfabric.bus.subjects import Subjects
+
+__all__ = [
+    "AckFields",
+    "Broadcaster",
+    "Bus",
+    "BusError",
+    "CommandContext",
+    "CommandFailed",
+    "CommandReceiver",
+    "ConnectOptions",
+    "EmbeddedNats",
+    "Fanout",
+    "InvalidWorkerId",
+    "Limits",
+    "MembershipChanged",
+    "MembershipWatcher",
+    "NatsServerError",
+    "NatsUnavailable",
+    "ProvisioningError",
+    "QuorumNotReached",
+    "QuorumPolicy",
+    "Registration",
+    "Subjects",
+    "connect",
+    "find_nats_server",
+    "fingerprint",
+    "new_cmd_id",
+    "new_worker_info",
+    "provision",
+]

@@ -1,0 +1,125 @@
+"""Connecting to NATS: URLs, credentials, TLS and a reconnect policy in one options object."""
+
+from __future__ import annotations
+
+import logging
+import math
+import ssl
+from dataclasses import dataclass, field
+
+import nats
+from nats.aio.client import Client as NATS
+
+from rlfabric.bus.errors import NatsUnavailable
+
+log = logging.getLogger("rlfabric.bus")
+
+
+@dataclass(kw_only=True, slots=True)
+class ConnectOptions:
+    """How to reach the bus.
+
+    `servers`: one URL or several (a cluster). Authentication: `user`/`password`, `token`,
+    `creds_file` (a NATS .creds file), or `nkey_seed_file`. TLS: `tls_ca` (CA bundle),
+    `tls_cert`/`tls_key` (client certificate); a `tls://` URL or any TLS option turns it on.
+    `connect_wait`: how long to keep trying before the first connection (then
+    `NatsUnavailable`); after that, `max_reconnect_attempts` per server (-1 = forever), spaced
+    by `reconnect_wait` seconds.
+    """
+
+    servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
+    name: str = "rlfabric"
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    nkey_seed_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_hostname: str | None = None
+    connect_timeout: float = 2.0
+    connect_wait: float = 5.0
+    reconnect_wait: float = 0.5
+    max_reconnect_attempts: int = -1
+    pending_size: int = 64 * 1024 * 1024
+
+    @classmethod
+    def from_url(cls, url: str | list[str], **kw: object) -> ConnectOptions:
+        """Options for a URL (or comma-separated URLs / a list) and keyword overrides."""
+        servers = url if isinstance(url, list) else [u.strip() for u in url.split(",") if u.strip()]
+        return cls(servers=servers, **kw)  # type: ignore[arg-type]
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        wants_tls = any(s.startswith("tls://") for s in self.servers)
+        if not (wants_tls or self.tls_ca or self.tls_cert):
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+
+async def _log_error(exc: Exception) -> None:
+    log.debug("nats: %s", exc)
+
+
+class _ConnLog:
+    """Connection-state logging that stays quiet until the first connection is up."""
+
+    def __init__(self, servers: list[str]) -> None:
+        self.up = False
+        self.nc: NATS | None = None
+        self.servers = ", ".join(servers)
+
+    async def disconnected(self) -> None:
+        if self.up and self.nc is not None and not (self.nc.is_closed or self.nc.is_draining):
+            log.warning("nats: lost the connection to %s; reconnecting", self.servers)
+
+    async def reconnected(self) -> None:
+        if self.up:
+            log.info("nats: reconnected to %s", self.servers)
+
+
+async def connect(opts: ConnectOptions | str) -> NATS:
+    """Open a NATS connection, or raise `NatsUnavailable` naming the URLs tried."""
+    if isinstance(opts, str):
+        opts = ConnectOptions.from_url(opts)
+    conn_log = _ConnLog(opts.servers)
+    attempts = max(1, math.ceil(opts.connect_wait / max(opts.reconnect_wait, 0.01)))
+    try:
+        nc = await nats.connect(
+            servers=opts.servers,
+            name=opts.name,
+            user=opts.user,
+            password=opts.password,
+            token=opts.token,
+            user_credentials=opts.creds_file,
+            nkeys_seed=opts.nkey_seed_file,
+            tls=opts.tls_context(),
+            tls_hostname=opts.tls_hostname,
+            connect_timeout=opts.connect_timeout,  # type: ignore[arg-type]
+            reconnect_time_wait=opts.reconnect_wait,  # type: ignore[arg-type]
+            max_reconnect_attempts=attempts,
+            allow_reconnect=True,
+            pending_size=opts.pending_size,
+            error_cb=_log_error,
+            disconnected_cb=conn_log.disconnected,
+            reconnected_cb=conn_log.reconnected,
+        )
+    except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+        raise NatsUnavailable(
+            f"no NATS server answered at {', '.join(opts.servers)} within {opts.connect_wait}s "
+            f"({type(exc).__name__}: {exc or 'no servers available'}); start one with "
+            "`rlfabric nats --port 4222` or pass the right --nats URL"
+        ) from exc
+    except nats.errors.Error as exc:  # auth and TLS failures
+        raise NatsUnavailable(
+            f"NATS at {', '.join(opts.servers)} refused the connection: {exc}; check the "
+            "credentials / TLS options"
+        ) from exc
+    # NOTE: the initial-connect budget above reuses nats-py's reconnect counter; from here on
+    # the user's reconnect policy applies.
+    nc.options["max_reconnect_attempts"] = opts.max_reconnect_attempts
+    conn_log.up, conn_log.nc = True, nc
+    return nc

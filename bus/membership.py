@@ -1,0 +1,184 @@
+"""Membership: workers register and heartbeat a `WorkerInfo`; trainers watch the set.
+
+Worker side, `Registration`: answers pings on `<prefix>.worker.<id>.ping`, puts its key in the
+members bucket (TTL = `Limits.member_ttl`), re-puts it every `heartbeat` seconds, and deletes it
+on a clean exit. A SIGKILLed worker stops answering pings at once (its connection is gone) and
+its key expires after the TTL.
+
+Trainer side, `MembershipWatcher`: a KV watch folded into `MembershipSnapshot`s. The epoch moves
+on every join or leave it observes; heartbeats do not move it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import anyio
+import msgspec
+from anyio.abc import TaskStatus
+from nats.aio.msg import Msg
+
+from rlfabric.bus.session import Bus
+from rlfabric.bus.subjects import check_token
+from rlfabric.schemas import MembershipSnapshot, SchemaError, WorkerInfo, codec_for, encode
+
+log = logging.getLogger("rlfabric.bus.membership")
+
+
+def fingerprint(worker_ids: Iterable[str]) -> str:
+    """A short digest of a member set: equal sets give equal fingerprints on every client."""
+    joined = "\n".join(sorted(worker_ids)).encode()
+    return hashlib.blake2b(joined, digest_size=8).hexdigest()
+
+
+def new_worker_info(worker_id: str, *, engine: str, model: str, capacity: int = 1,
+                    ranks: int = 1) -> WorkerInfo:
+    check_token(worker_id, "worker id")
+    t = time.time()
+    return WorkerInfo(worker_id=worker_id, host=socket.gethostname(), pid=os.getpid(),
+                      engine=engine, model=model, capacity=capacity, ranks=ranks,
+                      started_at=t, heartbeat_at=t)
+
+
+class Registration:
+    """A worker's presence on the bus. Run with `await tg.start(reg.run)`: started means the
+    ping responder is live and the key is written."""
+
+    def __init__(self, bus: Bus, info: WorkerInfo, *, heartbeat: float | None = None) -> None:
+        self.bus = bus
+        self.info = info
+        # NOTE: from the bucket's real TTL, not our Limits: another process may have created it.
+        self.heartbeat = heartbeat or max(0.1, bus.buckets.member_ttl / 4)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    def update(self, **changes: Any) -> WorkerInfo:
+        """Change fields of this worker's info; written at the next heartbeat or `flush()`."""
+        self.info = msgspec.structs.replace(self.info, **changes)
+        return self.info
+
+    async def flush(self) -> None:
+        self.info = msgspec.structs.replace(self.info, heartbeat_at=time.time())
+        await self.bus.buckets.members.put(self.worker_id, encode(self.info))
+
+    async def _on_ping(self, msg: Msg) -> None:
+        await msg.respond(encode(self.info))
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        sub = await self.bus.nc.subscribe(self.bus.subjects.ping(self.worker_id), cb=self._on_ping)
+        try:
+            await self.bus.nc.flush(timeout=5)  # the responder is live on the server
+            await self.flush()
+            task_status.started()
+            while True:
+                await anyio.sleep(self.heartbeat)
+                try:
+                    await self.flush()
+                except Exception as exc:  # a reconnect in progress: the next beat retries
+                    log.warning("heartbeat of %s failed: %s", self.worker_id, exc)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
+                try:
+                    with anyio.fail_after(5):
+                        await self.bus.buckets.members.delete(self.worker_id)
+                except Exception as exc:
+                    log.warning("could not delete membership key of %s: %s", self.worker_id, exc)
+
+
+class MembershipWatcher:
+    """The member set as it changes. Run with `await tg.start(w.run)`: started means the
+    initial member set has been read."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.members: dict[str, WorkerInfo] = {}
+        self.epoch = 0
+        self._changed = anyio.Event()
+        self._codec = codec_for(WorkerInfo)
+
+    def snapshot(self) -> MembershipSnapshot:
+        members = tuple(self.members[k] for k in sorted(self.members))
+        return MembershipSnapshot(epoch=self.epoch, fingerprint=fingerprint(self.members),
+                                  members=members)
+
+    def changed(self) -> anyio.Event:
+        """An event set at the next join or leave (take it before checking the state)."""
+        return self._changed
+
+    def _set_changed(self) -> None:
+        self.epoch += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def wait_until(self, predicate: Callable[[MembershipSnapshot], bool], *,
+                         timeout: float) -> MembershipSnapshot:
+        """Wait for a snapshot that satisfies `predicate` (e.g. `lambda s: len(s.members) >= 8`);
+        `TimeoutError` after `timeout` seconds, naming who is there."""
+        with anyio.move_on_after(timeout):
+            while True:
+                changed = self._changed
+                snap = self.snapshot()
+                if predicate(snap):
+                    return snap
+                await changed.wait()
+        raise TimeoutError(
+            f"membership did not reach the awaited state within {timeout}s; members now: "
+            f"{list(self.snapshot().worker_ids)}"
+        )
+
+    async def mark_dead(self, worker_id: str) -> None:
+        """A ping found `worker_id` gone: drop it now and delete its key so every watcher sees
+        the leave at once rather than at TTL expiry. A live worker re-puts its key at its next
+        heartbeat and rejoins."""
+        if self.members.pop(worker_id, None) is not None:
+            self._set_changed()
+        try:
+            await self.bus.buckets.members.delete(worker_id)
+        except Exception as exc:
+            log.warning("could not delete membership key of dead %s: %s", worker_id, exc)
+
+    def _apply(self, key: str, op: str | None, value: bytes | None) -> None:
+        if op is None and value:
+            try:
+                info = self._codec.decode(value, check_version=False)
+            except SchemaError as exc:
+                log.warning("ignoring unreadable membership entry %r: %s", key, exc)
+                return
+            joined = key not in self.members
+            self.members[key] = info
+            if joined:
+                self._set_changed()
+        elif self.members.pop(key, None) is not None:
+            self._set_changed()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        watcher = await self.bus.buckets.members.watch(">")
+        started = False
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=5.0)
+                except TimeoutError:
+                    continue
+                if entry is None:  # end of the initial values
+                    if not started:
+                        started = True
+                        task_status.started()
+                    continue
+                self._apply(entry.key, entry.operation, entry.value)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    with anyio.fail_after(5):
+                        await watcher.stop()
+                except Exception:
+                    pass

@@ -1,0 +1,147 @@
+"""Idempotent creation of the streams and KV buckets of a job (DESIGN section 3).
+
+Every process calls `provision()` at start; the first creates, the rest find what exists.
+A stream whose config drifted (e.g. an older rlfabric) is updated in place; one that cannot
+be updated raises `ProvisioningError` naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
+
+from rlfabric.bus.errors import ProvisioningError
+from rlfabric.bus.subjects import Subjects
+
+HOUR = 3600.0
+
+
+@dataclass(kw_only=True, slots=True)
+class Limits:
+    """Retention knobs. `member_ttl`: seconds a worker's key lives without a heartbeat."""
+
+    member_ttl: float = 5.0
+    control_max_age: float = 24 * HOUR
+    results_max_age: float = 24 * HOUR
+    # NOTE: None = no byte cap. JetStream reserves max_bytes up front against the server's
+    # storage, so a cap per job would make a server refuse its Nth job; age bounds it instead.
+    results_max_bytes: int | None = None
+    weights_max_age: float = 2 * HOUR
+    duplicate_window: float = 120.0
+
+
+@dataclass(slots=True)
+class Buckets:
+    members: KeyValue
+    state: KeyValue
+    #: the members bucket's TTL as the server has it (the first process to create it chose it)
+    member_ttl: float
+
+
+def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
+    return [
+        StreamConfig(
+            name=s.rollout_stream,
+            subjects=[s.rollout_request],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=lim.duplicate_window,
+        ),
+        StreamConfig(
+            name=s.results_stream,
+            subjects=[s.rollout_results_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=lim.results_max_age,
+            max_bytes=lim.results_max_bytes,
+            discard=DiscardPolicy.OLD,
+        ),
+        StreamConfig(
+            name=s.control_stream,
+            subjects=[s.control_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=lim.control_max_age,
+            duplicate_window=lim.duplicate_window,
+        ),
+        StreamConfig(
+            name=s.weights_stream,
+            subjects=[s.weights_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=lim.weights_max_age,
+        ),
+    ]
+
+
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    try:
+        await js.add_stream(cfg)
+    except BadRequestError as exc:
+        # 10058: the name exists with another config. Bring it to ours.
+        try:
+            await js.update_stream(cfg)
+        except BadRequestError as exc2:
+            raise ProvisioningError(
+                f"stream {cfg.name} exists with a config that cannot be updated "
+                f"({exc2.description}); delete it (`nats stream rm {cfg.name}`) or use another "
+                "--prefix"
+            ) from exc
+
+
+async def _ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
+    try:
+        return await js.create_key_value(cfg)
+    except BadRequestError:
+        try:
+            return await js.key_value(cfg.bucket)
+        except NotFoundError as exc:
+            raise ProvisioningError(f"KV bucket {cfg.bucket} could not be created") from exc
+
+
+async def bind_buckets(js: JetStreamContext, s: Subjects) -> Buckets | None:
+    """The job's buckets if they exist, without creating anything (for read-only tools)."""
+    try:
+        members = await js.key_value(s.members_bucket)
+        return Buckets(members=members, state=await js.key_value(s.state_bucket),
+                       member_ttl=await _ttl(members, Limits().member_ttl))
+    except NotFoundError:
+        return None
+
+
+async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None) -> Buckets:
+    """Create (or find) every stream and bucket of the job; return the two KV buckets."""
+    lim = lim or Limits()
+    for cfg in stream_configs(s, lim):
+        await _ensure_stream(js, cfg)
+    members = await _ensure_bucket(
+        js,
+        KeyValueConfig(
+            bucket=s.members_bucket,
+            history=1,
+            ttl=lim.member_ttl,
+            # A delete marker on expiry, so watchers see a silent worker leave.
+            limit_marker_ttl=max(1.0, lim.member_ttl),
+            storage=StorageType.FILE,
+        ),
+    )
+    state = await _ensure_bucket(
+        js, KeyValueConfig(bucket=s.state_bucket, history=16, storage=StorageType.FILE)
+    )
+    return Buckets(members=members, state=state,
+                   member_ttl=await _ttl(members, lim.member_ttl))
+
+
+async def _ttl(kv: KeyValue, default: float) -> float:
+    ttl = (await kv.status()).ttl
+    return float(ttl) if ttl else default

@@ -1,0 +1,308 @@
+"""Broadcast with quorum: publish one command to every worker, count their acks.
+
+    fanout = Broadcaster(bus, watcher)
+    report = await fanout.broadcast(Pause(cmd_id=new_cmd_id(), mode="wait"), QuorumPolicy())
+
+The command is persisted in the control stream (its PubAck returns its `seq`); acks arrive on
+`<prefix>.ack.<cmd_id>`. While it waits, members that have not acked are pinged every
+`probe_interval`: "no responders" means the process is gone, which ends the wait at once under
+`fail` (`MembershipChanged`) or drops that member from the required set under `shrink`.
+Two-phase commands wait twice on one `Fanout`: `await fo.wait("ready")`, then
+`await fo.wait("done")`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+import anyio
+import msgspec
+from nats.aio.msg import Msg
+from nats.js.errors import BadRequestError
+
+from rlfabric.bus.errors import BusError, MembershipChanged, QuorumNotReached
+from rlfabric.bus.membership import MembershipWatcher, fingerprint
+from rlfabric.bus.session import Bus
+from rlfabric.schemas import (
+    Ack,
+    Command,
+    FanoutReport,
+    MembershipSnapshot,
+    SchemaError,
+    codec_for,
+    encode,
+    op_of,
+)
+
+CMD_ID_HEADER = "rlf-cmd-id"
+_WRONG_LAST_SEQUENCE = 10071
+
+
+def new_cmd_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuorumPolicy:
+    """When a broadcast counts as done.
+
+    `required`: "all" members of the snapshot, a count (int >= 0), or a fraction (float in
+    (0, 1]). `timeout`: seconds to wait for it. `on_membership_change`: "fail" raises
+    `MembershipChanged` when a worker joins, leaves or is found dead while waiting; "shrink"
+    drops the departed from the required set and goes on. `probe_interval` / `ping_timeout`:
+    how often and how patiently members that have not acked are pinged.
+    """
+
+    required: Literal["all"] | int | float = "all"
+    timeout: float = 30.0
+    on_membership_change: Literal["fail", "shrink"] = "fail"
+    probe_interval: float = 0.2
+    ping_timeout: float = 0.5
+
+    def __post_init__(self) -> None:
+        r = self.required
+        if isinstance(r, bool) or not (
+            r == "all" or (isinstance(r, int) and r >= 0)
+            or (isinstance(r, float) and 0.0 < r <= 1.0)
+        ):
+            raise ValueError(
+                f"QuorumPolicy.required={r!r}: use 'all', a count (int >= 0) or a fraction "
+                "(float in (0, 1])"
+            )
+        if self.timeout <= 0:
+            raise ValueError(f"QuorumPolicy.timeout={self.timeout!r}: must be > 0 seconds")
+        if self.on_membership_change not in ("fail", "shrink"):
+            raise ValueError(
+                f"QuorumPolicy.on_membership_change={self.on_membership_change!r}: "
+                "use 'fail' or 'shrink'"
+            )
+
+    def needed(self, n_members: int) -> int:
+        r = self.required
+        if r == "all":
+            return n_members
+        if isinstance(r, float):
+            return math.ceil(r * n_members)
+        return int(r)
+
+
+class Fanout:
+    """The acks of one published command, by phase and worker."""
+
+    def __init__(self, broadcaster: Broadcaster, cmd: Command, before: MembershipSnapshot):
+        self.b = broadcaster
+        self.cmd = cmd
+        self.before = before
+        self.acks: dict[str, dict[str, Ack]] = {"ready": {}, "done": {}}
+        self.dead: set[str] = set()
+        self.t0 = time.monotonic()
+        self._news = anyio.Event()
+        self._codec = codec_for(Ack)
+
+    async def _on_ack(self, msg: Msg) -> None:
+        try:
+            ack = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
+        except SchemaError:
+            return  # not an ack of ours; the sender's log would only be noise here
+        self.acks.setdefault(ack.phase, {}).setdefault(ack.worker_id, ack)
+        self._poke()
+
+    def _poke(self) -> None:
+        self._news.set()
+        self._news = anyio.Event()
+
+    def report(self, phase: str) -> FanoutReport:
+        """Acks of `phase` so far; `missing` is every member of the snapshot the command was
+        sent to that has not answered (found dead or not)."""
+        got = self.acks.get(phase, {})
+        ok = sorted(w for w, a in got.items() if a.status == "ok")
+        failed = sorted(w for w, a in got.items() if a.status != "ok")
+        missing = sorted(set(self.before.worker_ids) - set(got))
+        return FanoutReport(
+            cmd_id=self.cmd.cmd_id, op=op_of(self.cmd), ok=tuple(ok), failed=tuple(failed),
+            missing=tuple(missing), dead=tuple(sorted(self.dead & set(missing))), acks=dict(got),
+            epoch=self.before.epoch, elapsed_s=time.monotonic() - self.t0, phase=phase,
+        )
+
+    def _current(self, watcher: MembershipWatcher) -> MembershipSnapshot:
+        snap = watcher.snapshot()
+        alive = tuple(m for m in snap.members if m.worker_id not in self.dead)
+        ids = [m.worker_id for m in alive]
+        return MembershipSnapshot(epoch=snap.epoch, fingerprint=fingerprint(ids), members=alive)
+
+    async def _probe(self, phase: str, required: set[str], policy: QuorumPolicy) -> None:
+        async def one(wid: str) -> None:
+            if await self.b.bus.ping(wid, timeout=policy.ping_timeout) == "dead":
+                self.dead.add(wid)
+                await self.b.watcher.mark_dead(wid)
+                self._poke()
+
+        while True:
+            await anyio.sleep(policy.probe_interval)
+            pending = required - set(self.acks.get(phase, {})) - self.dead
+            async with anyio.create_task_group() as tg:
+                for wid in pending:
+                    tg.start_soon(one, wid)
+
+    async def wait(self, phase: Literal["ready", "done"] = "done",
+                   policy: QuorumPolicy | None = None) -> FanoutReport:
+        """Wait until `policy` is met for acks of `phase`; return the report or raise
+        `QuorumNotReached` / `MembershipChanged`."""
+        policy = policy or QuorumPolicy()
+        required = set(self.before.worker_ids)
+        op = op_of(self.cmd)
+        deadline = self.t0 + policy.timeout
+        outcome: FanoutReport | BusError
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._probe, phase, required, policy)
+            try:
+                outcome = await self._wait(phase, policy, required, op, deadline)
+            except BusError as exc:  # raised below, outside the group, not as a group
+                outcome = exc
+            tg.cancel_scope.cancel()
+        if isinstance(outcome, BusError):
+            raise outcome
+        return outcome
+
+    async def _wait(self, phase: str, policy: QuorumPolicy, required: set[str], op: str,
+                    deadline: float) -> FanoutReport:
+        while True:
+            news, changed = self._news, self.b.watcher.changed()
+            now = self._current(self.b.watcher)
+            if now.fingerprint != self.before.fingerprint:
+                if policy.on_membership_change == "fail":
+                    rep = self.report(phase)
+                    exc = MembershipChanged("", before=self.before, after=now, report=rep)
+                    exc.args = (
+                        f"{op} {self.cmd.cmd_id}: membership changed while waiting for "
+                        f"{phase} acks (left: {list(exc.left)}, joined: {list(exc.joined)}, "
+                        f"found dead by ping: {sorted(self.dead)}); retry, or use "
+                        "on_membership_change='shrink' to go on without them",
+                    )
+                    raise exc
+                required &= set(now.worker_ids)
+            got = self.acks.get(phase, {})
+            ok = sum(1 for w in required if w in got and got[w].status == "ok")
+            failed = sum(1 for w in required if w in got and got[w].status != "ok")
+            needed = self.policy_needed(policy, len(required))
+            if not self.before.members and policy.required != 0:
+                rep = self.report(phase)
+                raise QuorumNotReached(self._why(op, phase, rep, needed, "cannot be met"), rep)
+            if ok >= needed:
+                return self.report(phase)
+            if ok + (len(required) - ok - failed) < needed:
+                rep = self.report(phase)
+                raise QuorumNotReached(self._why(op, phase, rep, needed, "cannot be met"), rep)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                rep = self.report(phase)
+                raise QuorumNotReached(
+                    self._why(op, phase, rep, needed, f"timed out after {policy.timeout}s"), rep
+                )
+            await _wait_any(news, changed, timeout=remaining)
+
+    @staticmethod
+    def policy_needed(policy: QuorumPolicy, n: int) -> int:
+        needed = policy.needed(n)
+        if policy.on_membership_change == "shrink":
+            needed = min(needed, n) if n else needed
+        return needed
+
+    def _why(self, op: str, phase: str, rep: FanoutReport, needed: int, what: str) -> str:
+        parts = [f"{op} {rep.cmd_id}: quorum of {needed} {phase} acks {what}: "
+                 f"{len(rep.ok)} ok"]
+        if rep.failed:
+            errs = ", ".join(
+                f"{w} ({rep.acks[w].error_code}: {rep.acks[w].error_message})" for w in rep.failed
+            )
+            parts.append(f"failed: {errs}")
+        if rep.missing:
+            parts.append(f"missing: {', '.join(rep.missing)}")
+        if rep.dead:
+            parts.append(f"gone (no ping responder): {', '.join(rep.dead)}")
+        if not self.before.members:
+            parts.append("no workers were members when it was sent (start some with "
+                         "`rlfabric worker`)")
+        return "; ".join(parts)
+
+
+async def _wait_any(*events: anyio.Event, timeout: float) -> None:
+    """Return when any of `events` is set or after `timeout` seconds."""
+
+    async def _one(ev: anyio.Event, scope: anyio.CancelScope) -> None:
+        await ev.wait()
+        scope.cancel()
+
+    with anyio.move_on_after(timeout):
+        async with anyio.create_task_group() as tg:
+            for ev in events:
+                tg.start_soon(_one, ev, tg.cancel_scope)
+
+
+class Broadcaster:
+    """Publishes commands to the control stream and opens their `Fanout`s."""
+
+    def __init__(self, bus: Bus, watcher: MembershipWatcher) -> None:
+        self.bus = bus
+        self.watcher = watcher
+        self._last_seq: int | None = None
+
+    async def _publish(self, cmd: Command) -> Command:
+        """Persist `cmd` with `seq` = its sequence in the control stream. The expected-last-
+        sequence header makes concurrent senders retry rather than interleave out of order."""
+        s = self.bus.subjects
+        subject = s.control(op_of(cmd))
+        for _ in range(50):
+            if self._last_seq is None:
+                self._last_seq = (await self.bus.js.stream_info(s.control_stream)).state.last_seq
+            stamped = msgspec.structs.replace(cmd, seq=self._last_seq + 1)
+            hdrs = self.bus.headers({
+                CMD_ID_HEADER: cmd.cmd_id,
+                "Nats-Msg-Id": cmd.cmd_id,
+                "Nats-Expected-Last-Sequence": str(self._last_seq),
+            })
+            try:
+                ack = await self.bus.js.publish(subject, encode(stamped), headers=hdrs)
+            except BadRequestError as exc:
+                if exc.err_code == _WRONG_LAST_SEQUENCE:
+                    self._last_seq = None  # another sender got there first; re-read and retry
+                    continue
+                raise
+            if ack.duplicate:
+                self._last_seq = None
+                raise BusError(
+                    f"{op_of(cmd)} {cmd.cmd_id}: this cmd_id was already published (control "
+                    f"stream seq {ack.seq}); its acks went to whoever sent it then. Send the "
+                    "command again with a new cmd_id (`new_cmd_id()`)"
+                )
+            self._last_seq = ack.seq
+            return stamped
+        raise QuorumNotReached(
+            f"{op_of(cmd)} {cmd.cmd_id}: could not publish after 50 sequence conflicts",
+            FanoutReport(cmd_id=cmd.cmd_id, op=op_of(cmd)),
+        )
+
+    @contextlib.asynccontextmanager
+    async def open(self, cmd: Command) -> AsyncIterator[Fanout]:
+        """Subscribe to the command's acks, publish it, and yield its `Fanout`."""
+        before = self.watcher.snapshot()
+        cmd = msgspec.structs.replace(cmd, epoch=before.epoch)
+        fo = Fanout(self, cmd, before)
+        sub = await self.bus.nc.subscribe(self.bus.subjects.ack(cmd.cmd_id), cb=fo._on_ack)
+        try:
+            fo.cmd = await self._publish(cmd)
+            yield fo
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
+
+    async def broadcast(self, cmd: Command, policy: QuorumPolicy | None = None,
+                        phase: Literal["ready", "done"] = "done") -> FanoutReport:
+        async with self.open(cmd) as fo:
+            return await fo.wait(phase, policy)

@@ -1,0 +1,178 @@
+"""`Bus`: one NATS connection with JetStream, the job's subjects and its KV buckets.
+
+    async with Bus.connect("nats://127.0.0.1:4222", prefix="rl") as bus:
+        ...
+
+Entering provisions the streams and buckets (idempotent) unless `provision=False`, and opens
+a task group that owns the bus's background tasks; leaving cancels them, unsubscribes and
+drains the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal
+
+import anyio
+import nats.errors
+from anyio.abc import TaskGroup
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from opentelemetry import propagate
+
+from rlfabric.bus.connect import ConnectOptions, connect
+from rlfabric.bus.errors import BusError
+from rlfabric.bus.provision import Buckets, Limits, bind_buckets, provision
+from rlfabric.bus.subjects import Subjects
+from rlfabric.schemas import DesiredState, ErrorEvent, StateEvent, WorkerInfo, codec_for, encode
+from rlfabric.schemas import headers as schema_headers
+
+PingResult = Literal["alive", "dead", "silent"]
+STATE_KEY = "desired"
+
+
+class Bus:
+    def __init__(self, nc: NATS, js: JetStreamContext, subjects: Subjects, tg: TaskGroup,
+                 buckets: Buckets | None, limits: Limits) -> None:
+        self.nc = nc
+        self.js = js
+        self.subjects = subjects
+        self.tg = tg
+        self.limits = limits
+        self._buckets = buckets
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(cls, opts: ConnectOptions | str, *, prefix: str = "rl",
+                      limits: Limits | None = None, provision_streams: bool = True,
+                      ) -> AsyncIterator[Bus]:
+        subjects = Subjects(prefix)
+        limits = limits or Limits()
+        nc = await connect(opts)
+        try:
+            js = nc.jetstream(timeout=10.0, publish_async_max_pending=256)
+            if provision_streams:
+                buckets: Buckets | None = await provision(js, subjects, limits)
+            else:
+                buckets = await bind_buckets(js, subjects)
+            error: Exception | None = None
+            async with anyio.create_task_group() as tg:
+                bus = cls(nc, js, subjects, tg, buckets, limits)
+                try:
+                    yield bus
+                except Exception as exc:  # re-raised below as itself, not in an ExceptionGroup
+                    error = exc
+                tg.cancel_scope.cancel()
+            if error is not None:
+                raise error
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _close(nc)
+
+    @property
+    def buckets(self) -> Buckets:
+        if self._buckets is None:
+            raise BusError(
+                f"the job's KV buckets ({self.subjects.members_bucket}, "
+                f"{self.subjects.state_bucket}) do not exist on this server: no worker or "
+                "trainer of this --prefix has started yet"
+            )
+        return self._buckets
+
+    # ---- publishing ----
+    def headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """`rlf-schema`, the current trace context (`traceparent`), and `extra`."""
+        out = schema_headers(extra)
+        propagate.inject(out)
+        return out
+
+    async def publish(self, subject: str, msg: Any, *, extra: Mapping[str, str] | None = None,
+                      ) -> None:
+        """Core-NATS publish of an rlfabric message (buffered; no round trip)."""
+        await self.nc.publish(subject, encode(msg), headers=self.headers(extra))
+
+    async def emit(self, event: ErrorEvent | StateEvent) -> None:
+        kind = "error" if isinstance(event, ErrorEvent) else "state"
+        await self.publish(self.subjects.events(kind, event.source), event)
+
+    # ---- liveness ----
+    async def ping(self, worker_id: str, timeout: float = 0.5) -> PingResult:
+        """`alive` if the worker answered, `dead` if nobody subscribes to its ping subject
+        (the process is gone: known in one round trip), `silent` if it did not answer in time."""
+        try:
+            await self.nc.request(self.subjects.ping(worker_id), b"", timeout=timeout)
+        except nats.errors.NoRespondersError:
+            return "dead"
+        except nats.errors.TimeoutError:
+            return "silent"
+        return "alive"
+
+    # ---- membership and desired state, read once ----
+    async def members(self) -> dict[str, WorkerInfo]:
+        """The current members as stored in the KV bucket (one read, no watch)."""
+        if self._buckets is None:
+            return {}
+        kv = self._buckets.members
+        codec = codec_for(WorkerInfo)
+        out: dict[str, WorkerInfo] = {}
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:
+            return out
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                continue
+            if entry.value:  # an expired key can read back as an empty value
+                out[key] = codec.decode(entry.value, check_version=False)
+        return out
+
+    async def desired_state(self) -> DesiredState:
+        if self._buckets is None:
+            return DesiredState()
+        try:
+            entry = await self.buckets.state.get(STATE_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            return DesiredState()
+        if not entry.value:
+            return DesiredState()
+        return codec_for(DesiredState).decode(entry.value, check_version=False)
+
+    async def put_desired_state(self, state: DesiredState) -> None:
+        await self.buckets.state.put(STATE_KEY, encode(state))
+
+    async def stream_depths(self) -> dict[str, int | None]:
+        """Messages held per stream (None if the stream does not exist), and the rollout
+        requests not yet delivered to any worker."""
+        s = self.subjects
+        out: dict[str, int | None] = {}
+        for name in (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream):
+            try:
+                out[name] = (await self.js.stream_info(name)).state.messages
+            except NotFoundError:
+                out[name] = None
+        try:
+            ci = await self.js.consumer_info(s.rollout_stream, s.rollout_consumer)
+            out["rollout_pending"] = ci.num_pending
+            out["rollout_in_flight"] = ci.num_ack_pending
+        except NotFoundError:
+            pass
+        return out
+
+
+async def _close(nc: NATS) -> None:
+    if nc.is_closed:
+        return
+    try:
+        with anyio.fail_after(5):
+            await nc.drain()
+    except Exception:
+        await nc.close()
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,107 @@
+"""Names on the bus, all derived from one job prefix (default `rl`; DESIGN section 3).
+
+Two jobs on one NATS server use two prefixes and never see each other's traffic.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from rlfabric.bus.errors import InvalidWorkerId
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_token(value: str, what: str) -> str:
+    """Return `value` if it can be one NATS subject token and a JetStream name; else raise."""
+    if not _TOKEN.match(value):
+        raise InvalidWorkerId(
+            f"{what} {value!r} is not usable on the bus: use 1-64 characters from "
+            "A-Z a-z 0-9 _ - (no dots, spaces or wildcards)"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    prefix: str = "rl"
+
+    def __post_init__(self) -> None:
+        check_token(self.prefix, "subject prefix")
+
+    # ---- streams, consumers, buckets ----
+    @property
+    def _upper(self) -> str:
+        return self.prefix.upper().replace("-", "_")
+
+    @property
+    def rollout_stream(self) -> str:
+        return f"{self._upper}_ROLLOUT"
+
+    @property
+    def results_stream(self) -> str:
+        return f"{self._upper}_RESULTS"
+
+    @property
+    def control_stream(self) -> str:
+        return f"{self._upper}_CONTROL"
+
+    @property
+    def weights_stream(self) -> str:
+        return f"{self._upper}_WEIGHTS"
+
+    @property
+    def rollout_consumer(self) -> str:
+        """The one durable consumer every worker pulls from: the workers' queue group."""
+        return f"{self._upper}_WORKERS"
+
+    @property
+    def members_bucket(self) -> str:
+        return f"{self.prefix}_members"
+
+    @property
+    def state_bucket(self) -> str:
+        return f"{self.prefix}_state"
+
+    def control_consumer(self, worker_id: str) -> str:
+        return f"{self._upper}_CTL_{check_token(worker_id, 'worker id')}"
+
+    # ---- subjects ----
+    @property
+    def rollout_request(self) -> str:
+        return f"{self.prefix}.rollout.request"
+
+    def rollout_result(self, client_id: str) -> str:
+        return f"{self.prefix}.rollout.result.{check_token(client_id, 'client id')}"
+
+    @property
+    def rollout_results_all(self) -> str:
+        return f"{self.prefix}.rollout.result.>"
+
+    def control(self, op: str) -> str:
+        return f"{self.prefix}.control.{op}"
+
+    @property
+    def control_all(self) -> str:
+        return f"{self.prefix}.control.>"
+
+    def ack(self, cmd_id: str) -> str:
+        return f"{self.prefix}.ack.{check_token(cmd_id, 'command id')}"
+
+    def ping(self, worker_id: str) -> str:
+        return f"{self.prefix}.worker.{check_token(worker_id, 'worker id')}.ping"
+
+    def weights(self, version: int) -> str:
+        return f"{self.prefix}.weights.{int(version)}"
+
+    @property
+    def weights_all(self) -> str:
+        return f"{self.prefix}.weights.>"
+
+    def events(self, kind: str, source: str) -> str:
+        return f"{self.prefix}.events.{kind}.{source}"
+
+    @property
+    def events_all(self) -> str:
+        return f"{self.prefix}.events.>"

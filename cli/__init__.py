@@ -1,0 +1,43 @@
+"""The `rlfabric` command line: one subcommand per role (see `rlfabric --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from rlfabric import __version__
+from rlfabric.cli import nats_cmd, schema_cmd, status_cmd
+
+_EPILOG = """\
+examples:
+  rlfabric nats --port 4222                       run a NATS+JetStream server for a job
+  rlfabric status --nats nats://127.0.0.1:4222    members, versions, queue depths
+  rlfabric schema > rlfabric-schema.json          JSON Schema of every wire message
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rlfabric",
+        description="rlfabric: a NATS message-bus rollout fabric for LLM RL post-training.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"rlfabric {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for mod in (nats_cmd, status_cmd, schema_cmd):
+        mod.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.func(args) or 0)

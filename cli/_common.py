@@ -1,0 +1,36 @@
+"""Options shared by the subcommands that talk to a bus."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from rlfabric.bus import ConnectOptions
+
+
+def add_bus_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("bus")
+    g.add_argument("--nats", default=os.environ.get("RLFABRIC_NATS", "nats://127.0.0.1:4222"),
+                   help="NATS URL(s), comma-separated (env RLFABRIC_NATS; default %(default)s)")
+    g.add_argument("--prefix", default=os.environ.get("RLFABRIC_PREFIX", "rl"),
+                   help="job prefix of subjects, streams and buckets (default %(default)s)")
+    g.add_argument("--user", help="NATS user (with --password)")
+    g.add_argument("--password", default=os.environ.get("RLFABRIC_NATS_PASSWORD"),
+                   help="NATS password (env RLFABRIC_NATS_PASSWORD)")
+    g.add_argument("--token", default=os.environ.get("RLFABRIC_NATS_TOKEN"),
+                   help="NATS auth token (env RLFABRIC_NATS_TOKEN)")
+    g.add_argument("--creds", help="NATS .creds file (JWT + nkey)")
+    g.add_argument("--nkey", help="nkey seed file")
+    g.add_argument("--tls-ca", help="CA bundle to verify the server")
+    g.add_argument("--tls-cert", help="client certificate (with --tls-key)")
+    g.add_argument("--tls-key", help="client certificate key")
+    g.add_argument("--wait", type=float, default=5.0, metavar="S",
+                   help="seconds to keep trying to reach the server (default %(default)s)")
+
+
+def connect_options(args: argparse.Namespace, name: str) -> ConnectOptions:
+    return ConnectOptions.from_url(
+        args.nats, name=name, user=args.user, password=args.password, token=args.token,
+        creds_file=args.creds, nkey_seed_file=args.nkey, tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, connect_wait=args.wait,
+    )

@@ -1,0 +1,3 @@
+from rlfabric.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""Control-plane messages: `Command`s the trainer broadcasts, `Ack`s each worker returns.
+
+Commands go to the `RL_CONTROL` stream on `<prefix>.control.<op>`; every worker receives every
+command and answers on `<prefix>.ack.<cmd_id>` (core NATS).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rlfabric.schemas._base import Message
+
+# ---- update targets and weight transports -------------------------------------------------
+
+
+class Base(Message, tag_field="kind", tag="base", kw_only=True):
+    """Update the base model's weights."""
+
+
+class Lora(Message, tag_field="kind", tag="lora", kw_only=True):
+    """Load or unload a LoRA adapter by name."""
+
+    name: str
+    op: Literal["load", "unload"] = "load"
+
+
+Target = Base | Lora
+
+
+class TensorMeta(Message, kw_only=True):
+    """Where one tensor lies in a staged buffer (offset/nbytes) or a collective broadcast."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int = 0
+    nbytes: int = 0
+
+
+class SharedMemory(Message, tag_field="kind", tag="shm", kw_only=True):
+    """Tensors staged in a POSIX shared-memory segment on the same host."""
+
+    name: str
+    tensors: tuple[TensorMeta, ...] = ()
+
+
+class Filesystem(Message, tag_field="kind", tag="filesystem", kw_only=True):
+    """Tensors written under `path`; with `require_marker` a STABLE file marks them complete."""
+
+    path: str
+    require_marker: bool = True
+    tensors: tuple[TensorMeta, ...] = ()
+
+
+class Nats(Message, tag_field="kind", tag="nats", kw_only=True):
+    """Tensors chunked over a JetStream stream; any host can pull them."""
+
+    stream: str
+    subject: str
+    chunks: int = 0
+    tensors: tuple[TensorMeta, ...] = ()
+
+
+class Collective(Message, tag_field="kind", tag="collective", kw_only=True):
+    """Tensors broadcast by the trainer (rank 0) over an initialised group (NCCL or gloo)."""
+
+    group_epoch: int
+    tensors: tuple[TensorMeta, ...] = ()
+
+
+class CudaIpc(Message, tag_field="kind", tag="cuda_ipc", kw_only=True):
+    """CUDA IPC handles for colocated trainer and worker on the same GPU."""
+
+    handles: bytes = b""
+    tensors: tuple[TensorMeta, ...] = ()
+
+
+Transport = SharedMemory | Filesystem | Nats | Collective | CudaIpc
+
+# ---- commands -------------------------------------------------------------------------------
+
+
+class _Command(Message, tag_field="op", kw_only=True):
+    """Fields every command carries: `cmd_id` (idempotency key), `seq` (its sequence in the
+    control stream, assigned at publish), the membership `epoch` the sender saw, and a
+    `deadline` (unix seconds; 0 = none) after which a worker refuses to start it."""
+
+    cmd_id: str
+    seq: int = 0
+    epoch: int = 0
+    deadline: float = 0.0
+
+
+class Pause(_Command, tag="pause", kw_only=True):
+    mode: Literal["abort", "wait", "keep"] = "wait"
+
+
+class Resume(_Command, tag="resume", kw_only=True):
+    pass
+
+
+class UpdateWeights(_Command, tag="update_weights", kw_only=True):
+    version: int
+    transport: Transport
+    digest: str
+    target: Target = Base()
+    reset_prefix_cache: bool = True
+
+
+class InitTransport(_Command, tag="init_transport", kw_only=True):
+    backend: Literal["gloo", "nccl"]
+    group_epoch: int
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank_offsets: dict[str, int]
+
+
+class Sleep(_Command, tag="sleep", kw_only=True):
+    level: int = 1
+
+
+class Wake(_Command, tag="wake", kw_only=True):
+    tags: tuple[str, ...] = ()
+
+
+class ResetPrefixCache(_Command, tag="reset_prefix_cache", kw_only=True):
+    pass
+
+
+class Describe(_Command, tag="describe", kw_only=True):
+    pass
+
+
+class Shutdown(_Command, tag="shutdown", kw_only=True):
+    pass
+
+
+Command = (
+    Pause
+    | Resume
+    | UpdateWeights
+    | InitTransport
+    | Sleep
+    | Wake
+    | ResetPrefixCache
+    | Describe
+    | Shutdown
+)
+COMMAND_TYPES: tuple[type[_Command], ...] = (
+    Pause,
+    Resume,
+    UpdateWeights,
+    InitTransport,
+    Sleep,
+    Wake,
+    ResetPrefixCache,
+    Describe,
+    Shutdown,
+)
+
+
+def op_of(cmd: _Command) -> str:
+    """The command's tag, e.g. `"pause"`: the last token of its subject."""
+    return type(cmd).__struct_config__.tag  # type: ignore[return-value]
+
+
+# ---- acknowledgements -----------------------------------------------------------------------
+
+
+class Ack(Message, kw_only=True):
+    """A worker's answer to one command. Two-phase commands (collective updates, transport
+    init) send `phase="ready"` once posted, then `phase="done"`. `weight_version` and
+    `weights_checksum` are what the worker serves after applying the command; `detail` carries
+    op-specific results (e.g. `describe`)."""
+
+    cmd_id: str
+    worker_id: str
+    phase: Literal["ready", "done"] = "done"
+    status: Literal["ok", "error"] = "ok"
+    error_code: str = ""
+    error_message: str = ""
+    weight_version: int = -1
+    weights_checksum: str = ""
+    elapsed_s: float = 0.0
+    detail: dict[str, str] = {}

@@ -1,0 +1,99 @@
+"""Fleet state: membership, desired state, quorum reports, events.
+
+- `WorkerInfo` is what each worker keeps under its key in the `<prefix>_members` KV bucket
+  (heartbeated, TTL) and what it answers to a ping.
+- `DesiredState` is the one key of the `<prefix>_state` bucket, written by the trainer.
+- `MembershipSnapshot` and `FanoutReport` are what the trainer-side SDK returns.
+- `ErrorEvent` / `StateEvent` go to `<prefix>.events.>` for operators and telemetry.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rlfabric.schemas._base import Message
+from rlfabric.schemas.control import Ack, UpdateWeights
+
+WorkerState = Literal["starting", "ready", "paused", "updating", "sleeping", "draining"]
+
+
+class WorkerInfo(Message, kw_only=True):
+    """One worker as the fleet sees it. `ranks` = TP x PP ranks it needs in a collective."""
+
+    worker_id: str
+    host: str
+    pid: int
+    engine: str
+    model: str
+    weight_version: int = -1
+    state: WorkerState = "starting"
+    capacity: int = 1
+    in_flight: int = 0
+    ranks: int = 1
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+
+
+class MembershipSnapshot(Message, kw_only=True):
+    """The member set at one moment. `epoch` moves on every join/leave the observer saw;
+    `fingerprint` is a digest of the sorted worker ids (equal sets, equal fingerprints)."""
+
+    epoch: int
+    fingerprint: str
+    members: tuple[WorkerInfo, ...] = ()
+
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(m.worker_id for m in self.members)
+
+
+class DesiredState(Message, kw_only=True):
+    """What the trainer wants the fleet to be: the weight version to serve and how to fetch it
+    (`locator`, the last `UpdateWeights`), whether it is paused, the collective group epoch."""
+
+    weight_version: int = -1
+    locator: UpdateWeights | None = None
+    paused: bool = False
+    pause_mode: str = ""
+    group_epoch: int = 0
+    updated_at: float = 0.0
+
+
+class FanoutReport(Message, kw_only=True):
+    """The outcome of one broadcast: worker ids that acked ok, acked an error, or never acked
+    (`missing`; those a ping found gone are also listed in `dead`). `acks` holds every ack
+    received by worker id."""
+
+    cmd_id: str
+    op: str
+    ok: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    dead: tuple[str, ...] = ()
+    acks: dict[str, Ack] = {}
+    epoch: int = 0
+    elapsed_s: float = 0.0
+    phase: str = "done"
+
+
+class ErrorEvent(Message, tag_field="kind", tag="error", kw_only=True):
+    """Something a process could not handle, e.g. a malformed command (`code="malformed"`)."""
+
+    source: str
+    code: str
+    message: str
+    subject: str = ""
+    cmd_id: str = ""
+    at: float = 0.0
+
+
+class StateEvent(Message, tag_field="kind", tag="state", kw_only=True):
+    """A worker changed state (joined, paused, updated, left)."""
+
+    source: str
+    state: str
+    weight_version: int = -1
+    at: float = 0.0
+
+
+Event = ErrorEvent | StateEvent

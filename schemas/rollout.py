@@ -1,0 +1,110 @@
+"""Data-plane messages: trainer -> workers (`RolloutRequest`), workers -> trainer (results).
+
+Who sends what:
+- the trainer's `FabricClient` publishes `RolloutRequest` to `<prefix>.rollout.request`;
+- a worker answers each sample with `RolloutResult`, or the whole request with
+  `RolloutError`, on `<prefix>.rollout.result.<client_id>`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rlfabric.schemas._base import Message, PackedF32, PackedI32, coerce_packed
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SamplingParams(Message, kw_only=True):
+    """How to sample. `top_k=0` and `top_p=1.0` mean off; `logprobs` is the top-k count
+    returned per token beside the sampled token's own logprob (0 = sampled token only)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    n: int = 1
+    logprobs: int = 0
+
+
+class RolloutRequest(Message, kw_only=True):
+    """One prompt to complete `sampling.n` times. `deadline` is unix time in seconds (0 = none);
+    a worker never serves weights older than `min_weight_version`."""
+
+    request_id: str
+    prompt_token_ids: PackedI32
+    sampling: SamplingParams = SamplingParams()
+    client_id: str = ""
+    group_id: str = ""
+    min_weight_version: int = 0
+    deadline: float = 0.0
+    metadata: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        coerce_packed(self, prompt_token_ids=PackedI32)
+
+
+class VersionSpan(Message, kw_only=True):
+    """Completion tokens `[start, end)` were produced by weight version `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
+class TopLogprobs(Message, kw_only=True):
+    """Top-k alternatives per completion token, row-major: `ids[t*k:(t+1)*k]`."""
+
+    k: int
+    ids: PackedI32
+    logprobs: PackedF32
+
+    def __post_init__(self) -> None:
+        coerce_packed(self, ids=PackedI32, logprobs=PackedF32)
+
+
+class Timings(Message, kw_only=True):
+    """Seconds: waiting in the stream, generating, and in total as the worker saw it."""
+
+    queued_s: float = 0.0
+    generate_s: float = 0.0
+    total_s: float = 0.0
+
+
+class RolloutResult(Message, tag_field="kind", tag="result", kw_only=True):
+    """One sample of one request. `logprobs[i]` is the logprob of `completion_token_ids[i]`
+    under the weights of the span that covers `i`."""
+
+    request_id: str
+    sample_index: int = 0
+    worker_id: str
+    completion_token_ids: PackedI32
+    logprobs: PackedF32
+    finish_reason: FinishReason
+    version_spans: tuple[VersionSpan, ...] = ()
+    top_logprobs: TopLogprobs | None = None
+    group_id: str = ""
+    prompt_len: int = 0
+    timings: Timings = Timings()
+
+    def __post_init__(self) -> None:
+        coerce_packed(self, completion_token_ids=PackedI32, logprobs=PackedF32)
+
+
+class RolloutError(Message, tag_field="kind", tag="error", kw_only=True):
+    """A request a worker could not serve. `code` is stable (e.g. `bad_request`,
+    `prompt_too_long`, `deadline_exceeded`, `engine_error`); `retryable` says whether
+    resubmitting the same request can succeed."""
+
+    request_id: str
+    worker_id: str
+    code: str
+    message: str
+    sample_index: int | None = None
+    group_id: str = ""
+    retryable: bool = False
+
+
+RolloutReply = RolloutResult | RolloutError

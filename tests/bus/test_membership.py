@@ -1,0 +1,59 @@
+"""Membership on a real server: join, heartbeat, clean leave, TTL expiry, ping."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import anyio
+import pytest
+
+from rlfabric.bus import InvalidWorkerId, Registration, fingerprint, new_worker_info
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio]
+
+
+async def test_join_heartbeat_update_and_clean_leave(fabric) -> None:
+    async with fabric() as (bus, watcher, _bc):
+        e0 = watcher.snapshot().epoch
+        reg = Registration(bus, new_worker_info("w1", engine="torch", model="tiny", capacity=4))
+        async with anyio.create_task_group() as tg:
+            await tg.start(reg.run)
+            snap = await watcher.wait_until(lambda s: s.worker_ids == ("w1",), timeout=5)
+            assert snap.epoch == e0 + 1
+            assert snap.fingerprint == fingerprint(["w1"])
+            assert snap.members[0].capacity == 4 and snap.members[0].state == "starting"
+            reg.update(state="ready", weight_version=3)
+            await reg.flush()
+            info = (await bus.members())["w1"]
+            assert info.state == "ready" and info.weight_version == 3
+            assert await bus.ping("w1") == "alive"
+            epoch_before_beats = watcher.snapshot().epoch
+            await anyio.sleep(reg.heartbeat * 2.5)  # heartbeats land; they are not joins
+            assert watcher.snapshot().epoch == epoch_before_beats
+            tg.cancel_scope.cancel()  # a clean exit deletes the key
+        snap = await watcher.wait_until(lambda s: s.worker_ids == (), timeout=5)
+        assert snap.epoch == e0 + 2
+        assert await bus.members() == {}
+        assert await bus.ping("w1") == "dead"
+
+
+async def test_sigkilled_worker_expires_at_ttl_and_ping_says_dead_at_once(fabric, sims) -> None:
+    async with fabric(member_ttl=1.0) as (bus, watcher, _bc):
+        assert bus.buckets.member_ttl == 1.0
+        (proc,) = sims(["k1"])
+        await watcher.wait_until(lambda s: s.worker_ids == ("k1",), timeout=30)
+        await anyio.sleep(1.5)  # longer than the TTL: only heartbeats keep it there
+        assert watcher.snapshot().worker_ids == ("k1",)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        t0 = time.monotonic()
+        assert await bus.ping("k1") == "dead"
+        assert time.monotonic() - t0 < 0.5
+        await watcher.wait_until(lambda s: s.worker_ids == (), timeout=5)  # expiry marker
+
+
+async def test_fingerprint_is_order_free_and_ids_are_checked() -> None:
+    assert fingerprint(["b", "a"]) == fingerprint(["a", "b"]) != fingerprint(["a"])
+    with pytest.raises(InvalidWorkerId, match=r"worker id 'a\.b'"):
+        new_worker_info("a.b", engine="x", model="y")

@@ -1,0 +1,168 @@
+"""The receiving side: ordered, idempotent by cmd_id, and unbreakable by bad payloads."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+
+from rlfabric.bus import AckFields, CommandFailed, CommandReceiver, QuorumPolicy, new_cmd_id
+from rlfabric.bus.quorum import CMD_ID_HEADER
+from rlfabric.schemas import (
+    Ack,
+    ErrorEvent,
+    Pause,
+    Resume,
+    RolloutResult,
+    Sleep,
+    codec_for,
+    encode,
+    headers,
+)
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.ran: list[tuple[int, str, str]] = []
+
+    async def handle(self, cmd, ctx) -> AckFields:
+        self.ran.append((cmd.seq, type(cmd).__name__, cmd.cmd_id))
+        if isinstance(cmd, Sleep) and cmd.level > 2:
+            raise CommandFailed("bad_level", f"sleep level {cmd.level} does not exist")
+        return AckFields(weight_version=7, weights_checksum="abc", detail={"seen": cmd.cmd_id})
+
+
+class Inbox(list):
+    """Decoded messages of one subscription, and a way to await a condition on them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._news = anyio.Event()
+
+    async def until(self, cond, timeout: float = 5.0) -> None:
+        with anyio.fail_after(timeout):
+            while not cond():
+                news = self._news
+                await news.wait()
+
+    def push(self, item) -> None:
+        self.append(item)
+        self._news.set()
+        self._news = anyio.Event()
+
+
+async def _collect(bus, subject: str, decode_as) -> Inbox:
+    codec = codec_for(decode_as)
+    inbox = Inbox()
+
+    async def cb(msg) -> None:
+        inbox.push(codec.decode(msg.data, msg.headers))
+
+    await bus.nc.subscribe(subject, cb=cb)
+    return inbox
+
+
+async def test_command_delivered_twice_runs_once_and_acks_the_same(fabric) -> None:
+    rec = Recorder()
+    async with fabric() as (bus, _watcher, _bc):
+        r = CommandReceiver(bus, "w1", rec.handle)
+        await bus.tg.start(r.run)
+        cmd = Pause(cmd_id=new_cmd_id(), mode="wait")
+        acks = await _collect(bus, bus.subjects.ack(cmd.cmd_id), Ack)
+        hdrs = headers({CMD_ID_HEADER: cmd.cmd_id})
+        # the same command twice in the stream (e.g. a sender retrying past the dedupe window)
+        for attempt in range(2):
+            await bus.js.publish(bus.subjects.control("pause"), encode(cmd),
+                                 headers={**hdrs, "Nats-Msg-Id": f"{cmd.cmd_id}-{attempt}"})
+        await acks.until(lambda: len(acks) == 2)
+        assert [c for _, _, c in rec.ran] == [cmd.cmd_id]  # executed once
+        assert acks[0] == acks[1]  # the second delivery got the very same Ack
+        assert acks[0].status == "ok" and acks[0].weight_version == 7
+        assert acks[0].detail == {"seen": cmd.cmd_id}
+        assert r.handled == 1
+
+
+async def test_commands_apply_in_seq_order(fabric) -> None:
+    rec = Recorder()
+    async with fabric() as (bus, watcher, bc):
+        r = CommandReceiver(bus, "w1", rec.handle)
+        await bus.tg.start(r.run)
+        from rlfabric.bus import Registration, new_worker_info
+
+        await bus.tg.start(Registration(bus, new_worker_info("w1", engine="t", model="m")).run)
+        await watcher.wait_until(lambda s: s.worker_ids == ("w1",), timeout=10)
+        reps = []
+        for cmd in [Pause(cmd_id=new_cmd_id()), Resume(cmd_id=new_cmd_id()),
+                    Pause(cmd_id=new_cmd_id(), mode="keep"), Resume(cmd_id=new_cmd_id())]:
+            reps.append(await bc.broadcast(cmd, QuorumPolicy(timeout=10)))
+        seqs = [s for s, _, _ in rec.ran]
+        assert seqs == sorted(seqs) and len(set(seqs)) == 4
+        assert [n for _, n, _ in rec.ran] == ["Pause", "Resume", "Pause", "Resume"]
+        assert r.applied_seq == seqs[-1]
+        # a handler's typed failure is an error Ack, and the loop goes on
+        from rlfabric.bus import QuorumNotReached
+
+        with pytest.raises(QuorumNotReached, match=r"w1 \(bad_level: sleep level 9"):
+            await bc.broadcast(Sleep(cmd_id=new_cmd_id(), level=9), QuorumPolicy(timeout=10))
+        rep = await bc.broadcast(Resume(cmd_id=new_cmd_id()), QuorumPolicy(timeout=10))
+        assert rep.ok == ("w1",)
+
+
+async def test_malformed_commands_give_typed_errors_then_a_valid_one_runs(fabric) -> None:
+    rec = Recorder()
+    async with fabric() as (bus, _watcher, _bc):
+        r = CommandReceiver(bus, "w1", rec.handle)
+        await bus.tg.start(r.run)
+        events = await _collect(bus, bus.subjects.events("error", "w1"), ErrorEvent)
+        acks = await _collect(bus, f"{bus.subjects.prefix}.ack.*", Ack)
+        subj = bus.subjects.control("pause")
+        # 1. garbage bytes, with the sender's cmd-id header
+        await bus.js.publish(subj, b"\xc1\xff not msgpack",
+                             headers=headers({CMD_ID_HEADER: "garbage1"}))
+        # 2. a well-formed rlfabric message of the wrong type
+        wrong = RolloutResult(request_id="r", worker_id="x", completion_token_ids=[1],
+                              logprobs=[0.0], finish_reason="stop")
+        await bus.js.publish(subj, encode(wrong), headers=headers({CMD_ID_HEADER: "wrong1"}))
+        # 3. a command from a future major schema version
+        await bus.js.publish(subj, encode(Pause(cmd_id="future1")),
+                             headers={"rlf-schema": "2.0", CMD_ID_HEADER: "future1"})
+        # 4. valid msgpack, a pause with a field of the wrong type
+        bad_field = msgspec.msgpack.encode({"op": "pause", "cmd_id": "typed1", "mode": 5})
+        await bus.js.publish(subj, bad_field, headers=headers({CMD_ID_HEADER: "typed1"}))
+        # 5. then a valid command
+        good = Pause(cmd_id=new_cmd_id())
+        await bus.js.publish(subj, encode(good), headers=headers({CMD_ID_HEADER: good.cmd_id}))
+        await events.until(lambda: len(events) == 4)
+        await acks.until(lambda: any(a.cmd_id == good.cmd_id for a in acks))
+        assert [e.code for e in events] == ["malformed", "malformed", "unknown_schema_version",
+                                            "malformed"]
+        assert [e.cmd_id for e in events] == ["garbage1", "wrong1", "future1", "typed1"]
+        assert all(e.source == "w1" and e.subject == subj for e in events)
+        assert "2.0" in events[2].message
+        assert "mode" in events[3].message  # says where
+        by_id = {a.cmd_id: a for a in acks}
+        assert by_id["garbage1"].status == "error" and by_id["garbage1"].error_code == "malformed"
+        assert by_id["future1"].error_code == "unknown_schema_version"
+        assert by_id[good.cmd_id].status == "ok"
+        assert [c for _, _, c in rec.ran] == [good.cmd_id]  # only the valid one ran
+        assert r.rejected == 4
+        # the rejected messages were terminated, not left for redelivery
+        info = await bus.js.consumer_info(bus.subjects.control_stream,
+                                          bus.subjects.control_consumer("w1"))
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_expired_command_is_refused_not_run(fabric) -> None:
+    rec = Recorder()
+    async with fabric() as (bus, _watcher, _bc):
+        r = CommandReceiver(bus, "w1", rec.handle)
+        await bus.tg.start(r.run)
+        cmd = Pause(cmd_id=new_cmd_id(), deadline=1.0)  # 1970
+        acks = await _collect(bus, bus.subjects.ack(cmd.cmd_id), Ack)
+        await bus.js.publish(bus.subjects.control("pause"), encode(cmd),
+                             headers=headers({CMD_ID_HEADER: cmd.cmd_id}))
+        await acks.until(lambda: len(acks) == 1)
+        assert acks[0].error_code == "deadline_exceeded"
+        assert rec.ran == []

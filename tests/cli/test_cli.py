@@ -1,0 +1,104 @@
+"""The command line, as a user runs it: real processes, real server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.nats
+
+
+def rlfabric_exe() -> str:
+    """The console script installed next to this Python (what the README's command runs)."""
+    exe = Path(sysconfig.get_path("scripts")) / "rlfabric"
+    assert exe.exists(), "rlfabric console script not installed: pip install -e ."
+    return str(exe)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_nats_then_status_json_from_a_shell() -> None:
+    port = _free_port()
+    script = (
+        f'"{rlfabric_exe()}" nats --port {port} > nats.log 2>&1 & NATS_PID=$!\n'
+        f'"{rlfabric_exe()}" status --nats nats://127.0.0.1:{port} --json --wait 15; rc=$?\n'
+        'kill -TERM $NATS_PID; wait $NATS_PID; echo "nats-exit=$?" >&2; exit $rc\n'
+    )
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=os.environ.get("TMPDIR", "/tmp"))
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["prefix"] == "rl" and info["members"] == []
+    assert set(info["streams"]) >= {"RL_ROLLOUT", "RL_CONTROL", "RL_RESULTS", "RL_WEIGHTS"}
+    assert info["desired_state"]["weight_version"] == -1
+    assert "nats-exit=0" in out.stderr
+
+
+def test_status_lists_members(nats_url: str, prefix: str, spawn) -> None:
+    proc = spawn("--nats", nats_url, "--prefix", prefix, "--ids", "s1,s2")
+    assert proc.stdout is not None
+    assert "ready" in proc.stdout.readline()
+    out = subprocess.run([rlfabric_exe(), "status", "--nats", nats_url, "--prefix", prefix,
+                          "--json"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert [m["worker_id"] for m in info["members"]] == ["s1", "s2"]
+    assert info["members"][0]["engine"] == "sim"
+    assert info["streams"]["RL_ROLLOUT".replace("RL", info["prefix"].upper())] == 0
+    table = subprocess.run([rlfabric_exe(), "status", "--nats", nats_url, "--prefix", prefix],
+                           capture_output=True, text=True, timeout=30)
+    assert "2 member(s)" in table.stdout and "s2" in table.stdout
+
+
+def test_status_without_server_says_so() -> None:
+    out = subprocess.run([rlfabric_exe(), "status", "--nats",
+                          f"nats://127.0.0.1:{_free_port()}", "--wait", "0.5"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert "no NATS server answered" in out.stderr
+
+
+def test_nats_stops_on_sigint_and_leaves_nothing() -> None:
+    proc = subprocess.Popen([rlfabric_exe(), "nats", "--port", "0"], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "ready at nats://127.0.0.1:" in line
+        store = line.split("JetStream store ")[1].split(")")[0]
+        assert os.path.isdir(store)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+        assert not os.path.exists(store)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+
+
+def test_schema_prints_every_message() -> None:
+    out = subprocess.run([sys.executable, "-m", "rlfabric", "schema"], capture_output=True,
+                         text=True, timeout=30)
+    doc = json.loads(out.stdout)
+    assert {"RolloutRequest", "RolloutResult", "Pause", "UpdateWeights", "Ack",
+            "WorkerInfo"} <= set(doc["messages"])
+
+
+def test_help_explains_each_command() -> None:
+    out = subprocess.run([rlfabric_exe(), "--help"], capture_output=True, text=True, timeout=30)
+    for cmd in ("nats", "status", "schema"):
+        assert cmd in out.stdout
+    out = subprocess.run([rlfabric_exe(), "nats", "--help"], capture_output=True, text=True,
+                         timeout=30)
+    assert "--store-dir" in out.stdout and "--port" in out.stdout
