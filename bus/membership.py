@@ -111,7 +111,8 @@ class MembershipWatcher:
                                   members=members)
 
     def changed(self) -> anyio.Event:
-        """An event set at the next join or leave (take it before checking the state)."""
+        """An event set at the next join, leave or member update (take it before checking the
+        state); only joins and leaves move the epoch."""
         return self._changed
 
     def _set_changed(self) -> None:
@@ -121,7 +122,8 @@ class MembershipWatcher:
 
     async def wait_until(self, predicate: Callable[[MembershipSnapshot], bool], *,
                          timeout: float) -> MembershipSnapshot:
-        """Wait for a snapshot that satisfies `predicate` (e.g. `lambda s: len(s.members) >= 8`);
+        """Wait for a snapshot that satisfies `predicate` (e.g. `lambda s: len(s.members) >= 8`,
+        or every member on weight version 3); re-checked at every join, leave and heartbeat.
         `TimeoutError` after `timeout` seconds, naming who is there."""
         with anyio.move_on_after(timeout):
             while True:
@@ -157,6 +159,9 @@ class MembershipWatcher:
             self.members[key] = info
             if joined:
                 self._set_changed()
+            else:  # a heartbeat or state update: waiters re-check, the epoch stays
+                self._changed.set()
+                self._changed = anyio.Event()
         elif self.members.pop(key, None) is not None:
             self._set_changed()
 

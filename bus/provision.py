@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
     DiscardPolicy,
     KeyValueConfig,
     RetentionPolicy,
@@ -38,6 +41,9 @@ class Limits:
     results_max_bytes: int | None = None
     weights_max_age: float = 2 * HOUR
     duplicate_window: float = 120.0
+    #: seconds a fetched rollout request stays with its worker without an ack or in-progress
+    #: signal; after it (a crashed worker) the request goes to another worker
+    rollout_ack_wait: float = 15.0
 
 
 @dataclass(slots=True)
@@ -109,6 +115,23 @@ async def _ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
             raise ProvisioningError(f"KV bucket {cfg.bucket} could not be created") from exc
 
 
+async def _ensure_rollout_consumer(js: JetStreamContext, s: Subjects, lim: Limits) -> None:
+    """The one durable consumer all workers pull from: the workers' queue group."""
+    try:
+        await js.consumer_info(s.rollout_stream, s.rollout_consumer)
+        return  # the first process fixed its ack_wait; workers read it back
+    except NotFoundError:
+        pass
+    try:
+        await js.add_consumer(s.rollout_stream, ConsumerConfig(
+            durable_name=s.rollout_consumer, ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL, ack_wait=lim.rollout_ack_wait,
+            max_ack_pending=100_000, max_waiting=4096, filter_subject=s.rollout_request,
+        ))
+    except BadRequestError:
+        pass  # created concurrently by another process
+
+
 async def bind_buckets(js: JetStreamContext, s: Subjects) -> Buckets | None:
     """The job's buckets if they exist, without creating anything (for read-only tools)."""
     try:
@@ -124,6 +147,7 @@ async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None
     lim = lim or Limits()
     for cfg in stream_configs(s, lim):
         await _ensure_stream(js, cfg)
+    await _ensure_rollout_consumer(js, s, lim)
     members = await _ensure_bucket(
         js,
         KeyValueConfig(

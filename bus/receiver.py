@@ -147,7 +147,12 @@ class CommandReceiver:
             while True:
                 try:
                     msgs = await psub.fetch(1, timeout=5.0)
-                except nats.errors.TimeoutError:
+                except TimeoutError:  # nothing queued (nats-py raises both kinds)
+                    continue
+                except nats.errors.Error as exc:  # a reconnect, a server restart: retry
+                    log.warning("%s: fetching commands failed (%s); retrying", self.worker_id,
+                                exc)
+                    await anyio.sleep(0.5)
                     continue
                 for msg in msgs:
                     await self._handle(msg)

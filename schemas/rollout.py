@@ -88,6 +88,9 @@ class RolloutResult(Message, tag_field="kind", tag="result", kw_only=True):
     group_id: str = ""
     prompt_len: int = 0
     timings: Timings = Timings()
+    #: delivery attempt of the request that produced it (> 1: redelivered after a worker
+    #: died, timed out or handed it back)
+    attempt: int = 1
 
     def __post_init__(self) -> None:
         coerce_packed(self, completion_token_ids=PackedI32, logprobs=PackedF32)

@@ -100,3 +100,29 @@ def sims(spawn, nats_url: str, prefix: str):
         ]
 
     return _start
+
+
+@pytest.fixture
+def workers(spawn, nats_url: str, prefix: str):
+    """Start `rlfabric worker` processes: `workers(["w0", "w1"], "--capacity", "8")`."""
+
+    def _start(ids: list[str], *extra: str, engine: str = "torch") -> list[subprocess.Popen[str]]:
+        return [
+            spawn("worker", "--nats", nats_url, "--prefix", prefix, "--worker-id", wid,
+                  "--engine", engine, *extra, module="rlfabric")
+            for wid in ids
+        ]
+
+    return _start
+
+
+@pytest.fixture
+def client(nats_url: str, prefix: str):
+    """`async with client(**limits) as fabric`: a FabricClient on this test's job."""
+    from rlfabric.bus import Limits
+    from rlfabric.trainer import FabricClient
+
+    def _open(**limits):
+        return FabricClient.connect(nats_url, prefix=prefix, limits=Limits(**limits))
+
+    return _open

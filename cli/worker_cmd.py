@@ -1,0 +1,80 @@
+"""`rlfabric worker`: one engine replica on the bus."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+
+import anyio
+
+from rlfabric.bus import Bus, NatsUnavailable
+from rlfabric.cli._common import add_bus_options, connect_options
+
+log = logging.getLogger("rlfabric.worker")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker", help="run one inference worker (engine + bus runtime)",
+        description="Join the job's membership, take rollout requests from the workers' queue "
+        "group up to --capacity at a time, answer commands (pause, resume, update_weights, ...) "
+        "in order. SIGTERM / Ctrl-C: stop taking requests, finish in-flight ones, leave, exit 0.")
+    add_bus_options(p)
+    p.add_argument("--engine", default="torch", choices=["torch", "null"],
+                   help="torch: the reference engine; null: echoes prompts (benchmarks)")
+    p.add_argument("--model", default="tiny",
+                   help="built-in spec name (tiny) or a local Hugging Face checkpoint dir")
+    p.add_argument("--worker-id", default=None,
+                   help="unique id on the bus (default: <host>-<pid>); letters, digits, _ -")
+    p.add_argument("--capacity", type=int, default=32,
+                   help="requests in flight at most (default %(default)s)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="sequences decoded together by the torch engine (default %(default)s)")
+    p.set_defaults(func=run)
+
+
+def default_worker_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40]
+    return f"{host}-{os.getpid()}"
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from rlfabric.engines import make_engine
+    from rlfabric.engines.worker import Worker
+
+    kwargs = {"device": args.device, "max_batch": args.max_batch} if args.engine == "torch" else {}
+    engine = make_engine(args.engine, args.model, **kwargs)
+    worker_id = args.worker_id or default_worker_id()
+    async with Bus.connect(connect_options(args, f"rlfabric-worker-{worker_id}"),
+                           prefix=args.prefix) as bus, engine:
+        worker = Worker(bus, engine, worker_id, capacity=args.capacity)
+        async with anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            print(f"rlfabric worker {worker_id}: ready ({engine.name} engine, model "
+                  f"{engine.model}, capacity {args.capacity}) on {args.nats}", flush=True)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    print(f"rlfabric worker {worker_id}: draining", flush=True)
+                    await worker.drain()
+                    break
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.capacity < 1:
+        print("rlfabric worker: --capacity must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        anyio.run(serve, args)
+    except NatsUnavailable as exc:
+        print(f"rlfabric worker: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"rlfabric worker: {exc}", file=sys.stderr)
+        return 2
+    return 0

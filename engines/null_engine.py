@@ -1,0 +1,85 @@
+"""The null engine: echoes the prompt back as the completion, instantly, logprob 0 for every
+token. It takes the model out of a measurement, leaving the fabric's own costs."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import anyio
+
+from rlfabric.engines.protocol import PauseMode, RequestRejected
+from rlfabric.schemas import RolloutRequest, RolloutResult, VersionSpan
+
+
+class NullEngine:
+    name = "null"
+
+    def __init__(self, model: str = "none", *, vocab_size: int = 1 << 20) -> None:
+        self.model = model
+        self.vocab_size = vocab_size
+        self._version = -1
+        self._state: dict[str, Any] = {}
+        self._resumed = anyio.Event()
+        self._resumed.set()
+
+    async def __aenter__(self) -> NullEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def check(self, request: RolloutRequest) -> None:
+        if request.sampling.max_tokens <= 0 or request.sampling.n < 1:
+            raise RequestRejected("bad_request", "max_tokens and n must be >= 1")
+
+    async def generate(self, request: RolloutRequest, *,
+                       worker_id: str = "") -> AsyncIterator[RolloutResult]:
+        self.check(request)
+        await self._resumed.wait()
+        ids = request.prompt_token_ids.numpy()[: request.sampling.max_tokens]
+        for i in range(request.sampling.n):
+            yield RolloutResult(
+                request_id=request.request_id, sample_index=i, worker_id=worker_id,
+                completion_token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="length",
+                version_spans=(VersionSpan(version=self._version, start=0, end=len(ids)),),
+                group_id=request.group_id, prompt_len=len(request.prompt_token_ids))
+
+    async def pause(self, mode: PauseMode) -> None:
+        self._resumed = anyio.Event()
+
+    async def resume(self) -> None:
+        self._resumed.set()
+
+    async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
+        self._state = dict(state)
+        self._version = version
+
+    def weights_checksum(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for k in sorted(self._state):
+            h.update(k.encode())
+        return h.hexdigest()
+
+    def state_dict(self) -> Mapping[str, Any]:
+        return self._state
+
+    async def init_transport(self, **kwargs: Any) -> None:
+        return None
+
+    async def sleep(self, level: int) -> None:
+        await self.pause("abort")
+
+    async def wake(self, tags: tuple[str, ...] = ()) -> None:
+        await self.resume()
+
+    async def reset_prefix_cache(self) -> None:
+        return None
+
+    def describe(self) -> dict[str, str]:
+        return {"engine": self.name, "model": self.model, "version": str(self._version)}

@@ -1,0 +1,113 @@
+"""The `Engine` protocol: what the worker runtime needs from an inference engine.
+
+The interface is documented here, once; implementations (`TorchEngine`, `NullEngine`, the
+vLLM adapter) carry no docstrings of their own for these methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from rlfabric.schemas import RLFabricError, RolloutRequest, RolloutResult
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+class RequestRejected(RLFabricError):
+    """Raised by `Engine.check` for a request the engine cannot serve. `code` is the stable
+    `RolloutError.code` (`bad_request`, `prompt_too_long`, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class WeightLoadError(RLFabricError):
+    """Raised by `Engine.load_weights` when the new weights cannot be applied; the engine
+    keeps serving the previous version."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One inference engine replica. Use as an async context manager: entering starts its
+    background scheduler, leaving aborts what is left and stops it."""
+
+    #: short engine name shown in membership ("torch", "null", "vllm")
+    name: str
+    #: the model it serves, as given on the command line
+    model: str
+
+    async def __aenter__(self) -> Engine: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
+
+    @property
+    def version(self) -> int:
+        """The weight version served now (-1 before any update)."""
+        ...
+
+    def check(self, request: RolloutRequest) -> None:
+        """Raise `RequestRejected` if `request` can never be served: a token id outside the
+        vocabulary, `max_tokens <= 0`, a prompt that does not fit the context, `n < 1`, a
+        sampling parameter out of range. Cheap; the worker calls it before `generate`."""
+        ...
+
+    def generate(self, request: RolloutRequest, *, worker_id: str) -> AsyncIterator[RolloutResult]:
+        """Yield one `RolloutResult` per sample (`request.sampling.n` in all) as each finishes.
+        Each result carries the sampled tokens, the logprob of every one of them under the raw
+        model distribution (before temperature / top-k / top-p, like vLLM's `raw_logprobs`),
+        top-k alternatives when `sampling.logprobs > 0`, and `version_spans` saying which
+        weight version produced which tokens. A paused engine holds new requests until
+        `resume()`; an abort pause ends them early with `finish_reason="abort"`."""
+        ...
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop generating. `abort`: in-flight sequences end now with what they have
+        (`finish_reason="abort"`). `wait`: return once everything already admitted has
+        finished. `keep`: freeze in-flight sequences between two decode steps and return at once;
+        they continue after `resume()`, under whatever weights are loaded by then."""
+        ...
+
+    async def resume(self) -> None:
+        """Undo `pause`: frozen sequences continue, held requests start."""
+        ...
+
+    async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
+        """Replace the weights with `state` (name -> tensor, all of the model's names) and serve
+        them as `version`. All-or-nothing: names, shapes and dtypes are checked before anything
+        is copied; on failure `WeightLoadError` is raised and the old version keeps serving. It
+        takes effect between two decode steps and never aborts a sequence by itself."""
+        ...
+
+    def weights_checksum(self) -> str:
+        """A digest of every parameter (name, dtype, shape, bytes): equal weights, equal
+        checksums, on any worker."""
+        ...
+
+    def state_dict(self) -> Mapping[str, Any]:
+        """The served weights by name (a view, not a copy)."""
+        ...
+
+    async def init_transport(self, **kwargs: Any) -> None:
+        """Join a weight-broadcast group (collective transport)."""
+        ...
+
+    async def sleep(self, level: int) -> None:
+        """Release memory: 1 = weights offloaded and caches dropped, 2 = everything."""
+        ...
+
+    async def wake(self, tags: tuple[str, ...] = ()) -> None:
+        """Undo `sleep` for `tags` ("weights", "kv_cache"; all if empty)."""
+        ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes (their KV was computed with older weights)."""
+        ...
+
+    def describe(self) -> dict[str, str]:
+        """Facts for operators: model, version, device, dtype, counts."""
+        ...
+
+
+__all__ = ["Engine", "PauseMode", "RequestRejected", "WeightLoadError"]

@@ -1,0 +1,61 @@
+"""One sample being generated, and the result it becomes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfabric.schemas import RolloutRequest, RolloutResult, Timings, TopLogprobs, VersionSpan
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: RolloutRequest
+    sample_index: int
+    prompt: list[int]
+    generator: Any
+    sink: Any  # anyio MemoryObjectSendStream of the request's results
+    stop_ids: frozenset[int]
+    worker_id: str = ""
+    cancelled: bool = False
+    t_admitted: float = field(default_factory=time.monotonic)
+    t_started: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_lps: list[list[float]] = field(default_factory=list)
+    spans: list[list[int]] = field(default_factory=list)  # [version, start, end]
+    finish: str | None = None
+
+    def append(self, token: int, logprob: float, version: int) -> None:
+        if self.spans and self.spans[-1][0] == version:
+            self.spans[-1][2] += 1
+        else:
+            self.spans.append([version, len(self.tokens), len(self.tokens) + 1])
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+
+    def result(self, worker_id: str) -> RolloutResult:
+        sp = self.request.sampling
+        top = None
+        if sp.logprobs > 0:
+            flat_ids = [i for row in self.top_ids for i in row]
+            flat_lps = [v for row in self.top_lps for v in row]
+            top = TopLogprobs(k=sp.logprobs, ids=flat_ids, logprobs=flat_lps)
+        now = time.monotonic()
+        started = self.t_started or now
+        return RolloutResult(
+            request_id=self.request.request_id,
+            sample_index=self.sample_index,
+            worker_id=worker_id,
+            completion_token_ids=self.tokens,
+            logprobs=self.logprobs,
+            finish_reason=self.finish or "abort",  # type: ignore[arg-type]
+            version_spans=tuple(VersionSpan(version=v, start=s, end=e) for v, s, e in self.spans),
+            top_logprobs=top,
+            group_id=self.request.group_id,
+            prompt_len=len(self.prompt),
+            timings=Timings(queued_s=started - self.t_admitted, generate_s=now - started,
+                            total_s=now - self.t_admitted),
+        )

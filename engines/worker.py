@@ -1,0 +1,330 @@
+"""The worker runtime: one engine on the bus.
+
+Start order (each step is live before the next):
+1. the control receiver (so any command sent to a snapshot containing us reaches us);
+2. the desired state: a worker never serves before it holds the fleet's weight version
+   (loading it needs a pull transport; see `WeightSync`);
+3. membership (ping responder + heartbeated key);
+4. the rollout loop: pull from the shared durable consumer, only up to free capacity and
+   nothing while paused; publish each result (PubAck) before acking its request; in-progress
+   acks while generating; bad requests answered with a typed `RolloutError`.
+
+`drain()` (SIGTERM) stops fetching, lets in-flight requests finish, then leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import msgspec
+import nats.errors
+from anyio.abc import TaskStatus
+from nats.aio.msg import Msg
+
+from rlfabric.bus import (
+    AckFields,
+    Bus,
+    CommandContext,
+    CommandFailed,
+    CommandReceiver,
+    Registration,
+    new_worker_info,
+)
+from rlfabric.bus.subjects import check_token
+from rlfabric.engines.protocol import Engine, RequestRejected
+from rlfabric.schemas import (
+    Command,
+    Describe,
+    ErrorEvent,
+    Pause,
+    ResetPrefixCache,
+    Resume,
+    RolloutError,
+    RolloutRequest,
+    SchemaError,
+    Shutdown,
+    Sleep,
+    StateEvent,
+    Wake,
+    codec_for,
+    encode,
+)
+
+log = logging.getLogger("rlfabric.worker")
+
+CLIENT_ID_HEADER = "rlf-client-id"
+REQUEST_ID_HEADER = "rlf-request-id"
+
+#: extra command handlers (e.g. weight updates), by command type
+ExtraHandler = Callable[[Any, CommandContext], Awaitable[AckFields | None]]
+
+
+class Worker:
+    def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, capacity: int = 32,
+                 extra_handlers: dict[type, ExtraHandler] | None = None,
+                 on_join: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.worker_id = check_token(worker_id, "worker id")
+        self.capacity = capacity
+        self.in_flight = 0
+        self.served = 0
+        self.paused = False
+        self._serving = anyio.Event()
+        self._serving.set()
+        self._slot = anyio.Event()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._draining = False
+        self._behind = 0.0  # until then, fetch nothing: requests need a newer version
+        self._stop = anyio.Event()
+        self._on_join = on_join
+        self._extra = extra_handlers or {}
+        self._req_codec = codec_for(RolloutRequest)
+        self.receiver = CommandReceiver(bus, self.worker_id, self._handle_command,
+                                        state=lambda: (engine.version, self._checksum()))
+        self.reg = Registration(bus, new_worker_info(self.worker_id, engine=engine.name,
+                                                     model=engine.model, capacity=capacity))
+        self._checksum_cache: tuple[int, str] | None = None
+        self.ack_wait = bus.limits.rollout_ack_wait
+
+    def _checksum(self) -> str:
+        v = self.engine.version
+        if self._checksum_cache is None or self._checksum_cache[0] != v:
+            self._checksum_cache = (v, self.engine.weights_checksum())
+        return self._checksum_cache[1]
+
+    def invalidate_checksum(self) -> None:
+        self._checksum_cache = None
+
+    # ---- lifecycle ----
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.receiver.run)
+            if self._on_join is not None:
+                await self._on_join()
+            self.reg.update(weight_version=self.engine.version)
+            await tg.start(self.reg.run)
+            info = await self.bus.js.consumer_info(self.bus.subjects.rollout_stream,
+                                                   self.bus.subjects.rollout_consumer)
+            self.ack_wait = info.config.ack_wait or self.ack_wait
+            await tg.start(self._rollout_loop, tg)
+            await self._set_state("paused" if self.paused else "ready")
+            task_status.started()
+            await self._stop.wait()
+            tg.cancel_scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await self.receiver.close()
+
+    async def drain(self, grace: float = 120.0) -> None:
+        """Stop fetching, finish in-flight requests (at most `grace` seconds), then stop."""
+        self._draining = True
+        await self._set_state("draining")
+        with anyio.move_on_after(grace):
+            while self.in_flight:
+                idle = self._idle
+                await idle.wait()
+        self._stop.set()
+
+    async def _set_state(self, state: str) -> None:
+        self.reg.update(state=state, in_flight=self.in_flight,
+                        weight_version=self.engine.version)
+        try:
+            await self.reg.flush()
+            await self.bus.emit(StateEvent(source=self.worker_id, state=state,
+                                           weight_version=self.engine.version, at=time.time()))
+        except Exception as exc:  # the next heartbeat carries it
+            log.debug("state %s not published yet: %s", state, exc)
+
+    # ---- rollouts ----
+    async def _rollout_loop(self, tg: anyio.abc.TaskGroup, *,
+                            task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        s = self.bus.subjects
+        psub = await self.bus.js.pull_subscribe_bind(durable=s.rollout_consumer,
+                                                     stream=s.rollout_stream)
+        task_status.started()
+        try:
+            while not self._draining:
+                if self.paused:
+                    serving = self._serving
+                    await serving.wait()
+                    continue
+                if self._behind > time.monotonic():
+                    await anyio.sleep(self._behind - time.monotonic())
+                    continue
+                free = self.capacity - self.in_flight
+                if free <= 0:
+                    slot = self._slot
+                    await slot.wait()
+                    continue
+                try:
+                    msgs = await psub.fetch(free, timeout=1.0)
+                except TimeoutError:  # nothing queued (nats-py raises both kinds)
+                    continue
+                except nats.errors.Error as exc:  # a reconnect, a server restart: retry
+                    log.warning("%s: fetching rollout requests failed (%s); retrying",
+                                self.worker_id, exc)
+                    await anyio.sleep(0.5)
+                    continue
+                if msgs:
+                    tg.start_soon(self._publish_load, len(msgs))
+                for msg in msgs:
+                    if self.paused or self._draining:
+                        await msg.nak()  # fetched as a pause landed: back to the stream
+                        continue
+                    self.in_flight += 1
+                    self.reg.update(in_flight=self.in_flight)
+                    self._idle = anyio.Event()
+                    tg.start_soon(self._serve, msg)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await psub.unsubscribe()
+                except Exception:
+                    pass
+
+    async def _publish_load(self, fetched: int) -> None:
+        """Tell the fleet at once that we took work (heartbeats carry it later anyway)."""
+        try:
+            await self.reg.flush()
+        except Exception as exc:
+            log.debug("in-flight count not published: %s", exc)
+
+    def _done_one(self) -> None:
+        self.in_flight -= 1
+        self.reg.update(in_flight=self.in_flight)
+        self._slot.set()
+        self._slot = anyio.Event()
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def _reply_error(self, msg: Msg, req: RolloutRequest | None, code: str, message: str,
+                           *, retryable: bool = False) -> None:
+        hdrs = msg.headers or {}
+        client_id = req.client_id if req else hdrs.get(CLIENT_ID_HEADER, "")
+        request_id = req.request_id if req else hdrs.get(REQUEST_ID_HEADER, "")
+        await self.bus.emit(ErrorEvent(source=self.worker_id, code=code, message=message,
+                                       subject=msg.subject, at=time.time()))
+        if not client_id or not request_id:
+            return
+        err = RolloutError(request_id=request_id, worker_id=self.worker_id, code=code,
+                           message=message, group_id=req.group_id if req else "",
+                           retryable=retryable)
+        try:
+            await self.bus.js.publish(self.bus.subjects.rollout_result(client_id), encode(err),
+                                      headers=self.bus.headers({"Nats-Msg-Id":
+                                                                f"{request_id}/error"}))
+        except Exception as exc:
+            log.warning("could not answer %s with %s: %s", request_id, code, exc)
+
+    async def _serve(self, msg: Msg) -> None:
+        try:
+            await self._serve_one(msg)
+        except Exception as exc:  # never let one request take the worker down
+            log.exception("request on %s failed", msg.subject)
+            await self._reply_error(msg, None, "engine_error", f"{type(exc).__name__}: {exc}",
+                                    retryable=True)
+            await msg.ack()
+        finally:
+            self._done_one()
+
+    async def _serve_one(self, msg: Msg) -> None:
+        try:
+            req = self._req_codec.decode(msg.data, msg.headers, subject=msg.subject)
+        except SchemaError as exc:
+            await self._reply_error(msg, None, "malformed", str(exc))
+            await msg.term()
+            return
+        try:
+            check_token(req.client_id, "client id")
+        except ValueError:
+            await self._reply_error(msg, req, "bad_request", "request has no usable client_id")
+            await msg.term()
+            return
+        if req.min_weight_version > self.engine.version:
+            # not servable with our weights yet: back to the stream, and fetch more slowly
+            # until our version moves, so the request waits rather than bounces
+            await msg.nak(delay=0.5)
+            self._behind = time.monotonic() + 0.5
+            return
+        if req.deadline and time.time() > req.deadline:
+            await self._reply_error(msg, req, "deadline_exceeded",
+                                    f"request {req.request_id} expired before a worker took it")
+            await msg.ack()
+            return
+        try:
+            self.engine.check(req)
+        except RequestRejected as exc:
+            await self._reply_error(msg, req, exc.code, str(exc))
+            await msg.ack()
+            return
+        subject = self.bus.subjects.rollout_result(req.client_id)
+        attempt = msg.metadata.num_delivered if msg.metadata else 1
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._keep_alive, msg)
+            async for res in self.engine.generate(req, worker_id=self.worker_id):
+                if attempt > 1:
+                    res = msgspec.structs.replace(res, attempt=attempt)
+                await self.bus.js.publish(
+                    subject, encode(res),
+                    headers=self.bus.headers({"Nats-Msg-Id":
+                                              f"{req.request_id}/{res.sample_index}"}))
+            tg.cancel_scope.cancel()
+        await msg.ack()
+        self.served += 1
+
+    async def _keep_alive(self, msg: Msg) -> None:
+        while True:
+            await anyio.sleep(self.ack_wait / 3)
+            await msg.in_progress()
+
+    # ---- commands ----
+    async def _handle_command(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
+        if isinstance(cmd, Pause):
+            self.paused = True
+            self._serving = anyio.Event()
+            await self._set_state("paused")
+            await self.engine.pause(cmd.mode)
+            if cmd.mode != "keep":
+                while self.in_flight:
+                    idle = self._idle
+                    await idle.wait()
+            return None
+        if isinstance(cmd, Resume):
+            await self.engine.resume()
+            self.paused = False
+            self._serving.set()
+            await self._set_state("ready")
+            return None
+        if isinstance(cmd, Describe):
+            d = self.engine.describe()
+            d.update(in_flight=str(self.in_flight), served=str(self.served),
+                     paused=str(self.paused), applied_seq=str(self.receiver.applied_seq))
+            return AckFields(detail=d)
+        if isinstance(cmd, ResetPrefixCache):
+            await self.engine.reset_prefix_cache()
+            return None
+        if isinstance(cmd, Sleep):
+            self.paused = True
+            self._serving = anyio.Event()
+            await self.engine.sleep(cmd.level)
+            await self._set_state("sleeping")
+            return None
+        if isinstance(cmd, Wake):
+            await self.engine.wake(cmd.tags)
+            self.paused = False
+            self._serving.set()
+            await self._set_state("ready")
+            return None
+        if isinstance(cmd, Shutdown):
+            self.bus.tg.start_soon(self.drain)
+            return None
+        handler = self._extra.get(type(cmd))
+        if handler is None:
+            raise CommandFailed("unsupported", f"{type(cmd).__name__} is not supported by "
+                                f"this worker ({self.engine.name} engine)")
+        return await handler(cmd, ctx)

@@ -1,0 +1,185 @@
+"""Workers as processes on a real nats-server, serving the torch engine (tiny model)."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from rlfabric.schemas import RolloutError, RolloutRequest, RolloutResult, SamplingParams
+from rlfabric.schemas.models import build_model
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio]
+
+
+def req(rid: str, prompt: list[int], **sampling) -> RolloutRequest:
+    # min_weight_version=-1: serve the workers' initial weights (no trainer push in these tests)
+    return RolloutRequest(request_id=rid, prompt_token_ids=prompt, min_weight_version=-1,
+                          sampling=SamplingParams(**sampling))
+
+
+async def collect(fabric, requests, timeout: float = 120.0) -> list:
+    return [r async for r in fabric.generate(requests, timeout=timeout)]
+
+
+async def test_logprobs_match_the_models_own_forward_pass(client, workers) -> None:
+    workers(["p0"])
+    model = build_model("tiny")  # the same seeded init the worker built
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        reqs = [req(f"r{i}", [256, *range(i + 1, i + 4 + i % 5)], max_tokens=24, n=2,
+                    seed=i, temperature=1.0, logprobs=3) for i in range(10)]
+        out = await collect(fabric, reqs)
+    assert len(out) == 20 and all(isinstance(r, RolloutResult) for r in out)
+    by_id = {r.request_id: r for r in reqs}
+    worst = 0.0
+    for res in out:
+        prompt = by_id[res.request_id].prompt_token_ids.tolist()
+        comp = res.completion_token_ids.tolist()
+        assert len(comp) == len(res.logprobs) > 0
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt + comp])).logits.float(), -1)[0]
+        ref = logp[len(prompt) - 1: len(prompt) - 1 + len(comp)]
+        ref_taken = ref.gather(1, torch.tensor(comp)[:, None])[:, 0].numpy()
+        worst = max(worst, float(np.abs(ref_taken - res.logprobs.numpy()).max()))
+        # top-k alternatives are the model's top-k too
+        top = res.top_logprobs
+        assert top is not None and top.k == 3
+        assert top.ids.numpy().reshape(-1, 3)[0].tolist() == torch.topk(ref[0], 3).indices.tolist()
+        assert res.version_spans[0].start == 0 and res.version_spans[-1].end == len(comp)
+    assert worst <= 1e-4, worst
+
+
+async def test_same_seed_same_tokens_other_seed_differs(client, workers) -> None:
+    workers(["s0", "s1"])
+    async with client() as fabric:
+        await fabric.wait_for_workers(2, timeout=60)
+        prompt = [256, 10, 20, 30]
+        reqs = [req(f"a{i}", prompt, max_tokens=32, seed=1234) for i in range(4)]
+        reqs += [req("b", prompt, max_tokens=32, seed=99)]
+        out = {r.request_id: r.completion_token_ids.tolist() for r in await collect(fabric, reqs)}
+    assert out["a0"] == out["a1"] == out["a2"] == out["a3"]
+    assert out["b"] != out["a0"]
+
+
+async def test_300_requests_over_3_workers_once_each_and_spread(client, workers) -> None:
+    ids = ["q0", "q1", "q2"]
+    workers(ids, "--capacity", "8")
+    async with client() as fabric:
+        await fabric.wait_for_workers(3, timeout=60)
+        reqs = [req(f"r{i:03d}", [256, i % 200, 7], max_tokens=8, seed=i) for i in range(300)]
+        out = await collect(fabric, reqs)
+    assert all(isinstance(r, RolloutResult) for r in out)
+    keys = Counter((r.request_id, r.sample_index) for r in out)
+    assert len(out) == 300 and set(keys.values()) == {1}
+    assert {k[0] for k in keys} == {r.request_id for r in reqs}
+    share = Counter(r.worker_id for r in out)
+    assert set(share) == set(ids)
+    assert min(share.values()) >= 60, share  # every worker served at least 20%
+
+
+async def test_sigkilled_worker_mid_generation_loses_nothing(client, workers, nats_url) -> None:
+    procs = dict(zip(["k0", "k1", "k2"], workers(["k0", "k1", "k2"], "--capacity", "6"),
+                     strict=True))
+    async with client(rollout_ack_wait=2.0) as fabric:
+        await fabric.wait_for_workers(3, timeout=60)
+        reqs = [req(f"r{i:03d}", [256, i % 200], max_tokens=64, seed=i, n=2)
+                for i in range(24)]
+        out: list = []
+
+        async def consume() -> None:
+            out.extend([r async for r in fabric.generate(reqs, timeout=180)])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            # k2 announces what it fetched before it starts generating: kill it then
+            await fabric.watcher.wait_until(
+                lambda s: any(m.worker_id == "k2" and m.in_flight > 0 for m in s.members),
+                timeout=60)
+            procs["k2"].send_signal(signal.SIGKILL)
+            killed = True
+        info = await fabric.bus.js.consumer_info(fabric.bus.subjects.rollout_stream,
+                                                 fabric.bus.subjects.rollout_consumer)
+    assert killed
+    assert all(isinstance(r, RolloutResult) for r in out), [r for r in out
+                                                            if isinstance(r, RolloutError)]
+    keys = Counter((r.request_id, r.sample_index) for r in out)
+    assert len(keys) == 48 and set(keys.values()) == {1}  # none lost, none twice
+    redelivered = [r for r in out if r.attempt > 1]
+    assert redelivered, "k2 was killed with nothing in flight: the test proved nothing"
+    assert all(r.worker_id in ("k0", "k1") for r in redelivered)  # the survivors served them
+    assert info.num_pending == 0  # nothing left unserved in the stream
+
+
+async def test_bad_requests_get_typed_errors_and_the_worker_goes_on(client, workers) -> None:
+    workers(["b0"])
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        bad = [
+            req("vocab", [256, 5000], max_tokens=4),
+            req("negative", [256, -1], max_tokens=4),
+            req("zero-tokens", [256, 1], max_tokens=0),
+            req("too-long", [256] * 600, max_tokens=4),
+            req("no-samples", [256, 1], max_tokens=4, n=0),
+            req("empty", [], max_tokens=4),
+        ]
+        out = {r.request_id: r for r in await collect(fabric, [b for b in bad if b.sampling.n])}
+        out.update({r.request_id: r async for r in fabric.generate([bad[4]], timeout=30)})
+        good = await collect(fabric, [req("good", [256, 1, 2], max_tokens=5, seed=1)])
+    assert all(isinstance(r, RolloutError) and r.worker_id == "b0" for r in out.values())
+    assert out["vocab"].code == "bad_request" and "5000" in out["vocab"].message
+    assert out["negative"].code == "bad_request"
+    assert out["zero-tokens"].code == "bad_request" and "max_tokens" in out["zero-tokens"].message
+    assert out["too-long"].code == "prompt_too_long"
+    assert out["empty"].code == "bad_request"
+    assert [type(g).__name__ for g in good] == ["RolloutResult"]
+    assert good[0].worker_id == "b0" and len(good[0].completion_token_ids) == 5
+
+
+async def test_paused_worker_takes_nothing_until_resume(client, workers) -> None:
+    workers(["z0"])
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        rep = await fabric.pause(mode="wait")
+        assert rep.ok == ("z0",)
+        reqs = [req(f"r{i}", [256, i], max_tokens=4, seed=i) for i in range(20)]
+        gen = fabric.generate(reqs, timeout=60)
+        first = None
+        with anyio.move_on_after(1.5):  # a bounded look for something that must not happen
+            first = await gen.__anext__()
+        assert first is None
+        stream = await fabric.bus.js.stream_info(fabric.bus.subjects.rollout_stream)
+        assert stream.state.messages == 20  # all still in the stream: none was served
+        desc = (await fabric.describe()).acks["z0"].detail
+        assert desc["in_flight"] == "0" and desc["served"] == "0"
+        snap = await fabric.snapshot()
+        assert snap.members[0].state == "paused"
+        assert (await fabric.resume()).ok == ("z0",)
+        rest = [r async for r in gen]
+    assert len(rest) == 20 and all(isinstance(r, RolloutResult) for r in rest)
+
+
+async def test_sigterm_finishes_in_flight_work_leaves_and_exits_0(client, workers) -> None:
+    (proc,) = workers(["t0"], "--capacity", "4")
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        reqs = [req(f"r{i}", [256, i], max_tokens=48, seed=i) for i in range(4)]
+        out: list = []
+
+        async def consume() -> None:
+            out.extend([r async for r in fabric.generate(reqs, timeout=60)])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await fabric.watcher.wait_until(
+                lambda s: any(m.in_flight > 0 for m in s.members), timeout=30)
+            proc.send_signal(signal.SIGTERM)
+        snap = await fabric.watcher.wait_until(lambda s: s.worker_ids == (), timeout=30)
+    assert proc.wait(timeout=30) == 0
+    assert len(out) == 4 and all(isinstance(r, RolloutResult) for r in out)
+    assert all(r.finish_reason in ("length", "stop") for r in out)  # finished, not cut off
+    assert snap.members == ()
