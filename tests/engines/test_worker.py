@@ -147,20 +147,27 @@ async def test_paused_worker_takes_nothing_until_resume(client, workers) -> None
         rep = await fabric.pause(mode="wait")
         assert rep.ok == ("z0",)
         reqs = [req(f"r{i}", [256, i], max_tokens=4, seed=i) for i in range(20)]
-        gen = fabric.generate(reqs, timeout=60)
-        first = None
-        with anyio.move_on_after(1.5):  # a bounded look for something that must not happen
-            first = await gen.__anext__()
-        assert first is None
-        stream = await fabric.bus.js.stream_info(fabric.bus.subjects.rollout_stream)
-        assert stream.state.messages == 20  # all still in the stream: none was served
-        desc = (await fabric.describe()).acks["z0"].detail
-        assert desc["in_flight"] == "0" and desc["served"] == "0"
-        snap = await fabric.snapshot()
-        assert snap.members[0].state == "paused"
-        assert (await fabric.resume()).ok == ("z0",)
-        rest = [r async for r in gen]
-    assert len(rest) == 20 and all(isinstance(r, RolloutResult) for r in rest)
+        out: list = []
+        got_one = anyio.Event()
+
+        async def consume() -> None:
+            async for r in fabric.generate(reqs, timeout=60):
+                out.append(r)
+                got_one.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            with anyio.move_on_after(1.5):  # a bounded look for what must not happen
+                await got_one.wait()
+            assert out == []
+            stream = await fabric.bus.js.stream_info(fabric.bus.subjects.rollout_stream)
+            assert stream.state.messages == 20  # all still in the stream: none was served
+            desc = (await fabric.describe()).acks["z0"].detail
+            assert desc["in_flight"] == "0" and desc["served"] == "0"
+            snap = await fabric.snapshot()
+            assert snap.members[0].state == "paused"
+            assert (await fabric.resume()).ok == ("z0",)
+    assert len(out) == 20 and all(isinstance(r, RolloutResult) for r in out)
 
 
 async def test_sigterm_finishes_in_flight_work_leaves_and_exits_0(client, workers) -> None:
