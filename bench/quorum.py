@@ -1,6 +1,6 @@
 """Broadcast -> all acks latency through rlfabric's quorum path, for N simulated workers.
 
-    python bench/quorum.py [--sizes 1,8,32] [--rounds 200] [--processes 2] [--json]
+    rlfabric bench quorum [--sizes 1,8,32] [--rounds 200] [--processes 2] [--json]
 
 An embedded nats-server, N simulated workers (membership + ordered command receiver, no engine)
 spread over `--processes` processes, and one trainer-side Broadcaster sending Pause/Resume
@@ -18,13 +18,9 @@ import time
 
 import anyio
 
+from rlfabric.bench._util import pct
 from rlfabric.bus import Broadcaster, Bus, EmbeddedNats, MembershipWatcher, QuorumPolicy, new_cmd_id
 from rlfabric.schemas import Pause, Resume
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def measure(url: str, prefix: str, n: int, rounds: int, processes: int) -> dict:
@@ -61,7 +57,7 @@ async def measure(url: str, prefix: str, n: int, rounds: int, processes: int) ->
             "p50_ms": pct(ms, 0.5), "p99_ms": pct(ms, 0.99), "mean_ms": statistics.fmean(ms)}
 
 
-async def main(args: argparse.Namespace) -> None:
+async def _main(args: argparse.Namespace) -> None:
     rows = []
     async with EmbeddedNats() as nats:
         for n in [int(x) for x in args.sizes.split(",")]:
@@ -75,11 +71,13 @@ async def main(args: argparse.Namespace) -> None:
               f"{r['p99_ms']:>8.2f} {r['mean_ms']:>8.2f}")
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1,8,32")
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--json", action="store_true")
-    anyio.run(main, p.parse_args())
+
+
+def main(args: argparse.Namespace) -> int:
+    anyio.run(_main, args)
+    return 0

@@ -55,6 +55,8 @@ class Registration:
         self.info = info
         # NOTE: from the bucket's real TTL, not our Limits: another process may have created it.
         self.heartbeat = heartbeat or max(0.1, bus.buckets.member_ttl / 4)
+        #: called before each write to bring live fields (in-flight, version) up to date
+        self.refresh: Callable[[WorkerInfo], WorkerInfo] | None = None
 
     @property
     def worker_id(self) -> str:
@@ -66,11 +68,13 @@ class Registration:
         return self.info
 
     async def flush(self) -> None:
-        self.info = msgspec.structs.replace(self.info, heartbeat_at=time.time())
+        info = self.refresh(self.info) if self.refresh else self.info
+        self.info = msgspec.structs.replace(info, heartbeat_at=time.time())
         await self.bus.buckets.members.put(self.worker_id, encode(self.info))
 
     async def _on_ping(self, msg: Msg) -> None:
-        await msg.respond(encode(self.info))
+        info = self.refresh(self.info) if self.refresh else self.info
+        await msg.respond(encode(info))
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         sub = await self.bus.nc.subscribe(self.bus.subjects.ping(self.worker_id), cb=self._on_ping)

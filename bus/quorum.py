@@ -29,6 +29,7 @@ from nats.js.errors import BadRequestError
 from rlfabric.bus.errors import BusError, MembershipChanged, QuorumNotReached
 from rlfabric.bus.membership import MembershipWatcher, fingerprint
 from rlfabric.bus.session import Bus
+from rlfabric.bus.sync import wait_any
 from rlfabric.schemas import (
     Ack,
     Command,
@@ -205,7 +206,7 @@ class Fanout:
                 raise QuorumNotReached(
                     self._why(op, phase, rep, needed, f"timed out after {policy.timeout}s"), rep
                 )
-            await _wait_any(news, changed, timeout=remaining)
+            await wait_any(news, changed, timeout=remaining)
 
     @staticmethod
     def policy_needed(policy: QuorumPolicy, n: int) -> int:
@@ -230,19 +231,6 @@ class Fanout:
             parts.append("no workers were members when it was sent (start some with "
                          "`rlfabric worker`)")
         return "; ".join(parts)
-
-
-async def _wait_any(*events: anyio.Event, timeout: float) -> None:
-    """Return when any of `events` is set or after `timeout` seconds."""
-
-    async def _one(ev: anyio.Event, scope: anyio.CancelScope) -> None:
-        await ev.wait()
-        scope.cancel()
-
-    with anyio.move_on_after(timeout):
-        async with anyio.create_task_group() as tg:
-            for ev in events:
-                tg.start_soon(_one, ev, tg.cancel_scope)
 
 
 class Broadcaster:

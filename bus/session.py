@@ -21,7 +21,7 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
-from opentelemetry import propagate
+from opentelemetry import propagate, trace
 
 from rlfabric.bus.connect import ConnectOptions, connect
 from rlfabric.bus.errors import BusError
@@ -84,9 +84,11 @@ class Bus:
 
     # ---- publishing ----
     def headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """`rlf-schema`, the current trace context (`traceparent`), and `extra`."""
+        """`rlf-schema`, the current trace context (`traceparent`, when a span is active), and
+        `extra`."""
         out = schema_headers(extra)
-        propagate.inject(out)
+        if trace.get_current_span().get_span_context().is_valid:
+            propagate.inject(out)
         return out
 
     async def publish(self, subject: str, msg: Any, *, extra: Mapping[str, str] | None = None,

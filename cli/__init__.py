@@ -7,7 +7,7 @@ import logging
 import sys
 
 from rlfabric import __version__
-from rlfabric.cli import nats_cmd, schema_cmd, status_cmd, worker_cmd
+from rlfabric.cli import bench_cmd, nats_cmd, schema_cmd, status_cmd, worker_cmd
 
 _EPILOG = """\
 examples:
@@ -15,6 +15,7 @@ examples:
   rlfabric worker --nats nats://127.0.0.1:4222 --engine torch --model tiny
   rlfabric status --nats nats://127.0.0.1:4222    members, versions, queue depths
   rlfabric schema > rlfabric-schema.json          JSON Schema of every wire message
+  rlfabric bench rollout                          rlfabric vs aiohttp vs in-process
 """
 
 
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rlfabric {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for mod in (nats_cmd, worker_cmd, status_cmd, schema_cmd):
+    for mod in (nats_cmd, worker_cmd, status_cmd, schema_cmd, bench_cmd):
         mod.add_parser(sub)
     return p
 

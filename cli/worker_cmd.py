@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity", type=int, default=32,
                    help="requests in flight at most (default %(default)s)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (default: torch's own choice; set it when several "
+                   "workers share a machine)")
     p.add_argument("--max-batch", type=int, default=64,
                    help="sequences decoded together by the torch engine (default %(default)s)")
     p.set_defaults(func=run)
@@ -48,6 +51,10 @@ async def serve(args: argparse.Namespace) -> None:
     from rlfabric.engines import make_engine
     from rlfabric.engines.worker import Worker
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     kwargs = {"device": args.device, "max_batch": args.max_batch} if args.engine == "torch" else {}
     engine = make_engine(args.engine, args.model, **kwargs)
     worker_id = args.worker_id or default_worker_id()

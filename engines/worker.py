@@ -23,6 +23,7 @@ import anyio
 import msgspec
 import nats.errors
 from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream
 from nats.aio.msg import Msg
 
 from rlfabric.bus import (
@@ -34,7 +35,9 @@ from rlfabric.bus import (
     Registration,
     new_worker_info,
 )
+from rlfabric.bus.pull import Puller
 from rlfabric.bus.subjects import check_token
+from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.engines.protocol import Engine, RequestRejected
 from rlfabric.schemas import (
     Command,
@@ -50,6 +53,7 @@ from rlfabric.schemas import (
     Sleep,
     StateEvent,
     Wake,
+    WorkerInfo,
     codec_for,
     encode,
 )
@@ -81,6 +85,7 @@ class Worker:
         self._idle.set()
         self._draining = False
         self._behind = 0.0  # until then, fetch nothing: requests need a newer version
+        self._poke = Signal()  # pause, resume, drain: the rollout loop re-checks
         self._stop = anyio.Event()
         self._on_join = on_join
         self._extra = extra_handlers or {}
@@ -89,8 +94,11 @@ class Worker:
                                         state=lambda: (engine.version, self._checksum()))
         self.reg = Registration(bus, new_worker_info(self.worker_id, engine=engine.name,
                                                      model=engine.model, capacity=capacity))
+        self.reg.refresh = self._refresh_info
         self._checksum_cache: tuple[int, str] | None = None
         self.ack_wait = bus.limits.rollout_ack_wait
+        self._working: dict[int, tuple[Msg, float]] = {}
+        self._result_subjects: dict[str, str] = {}
 
     def _checksum(self) -> str:
         v = self.engine.version
@@ -123,6 +131,7 @@ class Worker:
     async def drain(self, grace: float = 120.0) -> None:
         """Stop fetching, finish in-flight requests (at most `grace` seconds), then stop."""
         self._draining = True
+        self._poke.fire()
         await self._set_state("draining")
         with anyio.move_on_after(grace):
             while self.in_flight:
@@ -131,8 +140,7 @@ class Worker:
         self._stop.set()
 
     async def _set_state(self, state: str) -> None:
-        self.reg.update(state=state, in_flight=self.in_flight,
-                        weight_version=self.engine.version)
+        self.reg.update(state=state)
         try:
             await self.reg.flush()
             await self.bus.emit(StateEvent(source=self.worker_id, state=state,
@@ -143,11 +151,29 @@ class Worker:
     # ---- rollouts ----
     async def _rollout_loop(self, tg: anyio.abc.TaskGroup, *,
                             task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Keep pull requests out for exactly our free capacity; `capacity` serving lanes take
+        the messages (no task per request), one sweeper keeps long ones alive."""
         s = self.bus.subjects
-        psub = await self.bus.js.pull_subscribe_bind(durable=s.rollout_consumer,
-                                                     stream=s.rollout_stream)
+        send, recv = anyio.create_memory_object_stream[Msg](self.capacity)
+
+        async def on_message(msg: Msg) -> None:
+            if self.paused or self._draining:
+                await msg.nak(delay=0.5)  # landed as a pause did: back to the stream
+                return
+            self.in_flight += 1
+            self._idle = anyio.Event()
+            if self.in_flight == 1 or self.in_flight == self.capacity:
+                tg.start_soon(self._publish_load)
+            send.send_nowait(msg)
+
+        for _ in range(self.capacity):
+            tg.start_soon(self._lane, recv.clone())
+        recv.close()
+        tg.start_soon(self._keep_alive)
+        puller = Puller(self.bus, s.rollout_stream, s.rollout_consumer, on_message)
+        await tg.start(puller.run)
         task_status.started()
-        try:
+        with send:
             while not self._draining:
                 if self.paused:
                     serving = self._serving
@@ -156,51 +182,55 @@ class Worker:
                 if self._behind > time.monotonic():
                     await anyio.sleep(self._behind - time.monotonic())
                     continue
-                free = self.capacity - self.in_flight
-                if free <= 0:
-                    slot = self._slot
-                    await slot.wait()
-                    continue
+                slot, kicked, poke = self._slot, puller.kicked(), self._poke.event()
                 try:
-                    msgs = await psub.fetch(free, timeout=1.0)
-                except TimeoutError:  # nothing queued (nats-py raises both kinds)
-                    continue
-                except nats.errors.Error as exc:  # a reconnect, a server restart: retry
-                    log.warning("%s: fetching rollout requests failed (%s); retrying",
-                                self.worker_id, exc)
+                    await puller.want(self.capacity - self.in_flight)
+                except nats.errors.Error as exc:  # a reconnect: try again shortly
+                    log.warning("%s: pull request failed (%s); retrying", self.worker_id, exc)
                     await anyio.sleep(0.5)
                     continue
-                if msgs:
-                    tg.start_soon(self._publish_load, len(msgs))
-                for msg in msgs:
-                    if self.paused or self._draining:
-                        await msg.nak()  # fetched as a pause landed: back to the stream
-                        continue
-                    self.in_flight += 1
-                    self.reg.update(in_flight=self.in_flight)
-                    self._idle = anyio.Event()
-                    tg.start_soon(self._serve, msg)
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await psub.unsubscribe()
-                except Exception:
-                    pass
+                await wait_any(slot, kicked, poke)
 
-    async def _publish_load(self, fetched: int) -> None:
+    async def _publish_load(self) -> None:
         """Tell the fleet at once that we took work (heartbeats carry it later anyway)."""
         try:
             await self.reg.flush()
         except Exception as exc:
             log.debug("in-flight count not published: %s", exc)
 
-    def _done_one(self) -> None:
-        self.in_flight -= 1
-        self.reg.update(in_flight=self.in_flight)
-        self._slot.set()
-        self._slot = anyio.Event()
-        if self.in_flight == 0:
-            self._idle.set()
+    def _refresh_info(self, info: WorkerInfo) -> WorkerInfo:
+        if info.in_flight == self.in_flight and info.weight_version == self.engine.version:
+            return info
+        return msgspec.structs.replace(info, in_flight=self.in_flight,
+                                       weight_version=self.engine.version)
+
+    async def _lane(self, recv: MemoryObjectReceiveStream[Msg]) -> None:
+        async with recv:
+            async for msg in recv:
+                self._working[id(msg)] = (msg, time.monotonic())
+                try:
+                    await self._serve_one(msg)
+                except Exception as exc:  # never let one request take the worker down
+                    log.exception("request on %s failed", msg.subject)
+                    await self._reply_error(msg, None, "engine_error",
+                                            f"{type(exc).__name__}: {exc}", retryable=True)
+                    await msg.ack()
+                finally:
+                    del self._working[id(msg)]
+                    self.in_flight -= 1
+                    self._slot.set()
+                    self._slot = anyio.Event()
+                    if self.in_flight == 0:
+                        self._idle.set()
+
+    async def _keep_alive(self) -> None:
+        """In-progress acks for every request generating longer than a third of ack_wait."""
+        while True:
+            await anyio.sleep(self.ack_wait / 3)
+            cutoff = time.monotonic() - self.ack_wait / 3
+            for msg, t0 in list(self._working.values()):
+                if t0 < cutoff:
+                    await msg.in_progress()
 
     async def _reply_error(self, msg: Msg, req: RolloutRequest | None, code: str, message: str,
                            *, retryable: bool = False) -> None:
@@ -221,17 +251,6 @@ class Worker:
         except Exception as exc:
             log.warning("could not answer %s with %s: %s", request_id, code, exc)
 
-    async def _serve(self, msg: Msg) -> None:
-        try:
-            await self._serve_one(msg)
-        except Exception as exc:  # never let one request take the worker down
-            log.exception("request on %s failed", msg.subject)
-            await self._reply_error(msg, None, "engine_error", f"{type(exc).__name__}: {exc}",
-                                    retryable=True)
-            await msg.ack()
-        finally:
-            self._done_one()
-
     async def _serve_one(self, msg: Msg) -> None:
         try:
             req = self._req_codec.decode(msg.data, msg.headers, subject=msg.subject)
@@ -239,12 +258,16 @@ class Worker:
             await self._reply_error(msg, None, "malformed", str(exc))
             await msg.term()
             return
-        try:
-            check_token(req.client_id, "client id")
-        except ValueError:
-            await self._reply_error(msg, req, "bad_request", "request has no usable client_id")
-            await msg.term()
-            return
+        subject = self._result_subjects.get(req.client_id)
+        if subject is None:
+            try:
+                subject = self.bus.subjects.rollout_result(req.client_id)
+            except ValueError:
+                await self._reply_error(msg, req, "bad_request", "request has no usable "
+                                        f"client_id ({req.client_id!r})")
+                await msg.term()
+                return
+            self._result_subjects[req.client_id] = subject
         if req.min_weight_version > self.engine.version:
             # not servable with our weights yet: back to the stream, and fetch more slowly
             # until our version moves, so the request waits rather than bounces
@@ -262,31 +285,22 @@ class Worker:
             await self._reply_error(msg, req, exc.code, str(exc))
             await msg.ack()
             return
-        subject = self.bus.subjects.rollout_result(req.client_id)
         attempt = msg.metadata.num_delivered if msg.metadata else 1
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._keep_alive, msg)
-            async for res in self.engine.generate(req, worker_id=self.worker_id):
-                if attempt > 1:
-                    res = msgspec.structs.replace(res, attempt=attempt)
-                await self.bus.js.publish(
-                    subject, encode(res),
-                    headers=self.bus.headers({"Nats-Msg-Id":
-                                              f"{req.request_id}/{res.sample_index}"}))
-            tg.cancel_scope.cancel()
+        async for res in self.engine.generate(req, worker_id=self.worker_id):
+            if attempt > 1:
+                res = msgspec.structs.replace(res, attempt=attempt)
+            await self.bus.js.publish(  # persisted (PubAck) before the request is acked
+                subject, encode(res),
+                headers=self.bus.headers({"Nats-Msg-Id": f"{req.request_id}/{res.sample_index}"}))
         await msg.ack()
         self.served += 1
-
-    async def _keep_alive(self, msg: Msg) -> None:
-        while True:
-            await anyio.sleep(self.ack_wait / 3)
-            await msg.in_progress()
 
     # ---- commands ----
     async def _handle_command(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
         if isinstance(cmd, Pause):
             self.paused = True
             self._serving = anyio.Event()
+            self._poke.fire()
             await self._set_state("paused")
             await self.engine.pause(cmd.mode)
             if cmd.mode != "keep":

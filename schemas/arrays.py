@@ -35,6 +35,9 @@ class _Packed:
                 )
             self._buf = buf
             return
+        if isinstance(values, np.ndarray) and values.dtype == self.dtype and values.ndim == 1:
+            self._buf = values.tobytes()  # the common case: already the wire type
+            return
         arr = np.asarray(values)
         if arr.ndim > 1:
             raise ValueError(f"{type(self).__name__} takes a 1-d sequence, got shape {arr.shape}")

@@ -1,0 +1,172 @@
+"""Rollout throughput and latency: rlfabric vs an aiohttp server vs a direct in-process call.
+
+For each engine (null: echoes the prompt; torch: the tiny model) and each fleet size, the same
+requests go through
+- `direct`: `engine.generate()` in this process (one engine: there is no fleet to spread over);
+- `http`: N `aiohttp` servers, one engine each, a client round-robining JSON POSTs (token ids
+  and logprobs as JSON lists, the way RL stacks call inference servers today);
+- `rlfabric`: N `rlfabric worker` processes on an embedded nats-server, `FabricClient.generate`.
+Every path runs `--concurrency` lanes, each sending one request at a time, so latency is one
+request's round trip and throughput is what the fleet sustains.
+
+    rlfabric bench rollout [--workers 1,4] [--engines null,torch] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from rlfabric.bench._util import children, free_port, pct, table
+from rlfabric.bus import EmbeddedNats
+from rlfabric.engines import make_engine
+from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
+from rlfabric.trainer import FabricClient
+
+WORKLOAD = {  # engine -> (requests, concurrency, max_tokens)
+    "null": (3000, 64, 16),
+    "torch": (384, 32, 16),
+}
+
+
+def threads(workers: int) -> int:
+    """torch threads per process: the machine's cores shared out, as an operator would."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def requests(n: int, max_tokens: int, tag: str) -> list[RolloutRequest]:
+    return [RolloutRequest(request_id=f"{tag}{i}", prompt_token_ids=[256, *range(1, 16)],
+                           min_weight_version=-1,
+                           sampling=SamplingParams(max_tokens=max_tokens, seed=i))
+            for i in range(n)]
+
+
+async def run_lanes(reqs: list[RolloutRequest], concurrency: int,
+                    one: Callable[[RolloutRequest], Awaitable[int]]) -> dict[str, float]:
+    it = iter(reqs)
+    lat: list[float] = []
+    tokens = 0
+
+    async def lane() -> None:
+        nonlocal tokens
+        for req in it:
+            t0 = time.perf_counter()
+            got = await one(req)  # NOTE: not `tokens += await ...`: that reads tokens first
+            lat.append(time.perf_counter() - t0)
+            tokens += got
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(concurrency):
+            tg.start_soon(lane)
+    elapsed = time.perf_counter() - t0
+    return {"results_s": len(lat) / elapsed, "tokens_s": tokens / elapsed,
+            "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
+
+
+async def bench_direct(engine_kind: str, n: int, conc: int, max_tokens: int) -> dict:
+    async with make_engine(engine_kind, "tiny") as engine:
+        async def one(req: RolloutRequest) -> int:
+            got = 0
+            async for res in engine.generate(req, worker_id="direct"):
+                got += len(res.completion_token_ids)
+            return got
+
+        await run_lanes(requests(50, max_tokens, "w"), conc, one)
+        return await run_lanes(requests(n, max_tokens, "r"), conc, one)
+
+
+async def bench_http(engine_kind: str, workers: int, n: int, conc: int, max_tokens: int) -> dict:
+    import aiohttp
+
+    ports = [free_port() for _ in range(workers)]
+    cmds = [["rlfabric.bench.http_server", "--engine", engine_kind, "--port", str(p),
+             "--threads", str(threads(workers))] for p in ports]
+    with children(cmds, ready="http server ready"):
+        urls = itertools.cycle([f"http://127.0.0.1:{p}/generate" for p in ports])
+        conn = aiohttp.TCPConnector(limit=conc * 2)
+        async with aiohttp.ClientSession(connector=conn) as session:
+            async def one(req: RolloutRequest) -> int:
+                sp = req.sampling
+                body = {"request_id": req.request_id,
+                        "prompt_token_ids": req.prompt_token_ids.tolist(),
+                        "sampling": {"max_tokens": sp.max_tokens, "seed": sp.seed}}
+                async with session.post(next(urls), json=body) as resp:
+                    out = await resp.json()
+                return sum(len(o["token_ids"]) for o in out)
+
+            await run_lanes(requests(50, max_tokens, "w"), conc, one)
+            return await run_lanes(requests(n, max_tokens, "r"), conc, one)
+
+
+async def bench_fabric(engine_kind: str, workers: int, n: int, conc: int,
+                       max_tokens: int) -> dict:
+    async with EmbeddedNats() as nats:
+        prefix = f"bench{engine_kind}{workers}"
+        cmds = [["rlfabric", "worker", "--nats", nats.url, "--prefix", prefix, "--engine",
+                 engine_kind, "--worker-id", f"w{i}", "--capacity", str(conc),
+                 "--threads", str(threads(workers))]
+                for i in range(workers)]
+        with children(cmds, ready="ready"):
+            async with FabricClient.connect(nats.url, prefix=prefix) as fabric:
+                await fabric.wait_for_workers(workers, timeout=120)
+
+                async def one(req: RolloutRequest) -> int:
+                    got = 0
+                    async for res in fabric.generate([req]):
+                        assert isinstance(res, RolloutResult), res
+                        got += len(res.completion_token_ids)
+                    return got
+
+                await run_lanes(requests(50, max_tokens, "w"), conc, one)
+                return await run_lanes(requests(n, max_tokens, "r"), conc, one)
+
+
+async def run(engines: list[str], sizes: list[int], scale: float) -> list[dict[str, Any]]:
+    rows = []
+    for eng in engines:
+        n, conc, max_tokens = WORKLOAD[eng]
+        n = max(conc, int(n * scale))
+        base = {"engine": eng, "requests": n, "concurrency": conc}
+        rows.append({**base, "path": "direct", "workers": 1,
+                     **await bench_direct(eng, n, conc, max_tokens)})
+        for k in sizes:
+            rows.append({**base, "path": "http", "workers": k,
+                         **await bench_http(eng, k, n, conc, max_tokens)})
+            rows.append({**base, "path": "rlfabric", "workers": k,
+                         **await bench_fabric(eng, k, n, conc, max_tokens)})
+    http = {(r["engine"], r["workers"]): r["results_s"] for r in rows if r["path"] == "http"}
+    for r in rows:
+        ref = http.get((r["engine"], r["workers"]))
+        r["vs_http"] = r["results_s"] / ref if ref else float("nan")
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    engines = [e for e in args.engines.split(",") if e]
+    sizes = [int(x) for x in args.workers.split(",") if x]
+    rows = anyio.run(run, engines, sizes, args.scale)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(table(rows, [("engine", "engine", ""), ("path", "path", ""),
+                       ("workers", "workers", ""), ("requests", "requests", ""),
+                       ("concurrency", "lanes", ""), ("results_s", "results/s", ".0f"),
+                       ("tokens_s", "tokens/s", ".0f"), ("p50_ms", "p50 ms", ".2f"),
+                       ("p99_ms", "p99 ms", ".2f"), ("vs_http", "x http", ".2f")]))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", default="null,torch", help="comma-separated: null,torch")
+    p.add_argument("--workers", default="1,4", help="fleet sizes (default %(default)s)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply the request counts (e.g. 0.1 for a quick look)")
+    p.add_argument("--json", action="store_true")

@@ -1,0 +1,108 @@
+"""Credit-based pulling from a durable JetStream consumer.
+
+nats-py's `fetch(batch, timeout)` lingers until the batch is full or the timeout ends, which
+turns a trickle of requests into waits. `Puller` keeps pull requests outstanding for exactly
+the credits it is given (a worker's free capacity) and hands each message over the moment it
+lands. Every pull request expires after `expires` seconds; the server's 408 (or our own clock,
+should the status be lost in a reconnect) returns its unused credits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import anyio
+from nats.aio.msg import Msg
+
+from rlfabric.bus.session import Bus
+
+log = logging.getLogger("rlfabric.bus.pull")
+
+
+@dataclass
+class _Pull:
+    credits: int
+    deadline: float
+
+
+class Puller:
+    """Run with `await tg.start(puller.run)`; then `await puller.want(n)` keeps up to `n`
+    messages requested. Each message goes to `on_message` (which must return quickly: start a
+    task for the work); `outstanding` is what is requested and not yet delivered."""
+
+    def __init__(self, bus: Bus, stream: str, consumer: str,
+                 on_message: Callable[[Msg], Awaitable[None]], *, expires: float = 2.0) -> None:
+        self.bus = bus
+        self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._on_message = on_message
+        self.expires = expires
+        self._pulls: deque[_Pull] = deque()
+        self._inbox = bus.nc.new_inbox()
+        self._kick = anyio.Event()
+
+    @property
+    def outstanding(self) -> int:
+        self._expire()
+        return sum(p.credits for p in self._pulls)
+
+    def kicked(self) -> anyio.Event:
+        """Set when credits come back (a pull request expired or ended)."""
+        return self._kick
+
+    def _wake(self) -> None:
+        self._kick.set()
+        self._kick = anyio.Event()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pulls and self._pulls[0].deadline + 1.0 < now:
+            self._pulls.popleft()  # its 408 never came (a reconnect): its credits are back
+
+    async def want(self, n: int) -> None:
+        """Request more messages so that `n` are outstanding (never fewer than now)."""
+        more = n - self.outstanding
+        if more <= 0:
+            return
+        req = {"batch": more, "expires": int(self.expires * 1e9)}
+        self._pulls.append(_Pull(more, time.monotonic() + self.expires))
+        await self.bus.nc.publish(self._next, json.dumps(req).encode(), reply=self._inbox)
+
+    async def _on_raw(self, msg: Msg) -> None:
+        status = (msg.headers or {}).get("Status")
+        if status is None:
+            if self._pulls:
+                self._pulls[0].credits -= 1
+                if self._pulls[0].credits <= 0:
+                    self._pulls.popleft()
+            await self._on_message(msg)
+            return
+        if status == "100":  # idle heartbeat
+            return
+        # 404 no messages, 408 request expired, 409 (leader change, too many waiting ...): the
+        # oldest pull request is over; whatever it did not deliver is ours again
+        if self._pulls:
+            self._pulls.popleft()
+        if status not in ("404", "408"):
+            log.debug("pull request ended with %s %s", status,
+                      (msg.headers or {}).get("Description", ""))
+        self._wake()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        sub = await self.bus.nc.subscribe(self._inbox, cb=self._on_raw)
+        try:
+            task_status.started()
+            while True:  # our clock, in case a server status was lost
+                await anyio.sleep(self.expires)
+                before = len(self._pulls)
+                self._expire()
+                if len(self._pulls) != before:
+                    self._wake()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
