@@ -198,8 +198,13 @@ class Fanout:
             if ok >= needed:
                 return self.report(phase)
             if ok + (len(required) - ok - failed) < needed:
-                rep = self.report(phase)
-                raise QuorumNotReached(self._why(op, phase, rep, needed, "cannot be met"), rep)
+                # lost already; still hear out the rest (up to the timeout) so the report says
+                # what happened on every worker, not just on the first that failed
+                unheard = required - set(got) - self.dead
+                if not unheard or time.monotonic() >= deadline:
+                    rep = self.report(phase)
+                    raise QuorumNotReached(self._why(op, phase, rep, needed, "cannot be met"),
+                                           rep)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 rep = self.report(phase)

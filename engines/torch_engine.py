@@ -8,7 +8,6 @@ that `load_weights` also takes, so new weights land between steps, never inside 
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 import time
@@ -24,6 +23,7 @@ from rlfabric.engines.sampling import sample
 from rlfabric.engines.sequence import Sequence
 from rlfabric.schemas import RolloutRequest, RolloutResult
 from rlfabric.schemas.models import build_model
+from rlfabric.schemas.weights import checksum
 
 
 class TorchEngine:
@@ -180,13 +180,8 @@ class TorchEngine:
         await anyio.to_thread.run_sync(self._copy_in, new, version)
 
     def weights_checksum(self) -> str:
-        h = hashlib.blake2b(digest_size=16)
         with self._step_lock:
-            for name in sorted(self._params):
-                t = self._params[name].detach()
-                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-                h.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
-        return h.hexdigest()
+            return checksum(self._params)
 
     def state_dict(self) -> Mapping[str, Any]:
         return self._params
@@ -302,6 +297,8 @@ class TorchEngine:
             for name, t in new.items():
                 self._params[name].copy_(t)
             self._version = version
+        # NOTE: the idle worker thread keeps its last arguments; emptied, they pin no buffer
+        new.clear()
 
     def _run_batch(self, batch: list[Sequence]) -> None:
         self._set_state("running")

@@ -39,10 +39,12 @@ from rlfabric.bus.pull import Puller
 from rlfabric.bus.subjects import check_token
 from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.engines.protocol import Engine, RequestRejected
+from rlfabric.engines.weights import WeightSync
 from rlfabric.schemas import (
     Command,
     Describe,
     ErrorEvent,
+    InitTransport,
     Pause,
     ResetPrefixCache,
     Resume,
@@ -52,6 +54,7 @@ from rlfabric.schemas import (
     Shutdown,
     Sleep,
     StateEvent,
+    UpdateWeights,
     Wake,
     WorkerInfo,
     codec_for,
@@ -69,8 +72,7 @@ ExtraHandler = Callable[[Any, CommandContext], Awaitable[AckFields | None]]
 
 class Worker:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, capacity: int = 32,
-                 extra_handlers: dict[type, ExtraHandler] | None = None,
-                 on_join: Callable[[], Awaitable[None]] | None = None) -> None:
+                 extra_handlers: dict[type, ExtraHandler] | None = None) -> None:
         self.bus = bus
         self.engine = engine
         self.worker_id = check_token(worker_id, "worker id")
@@ -87,7 +89,7 @@ class Worker:
         self._behind = 0.0  # until then, fetch nothing: requests need a newer version
         self._poke = Signal()  # pause, resume, drain: the rollout loop re-checks
         self._stop = anyio.Event()
-        self._on_join = on_join
+        self.weights = WeightSync(bus, engine, self.worker_id)
         self._extra = extra_handlers or {}
         self._req_codec = codec_for(RolloutRequest)
         self.receiver = CommandReceiver(bus, self.worker_id, self._handle_command,
@@ -113,8 +115,12 @@ class Worker:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(self.receiver.run)
-            if self._on_join is not None:
-                await self._on_join()
+            await self.weights.load_current()  # never serve a stale version
+            desired = await self.bus.desired_state()
+            if desired.paused:  # join a paused fleet paused
+                self.paused = True
+                self._serving = anyio.Event()
+                await self.engine.pause("keep")
             self.reg.update(weight_version=self.engine.version)
             await tg.start(self.reg.run)
             info = await self.bus.js.consumer_info(self.bus.subjects.rollout_stream,
@@ -334,6 +340,18 @@ class Worker:
             self._serving.set()
             await self._set_state("ready")
             return None
+        if isinstance(cmd, UpdateWeights):
+            before = "paused" if self.paused else "ready"
+            await self._set_state("updating")
+            try:
+                return await self.weights.update(cmd, ctx)
+            finally:
+                self.invalidate_checksum()
+                self._behind = 0.0  # requests waiting for this version may be servable now
+                self._poke.fire()
+                await self._set_state(before)
+        if isinstance(cmd, InitTransport):
+            return await self.weights.init_transport(cmd, ctx)
         if isinstance(cmd, Shutdown):
             self.bus.tg.start_soon(self.drain)
             return None

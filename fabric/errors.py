@@ -10,12 +10,14 @@ from rlfabric.bus.errors import (
     QuorumNotReached,
 )
 from rlfabric.bus.receiver import CommandFailed
+from rlfabric.engines.protocol import RequestRejected, WeightLoadError
 from rlfabric.schemas.errors import (
     MalformedMessage,
     RLFabricError,
     SchemaError,
     UnknownSchemaVersion,
 )
+from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
 
 __all__ = [
     "BusError",
@@ -28,6 +30,10 @@ __all__ = [
     "ProvisioningError",
     "QuorumNotReached",
     "RLFabricError",
+    "RequestRejected",
     "SchemaError",
+    "TransportInitFailed",
     "UnknownSchemaVersion",
+    "WeightLoadError",
+    "WeightsMismatch",
 ]

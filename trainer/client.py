@@ -10,10 +10,13 @@ on the control plane.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -31,11 +34,14 @@ from rlfabric.bus import (
     QuorumPolicy,
     new_cmd_id,
 )
+from rlfabric.bus.collective import CollectiveGroup, CollectiveTimeout
 from rlfabric.bus.subjects import check_token
 from rlfabric.schemas import (
+    Collective,
     Command,
     Describe,
     FanoutReport,
+    InitTransport,
     MembershipSnapshot,
     Pause,
     ResetPrefixCache,
@@ -43,12 +49,18 @@ from rlfabric.schemas import (
     RolloutError,
     RolloutReply,
     RolloutRequest,
+    RolloutResult,
     SchemaError,
     Sleep,
+    Target,
+    UpdateWeights,
     Wake,
     codec_for,
     encode,
 )
+from rlfabric.trainer.continuation import continuation, merge
+from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
+from rlfabric.trainer.weights import Staged, WeightStager, as_state_dict
 
 CLIENT_ID_HEADER = "rlf-client-id"
 REQUEST_ID_HEADER = "rlf-request-id"
@@ -77,6 +89,11 @@ class FabricClient:
         self._waiting: dict[str, _Waiting] = {}
         self._codec = codec_for(RolloutReply)
         self.duplicates_dropped = 0
+        self.stager = WeightStager(bus)
+        self._current: Staged | None = None
+        self._group: CollectiveGroup | None = None
+        self._group_fingerprint = ""
+        self._last_epoch = 0
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -89,7 +106,13 @@ class FabricClient:
             client = cls(bus, client_id or f"c{uuid.uuid4().hex[:12]}", policy or QuorumPolicy())
             await bus.tg.start(client.watcher.run)
             await bus.tg.start(client._listen)
-            yield client
+            try:
+                yield client
+            finally:
+                if client._current is not None:
+                    client._current.release()
+                if client._group is not None:
+                    client._group.close()
 
     # ---- membership ----
     async def snapshot(self) -> MembershipSnapshot:
@@ -106,10 +129,170 @@ class FabricClient:
 
     async def pause(self, mode: str = "wait", *, policy: QuorumPolicy | None = None
                     ) -> FanoutReport:
-        return await self.broadcast(Pause(cmd_id=new_cmd_id(), mode=mode), policy)  # type: ignore[arg-type]
+        """Pause every worker. `wait`: acks once its in-flight requests finished. `abort`:
+        in-flight samples end now and come back with `finish_reason="abort"` (continue them
+        with `continue_aborted`). `keep`: in-flight samples freeze and resume after `resume()`,
+        under the weights loaded by then. Queued requests wait in the stream either way."""
+        if mode not in ("wait", "abort", "keep"):
+            raise ValueError(f"pause(mode={mode!r}): use 'wait', 'abort' or 'keep'")
+        rep = await self.broadcast(Pause(cmd_id=new_cmd_id(), mode=mode), policy)  # type: ignore[arg-type]
+        await self._desire(paused=True, pause_mode=mode)
+        return rep
 
     async def resume(self, *, policy: QuorumPolicy | None = None) -> FanoutReport:
-        return await self.broadcast(Resume(cmd_id=new_cmd_id()), policy)
+        rep = await self.broadcast(Resume(cmd_id=new_cmd_id()), policy)
+        await self._desire(paused=False, pause_mode="")
+        return rep
+
+    async def _desire(self, **changes: object) -> None:
+        state = await self.bus.desired_state()
+        await self.bus.put_desired_state(
+            msgspec.structs.replace(state, updated_at=time.time(), **changes))
+
+    # ---- weights ----
+    async def stage_weights(self, version: int, weights: Any, transport: str = "shm", *,
+                            mark_stable: bool = True) -> Staged:
+        """Pack `weights` (a module or state dict) for `transport` without sending anything.
+        `push_weights()` sends it; `update_weights()` does both."""
+        return await self.stager.stage(version, as_state_dict(weights), transport,
+                                       mark_stable=mark_stable)
+
+    async def update_weights(self, version: int, state_dict: Any = None, *, module: Any = None,
+                             transport: str = "shm", target: Target | None = None,
+                             policy: QuorumPolicy | None = None,
+                             verify: Literal["sender", "workers", "off"] = "sender",
+                             ) -> FanoutReport:
+        """Make every worker serve `version` of these weights; returns once the quorum acked
+        `done`. Each worker verifies the payload digest, swaps atomically (a failure keeps
+        the old version and acks an error: `QuorumNotReached` names the worker and why) and
+        reports its weights checksum. `verify="sender"` requires every checksum to equal the
+        one of the state dict sent; `"workers"` only that they agree (use it when workers
+        store weights in another dtype or layout); `WeightsMismatch` names the deviants."""
+        weights = module if module is not None else state_dict
+        if weights is None:
+            raise TypeError("update_weights needs state_dict= or module=")
+        staged = await self.stage_weights(version, weights, transport)
+        return await self.push_weights(staged, target=target, policy=policy, verify=verify)
+
+    async def push_weights(self, staged: Staged, *, target: Target | None = None,
+                           policy: QuorumPolicy | None = None,
+                           verify: Literal["sender", "workers", "off"] = "sender"
+                           ) -> FanoutReport:
+        policy = policy or self.policy
+        deadline = time.time() + policy.timeout
+        if isinstance(staged.transport, Collective):
+            group = await self._fresh_group(policy)
+            staged.transport = msgspec.structs.replace(staged.transport,
+                                                       group_epoch=group.group_epoch)
+            cmd = staged.command(new_cmd_id(), target=target, deadline=deadline)
+            rep = await self._push_collective(cmd, staged, group, policy)
+        else:
+            cmd = staged.command(new_cmd_id(), target=target, deadline=deadline)
+            try:
+                rep = await self.broadcast(cmd, policy)
+            except Exception:
+                staged.release()
+                raise
+        self._check(rep, staged, verify)
+        pullable = not isinstance(staged.transport, Collective)
+        await self._desire(weight_version=staged.version, locator=cmd if pullable else None)
+        if self._current is not None and self._current is not staged:
+            self._current.release()  # the previous version is no longer anyone's to load
+        self._current = staged
+        return rep
+
+    def _check(self, rep: FanoutReport, staged: Staged, verify: str) -> None:
+        if verify == "off":
+            return
+        sums = {w: rep.acks[w].weights_checksum for w in rep.ok}
+        if verify == "sender":
+            expected = staged.expected_checksum
+        else:
+            expected = Counter(sums.values()).most_common(1)[0][0] if sums else ""
+        versions = {w: rep.acks[w].weight_version for w in rep.ok}
+        bad = {w: c for w, c in sums.items() if c != expected or versions[w] != staged.version}
+        if bad:
+            detail = ", ".join(f"{w} (v{versions[w]}, checksum {c})"
+                               for w, c in sorted(bad.items()))
+            raise WeightsMismatch(
+                f"update to v{staged.version}: {len(bad)} of {len(sums)} workers do not serve "
+                f"what was sent (expected checksum {expected}): {detail}",
+                checksums=sums, expected=expected, report=rep)
+
+    async def _push_collective(self, cmd: UpdateWeights, staged: Staged,
+                               group: CollectiveGroup, policy: QuorumPolicy) -> FanoutReport:
+        async with self.broadcaster.open(cmd) as fo:
+            await fo.wait("ready", policy)
+            outcome: list[FanoutReport] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, group.broadcast, staged.flat)
+
+                async def done() -> None:
+                    outcome.append(await fo.wait("done", policy))
+
+                tg.start_soon(done)
+            return outcome[0]
+
+    # ---- collective transport ----
+    async def init_transport(self, backend: str = "gloo", *, master_addr: str = "127.0.0.1",
+                             master_port: int | None = None, timeout: float = 60.0,
+                             policy: QuorumPolicy | None = None) -> FanoutReport:
+        """Form a fresh collective group: this client is rank 0, each worker gets the ranks
+        of its TP x PP from the membership snapshot, a new `group_epoch` names it. Fails
+        within `timeout` with `TransportInitFailed` naming the workers that did not join."""
+        snap = self.watcher.snapshot()
+        offsets, rank = {}, 1
+        for m in snap.members:
+            offsets[m.worker_id] = rank
+            rank += max(1, m.ranks)
+        state = await self.bus.desired_state()
+        epoch = max(state.group_epoch, self._last_epoch) + 1  # fresh, even after a failed init
+        self._last_epoch = epoch
+        if self._group is not None:
+            self._group.close()  # torn down, never reused
+            self._group = None
+        port = master_port or _free_port(master_addr)
+        group = CollectiveGroup(backend=backend, master_addr=master_addr, master_port=port,
+                                rank=0, world_size=rank, group_epoch=epoch, timeout=timeout)
+        await anyio.to_thread.run_sync(group.open_store)
+        cmd = InitTransport(cmd_id=new_cmd_id(), backend=backend, group_epoch=epoch,  # type: ignore[arg-type]
+                            master_addr=master_addr, master_port=port, world_size=rank,
+                            rank_offsets=offsets, deadline=time.time() + timeout)
+        policy = policy or QuorumPolicy(required=self.policy.required, timeout=timeout,
+                                        on_membership_change=self.policy.on_membership_change)
+        by_rank = {r: w for w, r in offsets.items()}
+        async with self.broadcaster.open(cmd) as fo:
+            try:
+                await anyio.to_thread.run_sync(group.wait_joined)
+            except CollectiveTimeout as exc:
+                group.close()
+                workers = tuple(sorted({by_rank.get(r, f"rank{r}") for r in exc.missing}))
+                raise TransportInitFailed(
+                    f"init_transport({backend}) epoch {epoch}: {', '.join(workers)} did not "
+                    f"join within {timeout}s (ranks {exc.missing}); others are released at "
+                    "their deadline; check those workers, then init again",
+                    missing_workers=workers, missing_ranks=tuple(exc.missing),
+                    group_epoch=epoch) from exc
+            outcome: list[FanoutReport] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, group.connect)
+
+                async def done() -> None:
+                    outcome.append(await fo.wait("done", policy))
+
+                tg.start_soon(done)
+        self._group, self._group_fingerprint = group, snap.fingerprint
+        await self._desire(group_epoch=epoch)
+        return outcome[0]
+
+    async def _fresh_group(self, policy: QuorumPolicy) -> CollectiveGroup:
+        """The current group, or a new one if there is none or membership moved since."""
+        fp = self.watcher.snapshot().fingerprint
+        if self._group is None or fp != self._group_fingerprint:
+            backend = self._group.backend if self._group else "gloo"
+            await self.init_transport(backend, timeout=policy.timeout)
+        assert self._group is not None
+        return self._group
 
     async def describe(self, *, policy: QuorumPolicy | None = None) -> FanoutReport:
         return await self.broadcast(Describe(cmd_id=new_cmd_id()), policy)
@@ -241,6 +424,27 @@ class FabricClient:
                 del groups[reply.request_id]
                 yield sorted(g, key=lambda r: r.sample_index or 0)
 
+    async def continue_aborted(self, requests: Iterable[RolloutRequest],
+                               results: Iterable[RolloutReply], *,
+                               timeout: float | None = None) -> AsyncIterator[RolloutReply]:
+        """Yield `results` with every sample an abort pause cut short continued from where it
+        stopped and merged back into one result (its spans show every version involved)."""
+        by_id = {r.request_id: r for r in requests}
+        partials: dict[str, RolloutResult] = {}
+        for res in results:
+            if isinstance(res, RolloutResult) and res.finish_reason == "abort":
+                partials[continuation(by_id[res.request_id], res).request_id] = res
+            else:
+                yield res
+        conts = [continuation(by_id[p.request_id], p) for p in partials.values()]
+        async for rest in self.generate(conts, timeout=timeout):
+            part = partials[rest.request_id]
+            if isinstance(rest, RolloutResult):
+                yield merge(part, rest)
+            else:
+                yield msgspec.structs.replace(rest, request_id=part.request_id,
+                                              sample_index=part.sample_index)
+
     def _next_deadline(self, ids: list[str]) -> float | None:
         deadlines = [w.request.deadline for rid in ids
                      if (w := self._waiting.get(rid)) and w.request.deadline]
@@ -262,3 +466,8 @@ class FabricClient:
             self._forget(rid)
         return out
 
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

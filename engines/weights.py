@@ -1,0 +1,244 @@
+"""The receiving side of weight updates: fetch, verify the digest, swap atomically, report.
+
+Pull transports (shared memory, filesystem, nats) are one phase. The collective transport is
+two: the worker acks `ready` once its receive buffer exists and it is about to enter the
+broadcast, then `done`. A failure at any step leaves the old weights serving and answers with
+an error Ack whose code says which step failed (`fetch_failed`, `digest_mismatch`,
+`load_failed`, `no_group`, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import anyio
+import nats.errors
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from rlfabric.bus import AckFields, Bus, CommandContext, CommandFailed
+from rlfabric.bus.collective import CollectiveGroup
+from rlfabric.engines.protocol import Engine, WeightLoadError
+from rlfabric.schemas import (
+    Collective,
+    Filesystem,
+    InitTransport,
+    Lora,
+    Nats,
+    SharedMemory,
+    UpdateWeights,
+)
+from rlfabric.schemas.weights import (
+    STABLE_MARKER,
+    WEIGHTS_FILE,
+    buffer_size,
+    digest,
+    unpack,
+)
+
+log = logging.getLogger("rlfabric.worker.weights")
+
+
+class WeightSync:
+    def __init__(self, bus: Bus, engine: Engine, worker_id: str, *,
+                 fetch_timeout: float = 120.0) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.worker_id = worker_id
+        self.fetch_timeout = fetch_timeout
+        self.group: CollectiveGroup | None = None
+
+    # ---- join ----
+    async def load_current(self) -> None:
+        """At join: serve the fleet's current version if it can be pulled."""
+        state = await self.bus.desired_state()
+        cmd = state.locator
+        if cmd is None or cmd.version <= self.engine.version:
+            return
+        if isinstance(cmd.transport, Collective):
+            log.info("%s: v%d was pushed over a collective group; waiting for the next push",
+                     self.worker_id, cmd.version)
+            return
+        await self._apply(cmd)
+        log.info("%s: joined on weight version %d", self.worker_id, cmd.version)
+
+    # ---- commands ----
+    async def update(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
+        if isinstance(cmd.target, Lora):
+            raise CommandFailed("unsupported", f"LoRA targets are not supported by the "
+                                f"{self.engine.name} engine")
+        if isinstance(cmd.transport, Collective):
+            return await self._collective(cmd, ctx)
+        return await self._apply(cmd)
+
+    async def init_transport(self, cmd: InitTransport, ctx: CommandContext) -> AckFields:
+        if self.worker_id not in cmd.rank_offsets:
+            raise CommandFailed("not_in_group", f"{self.worker_id} has no rank in group epoch "
+                                f"{cmd.group_epoch}")
+        if self.group is not None:
+            self.group.close()  # an old group is torn down, never reused
+            self.group = None
+        remaining = cmd.deadline - time.time() if cmd.deadline else 60.0
+        group = CollectiveGroup(backend=cmd.backend, master_addr=cmd.master_addr,
+                                master_port=cmd.master_port,
+                                rank=cmd.rank_offsets[self.worker_id],
+                                world_size=cmd.world_size, group_epoch=cmd.group_epoch,
+                                timeout=max(1.0, remaining))
+        try:
+            await anyio.to_thread.run_sync(group.open_store)
+            await ctx.ready()
+            await anyio.to_thread.run_sync(group.connect)
+        except Exception as exc:
+            raise CommandFailed("group_join_failed", f"{self.worker_id} could not join group "
+                                f"epoch {cmd.group_epoch}: {exc}") from exc
+        self.group = group
+        return AckFields(detail={"rank": str(group.rank), "group_epoch": str(cmd.group_epoch)})
+
+    # ---- pull transports ----
+    async def _apply(self, cmd: UpdateWeights) -> AckFields:
+        t = cmd.transport
+        metas = t.tensors
+        with contextlib.ExitStack() as keep:
+            try:
+                if isinstance(t, SharedMemory):
+                    buf = keep.enter_context(_open_shm(t.name))
+                elif isinstance(t, Filesystem):
+                    buf = await self._read_fs(t, cmd.deadline)
+                elif isinstance(t, Nats):
+                    buf = await self._read_nats(t, cmd.version, buffer_size(metas))
+                else:
+                    raise CommandFailed("unsupported",
+                                        f"transport {type(t).__name__} is not supported here")
+            except CommandFailed:
+                raise
+            except Exception as exc:
+                raise CommandFailed("fetch_failed", f"{self.worker_id} could not fetch v"
+                                    f"{cmd.version} over {type(t).__name__}: {exc}") from exc
+            view = memoryview(buf)[:buffer_size(metas)]
+            got = await _digest_in_thread(view)
+            if got != cmd.digest:
+                del view
+                raise CommandFailed("digest_mismatch", f"{self.worker_id}: v{cmd.version} "
+                                    f"payload digest {got} != {cmd.digest}; old weights kept")
+            state = unpack(view, metas)
+            try:
+                await self._load(state, cmd)
+            finally:
+                state.clear()  # no tensor may outlive the buffer it views
+                del view
+        return AckFields(weight_version=self.engine.version)
+
+    async def _load(self, state: dict[str, Any], cmd: UpdateWeights) -> None:
+        why = ""
+        try:
+            await self.engine.load_weights(state, cmd.version)
+        except (WeightLoadError, ValueError, TypeError, RuntimeError) as exc:
+            why = str(exc)
+        if why:
+            # NOTE: raised outside the except block on purpose: a chained exception would keep
+            # the failed frames, and the tensors viewing a shared buffer in them, alive
+            raise CommandFailed("load_failed", f"{self.worker_id}: v{cmd.version} not loaded "
+                                f"({why}); still serving v{self.engine.version}")
+        if cmd.reset_prefix_cache:
+            await self.engine.reset_prefix_cache()
+
+    async def _read_fs(self, t: Filesystem, deadline: float) -> bytearray:
+        path = os.path.join(t.path, WEIGHTS_FILE)
+        if t.require_marker:
+            marker = os.path.join(t.path, STABLE_MARKER)
+            wait = self.fetch_timeout
+            if deadline:
+                wait = max(0.0, min(wait, deadline - time.time()))
+            with anyio.fail_after(wait):
+                # a file appearing on a (possibly network) filesystem has no event to await
+                while not await anyio.Path(marker).exists():  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+        return await anyio.to_thread.run_sync(_read_file, path)
+
+    async def _read_nats(self, t: Nats, version: int, size: int) -> bytearray:
+        """Pull every chunk of this version from the weights stream into one buffer."""
+        buf = bytearray(size)
+        js = self.bus.js
+        psub = await js.pull_subscribe(
+            t.subject, stream=t.stream,
+            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
+                                  inactive_threshold=30.0, filter_subject=t.subject,
+                                  max_waiting=16))
+        got = 0
+        try:
+            with anyio.fail_after(self.fetch_timeout):
+                while got < t.chunks:
+                    try:
+                        msgs = await psub.fetch(min(64, t.chunks - got), timeout=5.0)
+                    except (TimeoutError, nats.errors.TimeoutError):
+                        continue
+                    for m in msgs:
+                        off = int(m.headers["rlf-offset"])
+                        buf[off:off + len(m.data)] = m.data
+                        got += 1
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(Exception):
+                    await psub.unsubscribe()
+        return buf
+
+    # ---- collective ----
+    async def _collective(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
+        import torch
+
+        t = cmd.transport
+        assert isinstance(t, Collective)
+        group = self.group
+        if group is None or group.group_epoch != t.group_epoch:
+            have = group.group_epoch if group else None
+            raise CommandFailed("no_group", f"{self.worker_id} is in group epoch {have}, not "
+                                f"{t.group_epoch}: init_transport first")
+        flat = torch.empty(buffer_size(t.tensors), dtype=torch.uint8)
+        await ctx.ready()
+        try:
+            await anyio.to_thread.run_sync(group.broadcast, flat)
+        except Exception as exc:
+            self.group = None  # a broken group is stale
+            raise CommandFailed("broadcast_failed", f"{self.worker_id}: broadcast of "
+                                f"v{cmd.version} failed: {exc}") from exc
+        buf = flat.numpy().data
+        got = await _digest_in_thread(buf)
+        if got != cmd.digest:
+            raise CommandFailed("digest_mismatch", f"{self.worker_id}: v{cmd.version} "
+                                f"broadcast digest {got} != {cmd.digest}; old weights kept")
+        await self._load(unpack(buf, t.tensors), cmd)
+        return AckFields(weight_version=self.engine.version)
+
+
+def _read_file(path: str) -> bytearray:
+    with open(path, "rb") as f:
+        buf = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(buf)
+    return buf
+
+
+async def _digest_in_thread(view: memoryview) -> str:
+    # NOTE: an idle anyio worker thread keeps the arguments of its last call alive; a view of
+    # a shared-memory segment held there would keep the segment mapped after close().
+    box = [view]
+    return await anyio.to_thread.run_sync(lambda: digest(box.pop()))
+
+
+@contextlib.contextmanager
+def _open_shm(name: str) -> Any:
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    # NOTE: Python < 3.13 registers opened segments with the resource tracker, which would
+    # unlink the trainer's segment when this worker exits. The trainer owns it.
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    try:
+        yield shm.buf
+    finally:
+        try:
+            shm.close()
+        except BufferError:  # a view still exists somewhere: the mapping lingers until GC
+            log.warning("shared memory %s still has views; it is unmapped when they go", name)

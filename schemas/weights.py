@@ -1,0 +1,93 @@
+"""The packed weight format both sides agree on: every tensor's bytes at a 64-byte aligned
+offset of one flat buffer, described by `TensorMeta`s; a `digest` of the buffer travels in
+`UpdateWeights` and a `checksum` of the loaded parameters comes back in each `Ack`.
+
+torch is imported inside the functions: the message types above stay importable without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rlfabric.schemas.control import TensorMeta
+
+ALIGN = 64
+#: filesystem transport: the packed buffer's file name, and the marker written once it is whole
+WEIGHTS_FILE = "weights.bin"
+STABLE_MARKER = "STABLE"
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def dtype_of(name: str) -> Any:
+    """`"torch.bfloat16"` (or `"bfloat16"`) -> `torch.bfloat16`."""
+    torch = _torch()
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {name!r}")
+    return dt
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan(state: Mapping[str, Any]) -> tuple[tuple[TensorMeta, ...], int]:
+    """Offsets of every tensor of `state` in the flat buffer, and the buffer's size."""
+    metas, offset = [], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        metas.append(TensorMeta(name=name, dtype=str(t.dtype), shape=tuple(t.shape),
+                                offset=offset, nbytes=nbytes))
+        offset += _aligned(nbytes)
+    return tuple(metas), offset
+
+
+def buffer_size(metas: Iterable[TensorMeta]) -> int:
+    """The size `plan` gave the buffer these metas describe (what the digest covers)."""
+    return max((m.offset + _aligned(m.nbytes) for m in metas), default=0)
+
+
+def pack_into(state: Mapping[str, Any], metas: Iterable[TensorMeta], buf: Any) -> None:
+    """Copy each tensor's bytes to its offset in `buf` (a writable buffer of the planned size)."""
+    torch = _torch()
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    for m in metas:
+        if not m.nbytes:
+            continue
+        src = state[m.name].detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        flat[m.offset:m.offset + m.nbytes].copy_(src)
+
+
+def unpack(buf: Any, metas: Iterable[TensorMeta]) -> dict[str, Any]:
+    """Tensors viewing `buf` (a writable buffer): no copy."""
+    torch = _torch()
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    out = {}
+    for m in metas:
+        raw = flat[m.offset:m.offset + m.nbytes]
+        out[m.name] = raw.view(dtype_of(m.dtype)).reshape(m.shape)
+    return out
+
+
+def digest(buf: Any) -> str:
+    """The digest carried by `UpdateWeights`: blake2b-128 of the packed buffer."""
+    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
+
+
+def checksum(state: Mapping[str, Any]) -> str:
+    """A digest of named parameters (name, dtype, shape, bytes), name-sorted: what a worker
+    reports after a load, and what the sender expects from the state dict it sent."""
+    torch = _torch()
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        t = state[name].detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,286 @@
+"""The control plane end to end: real worker processes, real nats-server, the tiny model."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from rlfabric.bus import MembershipChanged, QuorumNotReached, QuorumPolicy
+from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
+from rlfabric.schemas.models import build_model
+from rlfabric.schemas.weights import checksum
+from rlfabric.trainer import TransportInitFailed
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio]
+
+
+def perturbed(seed: int) -> torch.nn.Module:
+    """The tiny model with every weight moved: a v1 that differs from v0."""
+    model = build_model("tiny")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def req(rid: str, prompt: list[int], *, min_version: int = 0, **sampling) -> RolloutRequest:
+    return RolloutRequest(request_id=rid, prompt_token_ids=prompt, min_weight_version=min_version,
+                          sampling=SamplingParams(**sampling))
+
+
+def taken_logprobs(model: torch.nn.Module, prompt: list[int], comp: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + comp])).logits.float(), -1)[0]
+    idx = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(comp))
+    return logp[idx, torch.tensor(comp)].numpy()
+
+
+@pytest.mark.parametrize("transport", ["shm", "filesystem", "nats", "collective"])
+async def test_update_reaches_every_worker_and_results_use_it(client, workers, transport) -> None:
+    ids = ["u0", "u1", "u2"]
+    workers(ids, "--threads", "1")
+    v0, v1 = build_model("tiny"), perturbed(1)
+    async with client() as fabric:
+        await fabric.wait_for_workers(3, timeout=60)
+        await fabric.update_weights(0, module=v0, transport=transport)
+        rep = await fabric.update_weights(1, module=v1, transport=transport)
+        assert rep.ok == tuple(ids) and rep.failed == () and rep.missing == ()
+        sums = {a.weights_checksum for a in rep.acks.values()}
+        assert sums == {checksum(v1.state_dict())}  # one checksum, the one sent
+        assert {a.weight_version for a in rep.acks.values()} == {1}
+        snap = await fabric.watcher.wait_until(
+            lambda s: all(m.weight_version == 1 for m in s.members), timeout=10)
+        assert len(snap.members) == 3
+        assert (await fabric.bus.desired_state()).weight_version == 1
+        reqs = [req(f"r{i}", [256, i, i + 1], min_version=1, max_tokens=12, seed=i)
+                for i in range(12)]
+        out = [r async for r in fabric.generate(reqs, timeout=60)]
+    assert all(isinstance(r, RolloutResult) for r in out) and len(out) == 12
+    assert {r.worker_id for r in out} <= set(ids)
+    by_id = {r.request_id: r for r in reqs}
+    for res in out:
+        assert [(s.version, s.start) for s in res.version_spans] == [(1, 0)]
+        prompt = by_id[res.request_id].prompt_token_ids.tolist()
+        comp = res.completion_token_ids.tolist()
+        got = res.logprobs.numpy()
+        assert np.abs(taken_logprobs(v1, prompt, comp) - got).max() <= 1e-4
+        assert np.abs(taken_logprobs(v0, prompt, comp) - got).max() > 1e-3  # not the old model
+
+
+async def test_pause_wait_drains_200_in_flight_then_holds_until_resume(client, workers) -> None:
+    workers(["d0", "d1"], "--capacity", "100", "--threads", "1")
+    async with client() as fabric:
+        await fabric.wait_for_workers(2, timeout=60)
+        await fabric.update_weights(0, module=build_model("tiny"))
+        s = fabric.bus.subjects
+        first = [req(f"a{i}", [256, i % 250], max_tokens=24, seed=i) for i in range(200)]
+        later = [req(f"b{i}", [256, i], max_tokens=4, seed=i) for i in range(30)]
+        out: list = []
+        async with anyio.create_task_group() as tg:
+            async def consume(reqs) -> None:
+                out.extend([r async for r in fabric.generate(reqs, timeout=120)])
+
+            tg.start_soon(consume, first)
+            await fabric.watcher.wait_until(
+                lambda sn: sum(m.in_flight for m in sn.members) >= 150, timeout=60)
+            rep = await fabric.pause(mode="wait")
+            assert rep.ok == ("d0", "d1")
+            # the acks came after every in-flight request had its result persisted
+            assert (await fabric.bus.js.stream_info(s.results_stream)).state.messages == 200
+            ci = await fabric.bus.js.consumer_info(s.rollout_stream, s.rollout_consumer)
+            assert ci.num_ack_pending == 0 and ci.num_pending == 0
+            tg.start_soon(consume, later)
+            # a bounded look for what must not happen: no stream event tells "nothing came"
+            with anyio.move_on_after(1.5):
+                while (await fabric.bus.js.stream_info(s.results_stream)).state.messages == 200:  # noqa: ASYNC110
+                    await anyio.sleep(0.1)
+            assert (await fabric.bus.js.stream_info(s.results_stream)).state.messages == 200
+            assert (await fabric.bus.js.stream_info(s.rollout_stream)).state.messages == 30
+            assert (await fabric.resume()).ok == ("d0", "d1")
+    keys = Counter((r.request_id, r.sample_index) for r in out)
+    assert len(out) == 230 and set(keys.values()) == {1}
+    assert all(isinstance(r, RolloutResult) and r.finish_reason != "abort" for r in out)
+
+
+async def _in_flight(fabric, n: int) -> None:
+    await fabric.watcher.wait_until(lambda s: sum(m.in_flight for m in s.members) >= n,
+                                    timeout=60)
+
+
+async def test_pause_abort_returns_partials_that_continue(client, workers) -> None:
+    workers(["x0"], "--threads", "1")
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        await fabric.update_weights(0, module=build_model("tiny"))
+        reqs = [req(f"r{i}", [256, 3 + i], max_tokens=400, seed=i, temperature=0.0)
+                for i in range(4)]
+        eos = build_model("tiny").config.eos_token_id
+        out: list = []
+        async with anyio.create_task_group() as tg:
+            async def consume() -> None:
+                out.extend([r async for r in fabric.generate(reqs, timeout=120)])
+
+            tg.start_soon(consume)
+            await _in_flight(fabric, 4)
+            await anyio.sleep(0.3)  # let some tokens come out; there is no event for that
+            await fabric.pause(mode="abort")
+        assert {r.finish_reason for r in out} == {"abort"}
+        partial_lens = [len(r.completion_token_ids) for r in out]
+        assert all(n < 400 for n in partial_lens) and any(n > 0 for n in partial_lens)
+        await fabric.resume()
+        merged = [r async for r in fabric.continue_aborted(reqs, out, timeout=120)]
+        # greedy decoding: the continued sample equals one that never stopped
+        whole = [r async for r in fabric.generate(
+            [req(f"w{i}", [256, 3 + i], max_tokens=400, seed=i, temperature=0.0)
+             for i in range(4)], timeout=120)]
+    by_id = {r.request_id: r for r in merged}
+    for part in out:
+        m = by_id[part.request_id]
+        assert m.finish_reason in ("length", "stop")
+        assert m.completion_token_ids.tolist()[:len(part.completion_token_ids)] == \
+            part.completion_token_ids.tolist()
+        assert len(m.completion_token_ids) == 400 or m.completion_token_ids.tolist()[-1] == eos
+    whole_by_prompt = {w.request_id[1:]: w.completion_token_ids.tolist() for w in whole}
+    for m in merged:
+        assert m.completion_token_ids.tolist() == whole_by_prompt[m.request_id[1:]]
+
+
+async def test_pause_keep_update_resume_gives_two_version_spans(client, workers) -> None:
+    workers(["k0"], "--threads", "1")
+    v0, v1 = build_model("tiny"), perturbed(2)
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        await fabric.update_weights(0, module=v0)
+        reqs = [req(f"r{i}", [256, 40 + i], max_tokens=300, seed=i) for i in range(4)]
+        out: list = []
+        async with anyio.create_task_group() as tg:
+            async def consume() -> None:
+                out.extend([r async for r in fabric.generate(reqs, timeout=120)])
+
+            tg.start_soon(consume)
+            await _in_flight(fabric, 4)
+            await anyio.sleep(0.3)  # let some tokens come out; there is no event for that
+            t0 = time.monotonic()
+            rep = await fabric.pause(mode="keep")
+            assert rep.ok == ("k0",) and time.monotonic() - t0 < 2.0  # acked at once
+            await fabric.update_weights(1, module=v1)
+            await fabric.resume()
+    two = [r for r in out if len(r.version_spans) == 2]
+    assert two, [r.version_spans for r in out]
+    by_id = {r.request_id: r for r in reqs}
+    for r in two:
+        (a, b) = r.version_spans
+        assert (a.version, a.start) == (0, 0) and (b.version, b.end) == (1, len(r.logprobs))
+        assert 0 < a.end == b.start < len(r.logprobs)
+        prompt = by_id[r.request_id].prompt_token_ids.tolist()
+        comp = r.completion_token_ids.tolist()
+        before = taken_logprobs(v0, prompt, comp)[:a.end]  # the v0 part is exactly v0's
+        assert np.abs(before - r.logprobs.numpy()[:a.end]).max() <= 1e-4
+    assert all(r.finish_reason in ("length", "stop") for r in out)
+
+
+async def test_corrupted_or_wrong_payload_keeps_old_weights_and_names_workers(
+        client, workers) -> None:
+    workers(["c0", "c1"], "--threads", "1")
+    v0 = build_model("tiny")
+    async with client() as fabric:
+        await fabric.wait_for_workers(2, timeout=60)
+        await fabric.update_weights(0, module=v0)
+        staged = await fabric.stage_weights(1, perturbed(3), "shm")
+        from multiprocessing import shared_memory
+
+        seg = shared_memory.SharedMemory(name=staged.transport.name)
+        seg.buf[100] ^= 0xFF  # one flipped byte after the digest was taken
+        seg.close()
+        with pytest.raises(QuorumNotReached, match=r"c0 \(digest_mismatch.*c1 \(digest_mismatch"):
+            await fabric.push_weights(staged, policy=QuorumPolicy(timeout=20))
+        bad_shape = dict(v0.state_dict())
+        bad_shape["lm_head.weight"] = torch.zeros(3, 3)
+        with pytest.raises(QuorumNotReached, match=r"c0 \(load_failed.*lm_head.weight") as ei:
+            await fabric.update_weights(2, state_dict=bad_shape)
+        assert set(ei.value.report.failed) == {"c0", "c1"}
+        assert (await fabric.bus.desired_state()).weight_version == 0
+        out = [r async for r in fabric.generate(
+            [req(f"r{i}", [256, i], max_tokens=10, seed=i) for i in range(6)], timeout=60)]
+    for r in out:
+        assert [s.version for s in r.version_spans] == [0]
+        comp = r.completion_token_ids.tolist()
+        prompt = [256, int(r.request_id[1:])]
+        assert np.abs(taken_logprobs(v0, prompt, comp) - r.logprobs.numpy()).max() <= 1e-4
+
+
+async def test_late_joiner_serves_the_current_version_first(client, workers) -> None:
+    (first,) = workers(["j0"], "--threads", "1")
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        for v in range(4):
+            await fabric.update_weights(v, module=perturbed(10 + v), transport="nats")
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=30) == 0
+        await fabric.watcher.wait_until(lambda s: not s.members, timeout=30)
+        workers(["j1"], "--threads", "1")
+        snap = await fabric.wait_for_workers(1, timeout=60)
+        assert snap.members[0].weight_version == 3  # loaded before it registered
+        (res,) = [r async for r in fabric.generate(
+            [req("first", [256, 1], min_version=-1, max_tokens=6, seed=1)], timeout=60)]
+    assert res.worker_id == "j1"
+    assert [(s.version, s.start) for s in res.version_spans] == [(3, 0)]
+
+
+async def test_gloo_init_names_the_worker_that_never_joins_then_a_new_epoch_works(
+        client, workers, sims) -> None:
+    workers(["g0", "g1"], "--threads", "1")
+    (ghost,) = sims(["ghost"], "init_transport=600")  # acks ready, never joins the group
+    async with client() as fabric:
+        await fabric.wait_for_workers(3, timeout=60)
+        t0 = time.monotonic()
+        with pytest.raises(TransportInitFailed, match="ghost did not join") as ei:
+            await fabric.init_transport("gloo", timeout=3.0)
+        assert time.monotonic() - t0 < 6.0
+        assert ei.value.missing_workers == ("ghost",)
+        first_epoch = ei.value.group_epoch
+        ghost.send_signal(signal.SIGTERM)
+        await fabric.watcher.wait_until(lambda s: s.worker_ids == ("g0", "g1"), timeout=30)
+        rep = await fabric.init_transport("gloo", timeout=30.0)
+        assert rep.ok == ("g0", "g1")
+        assert (await fabric.bus.desired_state()).group_epoch > first_epoch
+        v1 = perturbed(5)
+        rep = await fabric.update_weights(1, module=v1, transport="collective")
+        assert {a.weights_checksum for a in rep.acks.values()} == {checksum(v1.state_dict())}
+
+
+async def test_worker_killed_during_update_is_missing_within_1s(client, workers) -> None:
+    procs = dict(zip(["m0", "m1", "m2"], workers(["m0", "m1", "m2"], "--threads", "1"),
+                     strict=True))
+    async with client() as fabric:
+        await fabric.wait_for_workers(3, timeout=60)
+        staged = await fabric.stage_weights(1, perturbed(4), "filesystem", mark_stable=False)
+        caught: list[BaseException] = []
+        t_kill = 0.0
+
+        async def push() -> None:
+            try:
+                await fabric.push_weights(staged, policy=QuorumPolicy(
+                    timeout=30, on_membership_change="fail"))
+            except MembershipChanged as exc:
+                caught.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(push)
+            # workers wait for the STABLE marker: every one is inside the update now
+            await fabric.watcher.wait_until(
+                lambda s: all(m.state == "updating" for m in s.members), timeout=30)
+            procs["m1"].send_signal(signal.SIGKILL)
+            t_kill = time.monotonic()
+        detect = time.monotonic() - t_kill
+    assert caught, "push_weights did not raise MembershipChanged"
+    exc = caught[0]
+    assert detect < 1.0, detect
+    assert exc.left == ("m1",) and "m1" in exc.report.missing and exc.report.dead == ("m1",)

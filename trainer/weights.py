@@ -1,0 +1,196 @@
+"""The sending side of weight updates: stage a state dict for a transport, then push it.
+
+- `shm`: one POSIX shared-memory segment on this host, kept until the next version is in place
+  (late joiners on this host load it).
+- `filesystem`: `<root>/<prefix>/v<version>/weights.bin`, fsynced, then a `STABLE` marker;
+  workers wait for the marker, so a checkpoint writer may finish after the command is sent.
+- `nats`: 4 MiB chunks on `<prefix>.weights.<version>` in the weights stream (any host);
+  older versions are purged once a newer one is in place.
+- `collective`: a flat buffer broadcast from rank 0 over an initialised group (gloo on CPU,
+  NCCL on CUDA), two-phase (`ready`, then `done`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from typing import Any, Literal
+
+import anyio
+
+from rlfabric.bus import Bus
+from rlfabric.schemas import (
+    Base,
+    Collective,
+    Filesystem,
+    Nats,
+    SharedMemory,
+    Target,
+    Transport,
+    UpdateWeights,
+)
+from rlfabric.schemas.weights import (
+    STABLE_MARKER,
+    WEIGHTS_FILE,
+    checksum,
+    digest,
+    pack_into,
+    plan,
+)
+
+TransportName = Literal["shm", "filesystem", "nats", "collective"]
+TRANSPORTS: tuple[str, ...] = ("shm", "filesystem", "nats", "collective")
+NATS_CHUNK = 4 * 1024 * 1024
+NATS_WINDOW = 16  # chunks in flight: bounds the client's buffer, keeps the pipe full
+
+@dataclass(eq=False)
+class Staged:
+    """Weights ready to push. `cmd` lacks only its cmd_id; `release()` frees the staging."""
+
+    version: int
+    transport: Transport
+    digest: str
+    expected_checksum: str
+    nbytes: int
+    flat: Any = None  # collective: the uint8 tensor rank 0 broadcasts
+    _release: list[Callable[[], None]] = field(default_factory=list)
+    _stable: Callable[[], None] | None = None
+
+    def command(self, cmd_id: str, *, target: Target | None = None,
+                reset_prefix_cache: bool = True, deadline: float = 0.0) -> UpdateWeights:
+        return UpdateWeights(cmd_id=cmd_id, version=self.version, transport=self.transport,
+                             digest=self.digest, target=target or Base(),
+                             reset_prefix_cache=reset_prefix_cache, deadline=deadline)
+
+    def mark_stable(self) -> None:
+        """Filesystem: write the STABLE marker (done by `stage` unless asked not to)."""
+        if self._stable is not None:
+            self._stable()
+            self._stable = None
+
+    def release(self) -> None:
+        for fn in self._release:
+            with contextlib.suppress(Exception):
+                fn()
+        self._release.clear()
+
+def as_state_dict(weights: Any) -> dict[str, Any]:
+    """A state dict from a module or a mapping of tensors."""
+    if hasattr(weights, "state_dict") and callable(weights.state_dict):
+        weights = weights.state_dict()
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"update_weights takes a torch module or a state dict, got "
+                        f"{type(weights).__name__}")
+    return dict(weights)
+
+class WeightStager:
+    def __init__(self, bus: Bus, *, fs_root: str | None = None) -> None:
+        self.bus = bus
+        self.fs_root = fs_root or os.path.join(tempfile.gettempdir(), "rlfabric-weights")
+
+    async def stage(self, version: int, state: Mapping[str, Any], transport: str, *,
+                    mark_stable: bool = True, group_epoch: int = 0) -> Staged:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}: use one of {', '.join(TRANSPORTS)} "
+                             "(cuda_ipc needs a GPU build and is not available here)")
+        metas, size = plan(state)
+        expected = await anyio.to_thread.run_sync(checksum, state)
+        if transport == "shm":
+            return await self._stage_shm(version, state, metas, size, expected)
+        if transport == "filesystem":
+            st = await self._stage_fs(version, state, metas, size, expected)
+            if mark_stable:
+                st.mark_stable()
+            return st
+        if transport == "nats":
+            return await self._stage_nats(version, state, metas, size, expected)
+        return await self._stage_collective(version, state, metas, size, expected, group_epoch)
+
+    async def _stage_shm(self, version: int, state: Mapping[str, Any], metas: Any, size: int,
+                         expected: str) -> Staged:
+        name = f"rlf_{self.bus.subjects.prefix}_{version}_{uuid.uuid4().hex[:8]}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+
+        def fill() -> str:
+            pack_into(state, metas, shm.buf[:size])
+            return digest(shm.buf[:size])
+
+        dg = await anyio.to_thread.run_sync(fill)
+        st = Staged(version, SharedMemory(name=name, tensors=metas), dg, expected, size)
+        st._release += [shm.close, shm.unlink]
+        return st
+
+    async def _stage_fs(self, version: int, state: Mapping[str, Any], metas: Any, size: int,
+                        expected: str) -> Staged:
+        path = os.path.join(self.fs_root, self.bus.subjects.prefix, f"v{version}")
+
+        def write() -> str:
+            os.makedirs(path, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(path, STABLE_MARKER))
+            buf = bytearray(size)
+            pack_into(state, metas, buf)
+            with open(os.path.join(path, WEIGHTS_FILE), "wb") as f:
+                f.write(buf)
+                f.flush()
+                os.fsync(f.fileno())
+            return digest(buf)
+
+        dg = await anyio.to_thread.run_sync(write)
+        st = Staged(version, Filesystem(path=path, require_marker=True, tensors=metas), dg,
+                    expected, size)
+
+        def stable() -> None:
+            with open(os.path.join(path, STABLE_MARKER), "w") as f:
+                f.write(dg)
+                f.flush()
+                os.fsync(f.fileno())
+
+        st._stable = stable
+        st._release.append(lambda: shutil.rmtree(path, ignore_errors=True))
+        return st
+
+    async def _stage_nats(self, version: int, state: Mapping[str, Any], metas: Any, size: int,
+                          expected: str) -> Staged:
+        s = self.bus.subjects
+        buf = bytearray(size)
+        dg = await anyio.to_thread.run_sync(lambda: (pack_into(state, metas, buf), digest(buf))[1])
+        subject = s.weights(version)
+        js = self.bus.js
+        await js.purge_stream(s.weights_stream, subject=subject)  # a re-sent version starts clean
+        view = memoryview(buf)
+        pending: list[Any] = []
+        chunks = 0
+        for off in range(0, size, NATS_CHUNK):
+            fut = await js.publish_async(subject, bytes(view[off:off + NATS_CHUNK]),
+                                         headers={"rlf-offset": str(off)})
+            pending.append(fut)
+            chunks += 1
+            if len(pending) >= NATS_WINDOW:
+                await pending.pop(0)
+        for fut in pending:
+            await fut
+
+        async def purge() -> None:
+            await js.purge_stream(s.weights_stream, subject=subject)
+
+        st = Staged(version, Nats(stream=s.weights_stream, subject=subject, chunks=chunks,
+                                  tensors=metas), dg, expected, size)
+        st._release.append(lambda: self.bus.tg.start_soon(purge))
+        return st
+
+    async def _stage_collective(self, version: int, state: Mapping[str, Any], metas: Any,
+                                size: int, expected: str, group_epoch: int) -> Staged:
+        import torch
+
+        flat = torch.empty(size, dtype=torch.uint8)
+        buf = flat.numpy().data
+        dg = await anyio.to_thread.run_sync(lambda: (pack_into(state, metas, buf), digest(buf))[1])
+        return Staged(version, Collective(group_epoch=group_epoch, tensors=metas), dg, expected,
+                      size, flat=flat)
