@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import AsyncIterator
+
+import anyio
 
 
 def free_port() -> int:
@@ -16,21 +20,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def children(cmds: list[list[str]], ready: str | None = None) -> Iterator[list[subprocess.Popen]]:
-    """Start Python module processes; with `ready`, wait for that line on each one's stdout.
-    All are stopped (SIGTERM, then SIGKILL) on exit."""
-    procs = [subprocess.Popen([sys.executable, "-m", *c], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for c in cmds]
+@contextlib.asynccontextmanager
+async def children(cmds: list[list[str]], ready: str | None = None,
+                   timeout: float = 120.0) -> AsyncIterator[list[subprocess.Popen]]:
+    """Start Python module processes; with `ready`, wait for that line on each one's output
+    (in a thread: the event loop, and the caller's NATS connection, keep running). Their
+    output is drained (a full pipe would block them) and shown if one fails to start. All are
+    stopped (SIGTERM, then SIGKILL) on exit."""
+    procs, logs, readies, threads = [], [], [], []
+    for c in cmds:
+        p = subprocess.Popen([sys.executable, "-m", *c], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        log: collections.deque[str] = collections.deque(maxlen=50)
+        ev = threading.Event()
+        t = threading.Thread(target=_drain, args=(p, log, ev, ready), daemon=True)
+        t.start()
+        procs.append(p), logs.append(log), readies.append(ev), threads.append(t)
     try:
-        if ready:
-            for p in procs:
-                for line in p.stdout:
-                    if ready in line:
-                        break
-                else:
-                    raise RuntimeError(f"{' '.join(p.args)} exited before it was ready")
-        yield procs
+        for p, log, ev in zip(procs, logs, readies, strict=True):
+            if ready and not await anyio.to_thread.run_sync(ev.wait, timeout):
+                raise RuntimeError(f"{' '.join(p.args)} not ready in {timeout}s: "
+                                   + " | ".join(log))
+        try:
+            yield procs
+        except BaseException:
+            for p, log in zip(procs, logs, strict=True):
+                print(f"--- output of {' '.join(map(str, p.args[2:]))}:\n" + "\n".join(log),
+                      file=sys.stderr)
+            raise
     finally:
         for p in procs:
             if p.poll() is None:
@@ -41,8 +58,18 @@ def children(cmds: list[list[str]], ready: str | None = None) -> Iterator[list[s
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=10)
-            if p.stdout:
-                p.stdout.close()
+        for t in threads:
+            t.join(timeout=5)
+
+
+def _drain(p: subprocess.Popen, log: collections.deque, ev: threading.Event,
+           ready: str | None) -> None:
+    assert p.stdout is not None
+    with p.stdout:
+        for line in p.stdout:
+            log.append(line.rstrip())
+            if ready and ready in line:
+                ev.set()
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -89,7 +89,7 @@ async def bench_http(engine_kind: str, workers: int, n: int, conc: int, max_toke
     ports = [free_port() for _ in range(workers)]
     cmds = [["rlfabric.bench.http_server", "--engine", engine_kind, "--port", str(p),
              "--threads", str(threads(workers))] for p in ports]
-    with children(cmds, ready="http server ready"):
+    async with children(cmds, ready="http server ready"):
         urls = itertools.cycle([f"http://127.0.0.1:{p}/generate" for p in ports])
         conn = aiohttp.TCPConnector(limit=conc * 2)
         async with aiohttp.ClientSession(connector=conn) as session:
@@ -114,19 +114,19 @@ async def bench_fabric(engine_kind: str, workers: int, n: int, conc: int,
                  engine_kind, "--worker-id", f"w{i}", "--capacity", str(conc),
                  "--threads", str(threads(workers))]
                 for i in range(workers)]
-        with children(cmds, ready="ready"):
-            async with FabricClient.connect(nats.url, prefix=prefix) as fabric:
-                await fabric.wait_for_workers(workers, timeout=120)
+        async with children(cmds, ready="ready"), \
+                FabricClient.connect(nats.url, prefix=prefix) as fabric:
+            await fabric.wait_for_workers(workers, timeout=120)
 
-                async def one(req: RolloutRequest) -> int:
-                    got = 0
-                    async for res in fabric.generate([req]):
-                        assert isinstance(res, RolloutResult), res
-                        got += len(res.completion_token_ids)
-                    return got
+            async def one(req: RolloutRequest) -> int:
+                got = 0
+                async for res in fabric.generate([req]):
+                    assert isinstance(res, RolloutResult), res
+                    got += len(res.completion_token_ids)
+                return got
 
-                await run_lanes(requests(50, max_tokens, "w"), conc, one)
-                return await run_lanes(requests(n, max_tokens, "r"), conc, one)
+            await run_lanes(requests(50, max_tokens, "w"), conc, one)
+            return await run_lanes(requests(n, max_tokens, "r"), conc, one)
 
 
 async def run(engines: list[str], sizes: list[int], scale: float) -> list[dict[str, Any]]:

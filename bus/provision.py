@@ -1,13 +1,14 @@
 """Idempotent creation of the streams and KV buckets of a job (DESIGN section 3).
 
-Every process calls `provision()` at start; the first creates, the rest find what exists.
-A stream whose config drifted (e.g. an older rlfabric) is updated in place; one that cannot
-be updated raises `ProvisioningError` naming it.
+Every process calls `provision()` at start; the first creates, the rest find what exists and
+keep its settings (retention, storage, TTLs: the first process of a job decides). Only a
+stream listening on the wrong subjects is repaired; one that cannot be raises
+`ProvisioningError` naming it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -20,7 +21,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
 from rlfabric.bus.errors import ProvisioningError
@@ -44,6 +45,9 @@ class Limits:
     #: seconds a fetched rollout request stays with its worker without an ack or in-progress
     #: signal; after it (a crashed worker) the request goes to another worker
     rollout_ack_wait: float = 15.0
+    #: where the nats weight transport keeps chunks: "file" (any model size) or "memory"
+    #: (about 2.5x faster here; the server must hold one model version in RAM)
+    weights_storage: str = "file"
 
 
 @dataclass(slots=True)
@@ -84,25 +88,33 @@ def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
             name=s.weights_stream,
             subjects=[s.weights_all],
             retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
+            storage=StorageType.MEMORY if lim.weights_storage == "memory" else StorageType.FILE,
             max_age=lim.weights_max_age,
         ),
     ]
 
 
 async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    """Create the stream, or leave an existing one as its creator configured it (limits,
+    storage: the first process of a job decides), repairing only its subjects, which routing
+    depends on."""
     try:
-        await js.add_stream(cfg)
-    except BadRequestError as exc:
-        # 10058: the name exists with another config. Bring it to ours.
+        info = await js.stream_info(cfg.name)
+    except NotFoundError:
         try:
-            await js.update_stream(cfg)
-        except BadRequestError as exc2:
-            raise ProvisioningError(
-                f"stream {cfg.name} exists with a config that cannot be updated "
-                f"({exc2.description}); delete it (`nats stream rm {cfg.name}`) or use another "
-                "--prefix"
-            ) from exc
+            await js.add_stream(cfg)
+            return
+        except BadRequestError:  # created concurrently by another process
+            info = await js.stream_info(cfg.name)
+    if sorted(info.config.subjects or []) == sorted(cfg.subjects or []):
+        return
+    try:
+        await js.update_stream(replace(info.config, subjects=cfg.subjects))
+    except APIError as exc:
+        raise ProvisioningError(
+            f"stream {cfg.name} listens on {info.config.subjects}, not {cfg.subjects}, and "
+            f"cannot be changed ({exc.description}); delete it or use another --prefix"
+        ) from exc
 
 
 async def _ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:

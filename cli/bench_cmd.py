@@ -9,8 +9,10 @@ import sys
 BENCHES = {
     "rollout": ("rlfabric.bench.rollout",
                 "results/s and p50/p99 latency: rlfabric vs aiohttp servers vs in-process"),
-    "quorum": ("rlfabric.bench.quorum",
-               "broadcast -> all acks latency for N simulated workers"),
+    "control": ("rlfabric.bench.control",
+                "pause -> all acks latency, rlfabric vs aiohttp and httpx fan-out"),
+    "weights": ("rlfabric.bench.weights",
+                "weight update MB/s per transport beside memcpy and /dev/shm"),
 }
 
 

@@ -14,6 +14,7 @@ import anyio
 
 from rlfabric.bus import Bus, NatsUnavailable
 from rlfabric.cli._common import add_bus_options, connect_options
+from rlfabric.schemas import RLFabricError
 
 log = logging.getLogger("rlfabric.worker")
 
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     except NatsUnavailable as exc:
         print(f"rlfabric worker: {exc}", file=sys.stderr)
         return 2
-    except ValueError as exc:
+    except (RLFabricError, ValueError) as exc:
         print(f"rlfabric worker: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -17,8 +17,8 @@ from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import anyio
-import nats.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
 
 from rlfabric.bus import AckFields, Bus, CommandContext, CommandFailed
 from rlfabric.bus.collective import CollectiveGroup
@@ -160,30 +160,30 @@ class WeightSync:
         return await anyio.to_thread.run_sync(_read_file, path)
 
     async def _read_nats(self, t: Nats, version: int, size: int) -> bytearray:
-        """Pull every chunk of this version from the weights stream into one buffer."""
+        """Every chunk of this version from the weights stream, into one buffer (an ordered
+        push consumer: flow-controlled by the server, no pull round trips)."""
         buf = bytearray(size)
-        js = self.bus.js
-        psub = await js.pull_subscribe(
-            t.subject, stream=t.stream,
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
-                                  inactive_threshold=30.0, filter_subject=t.subject,
-                                  max_waiting=16))
         got = 0
+        done = anyio.Event()
+
+        async def on_chunk(m: Msg) -> None:
+            nonlocal got
+            off = int(m.subject.rsplit(".", 1)[1]) * t.chunk_bytes
+            buf[off:off + len(m.data)] = m.data
+            got += 1
+            if got >= t.chunks:
+                done.set()
+
+        sub = await self.bus.js.subscribe(f"{t.subject}.>", stream=t.stream, cb=on_chunk,
+                                          ordered_consumer=True,
+                                          deliver_policy=DeliverPolicy.ALL)
         try:
             with anyio.fail_after(self.fetch_timeout):
-                while got < t.chunks:
-                    try:
-                        msgs = await psub.fetch(min(64, t.chunks - got), timeout=5.0)
-                    except (TimeoutError, nats.errors.TimeoutError):
-                        continue
-                    for m in msgs:
-                        off = int(m.headers["rlf-offset"])
-                        buf[off:off + len(m.data)] = m.data
-                        got += 1
+                await done.wait()
         finally:
             with anyio.CancelScope(shield=True):
                 with contextlib.suppress(Exception):
-                    await psub.unsubscribe()
+                    await sub.unsubscribe()
         return buf
 
     # ---- collective ----

@@ -53,11 +53,13 @@ class Filesystem(Message, tag_field="kind", tag="filesystem", kw_only=True):
 
 
 class Nats(Message, tag_field="kind", tag="nats", kw_only=True):
-    """Tensors chunked over a JetStream stream; any host can pull them."""
+    """Tensors chunked over a JetStream stream; any host can pull them. Chunk `i` is the
+    message on `<subject>.<i>` and holds bytes `[i * chunk_bytes, (i + 1) * chunk_bytes)`."""
 
     stream: str
     subject: str
     chunks: int = 0
+    chunk_bytes: int = 4 * 1024 * 1024
     tensors: tuple[TensorMeta, ...] = ()
 
 

@@ -7,9 +7,10 @@ torch is imported inside the functions: the message types above stay importable 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import xxhash
 
 from rlfabric.schemas.control import TensorMeta
 
@@ -77,17 +78,18 @@ def unpack(buf: Any, metas: Iterable[TensorMeta]) -> dict[str, Any]:
 
 
 def digest(buf: Any) -> str:
-    """The digest carried by `UpdateWeights`: blake2b-128 of the packed buffer."""
-    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
+    """The digest carried by `UpdateWeights`: XXH3-128 of the packed buffer (an integrity
+    check against corruption and partial payloads, ~10x faster than blake2b here)."""
+    return xxhash.xxh3_128_hexdigest(memoryview(buf))
 
 
 def checksum(state: Mapping[str, Any]) -> str:
     """A digest of named parameters (name, dtype, shape, bytes), name-sorted: what a worker
     reports after a load, and what the sender expects from the state dict it sent."""
     torch = _torch()
-    h = hashlib.blake2b(digest_size=16)
+    h = xxhash.xxh3_128()
     for name in sorted(state):
         t = state[name].detach()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()

@@ -40,6 +40,7 @@ from rlfabric.schemas import (
     Collective,
     Command,
     Describe,
+    DesiredState,
     FanoutReport,
     InitTransport,
     MembershipSnapshot,
@@ -94,6 +95,8 @@ class FabricClient:
         self._group: CollectiveGroup | None = None
         self._group_fingerprint = ""
         self._last_epoch = 0
+        #: what this client last asked of the fleet (it is the job's one writer of rl_state)
+        self._desired = DesiredState()
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -106,6 +109,7 @@ class FabricClient:
             client = cls(bus, client_id or f"c{uuid.uuid4().hex[:12]}", policy or QuorumPolicy())
             await bus.tg.start(client.watcher.run)
             await bus.tg.start(client._listen)
+            client._desired = await bus.desired_state()
             try:
                 yield client
             finally:
@@ -135,27 +139,47 @@ class FabricClient:
         under the weights loaded by then. Queued requests wait in the stream either way."""
         if mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause(mode={mode!r}): use 'wait', 'abort' or 'keep'")
-        rep = await self.broadcast(Pause(cmd_id=new_cmd_id(), mode=mode), policy)  # type: ignore[arg-type]
-        await self._desire(paused=True, pause_mode=mode)
-        return rep
+        cmd = Pause(cmd_id=new_cmd_id(), mode=mode)  # type: ignore[arg-type]
+        return await self._broadcast_desiring(cmd, policy, paused=True, pause_mode=mode)
 
     async def resume(self, *, policy: QuorumPolicy | None = None) -> FanoutReport:
-        rep = await self.broadcast(Resume(cmd_id=new_cmd_id()), policy)
-        await self._desire(paused=False, pause_mode="")
-        return rep
+        return await self._broadcast_desiring(Resume(cmd_id=new_cmd_id()), policy,
+                                              paused=False, pause_mode="")
 
-    async def _desire(self, **changes: object) -> None:
-        state = await self.bus.desired_state()
-        await self.bus.put_desired_state(
-            msgspec.structs.replace(state, updated_at=time.time(), **changes))
+    async def _broadcast_desiring(self, cmd: Command, policy: QuorumPolicy | None, *,
+                                  revert_on_failure: bool = False, **desired: Any
+                                  ) -> FanoutReport:
+        """Broadcast `cmd` while recording the desired state it stands for in the state
+        bucket, concurrently: a worker joining meanwhile starts from the new state (e.g.
+        paused), and no round trip is added to the call."""
+        before = self._desired
+        self._desired = msgspec.structs.replace(before, updated_at=time.time(), **desired)
+        outcome: FanoutReport | Exception
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.bus.put_desired_state, self._desired)
+            try:
+                outcome = await self.broadcast(cmd, policy)
+            except Exception as exc:  # re-raised below, not as an exception group
+                outcome = exc
+        if isinstance(outcome, Exception):
+            if revert_on_failure:
+                self._desired = before
+                await self.bus.put_desired_state(before)
+            raise outcome
+        return outcome
+
+    async def _desire(self, **changes: Any) -> None:
+        self._desired = msgspec.structs.replace(self._desired, updated_at=time.time(), **changes)
+        await self.bus.put_desired_state(self._desired)
 
     # ---- weights ----
     async def stage_weights(self, version: int, weights: Any, transport: str = "shm", *,
-                            mark_stable: bool = True) -> Staged:
+                            mark_stable: bool = True, with_checksum: bool = True) -> Staged:
         """Pack `weights` (a module or state dict) for `transport` without sending anything.
-        `push_weights()` sends it; `update_weights()` does both."""
+        `push_weights()` sends it; `update_weights()` does both. `with_checksum` computes the
+        checksum `verify="sender"` compares against."""
         return await self.stager.stage(version, as_state_dict(weights), transport,
-                                       mark_stable=mark_stable)
+                                       mark_stable=mark_stable, with_checksum=with_checksum)
 
     async def update_weights(self, version: int, state_dict: Any = None, *, module: Any = None,
                              transport: str = "shm", target: Target | None = None,
@@ -171,7 +195,8 @@ class FabricClient:
         weights = module if module is not None else state_dict
         if weights is None:
             raise TypeError("update_weights needs state_dict= or module=")
-        staged = await self.stage_weights(version, weights, transport)
+        staged = await self.stage_weights(version, weights, transport,
+                                          with_checksum=verify == "sender")
         return await self.push_weights(staged, target=target, policy=policy, verify=verify)
 
     async def push_weights(self, staged: Staged, *, target: Target | None = None,
@@ -189,13 +214,20 @@ class FabricClient:
         else:
             cmd = staged.command(new_cmd_id(), target=target, deadline=deadline)
             try:
-                rep = await self.broadcast(cmd, policy)
+                # a worker joining during the update loads this version itself
+                rep = await self._broadcast_desiring(cmd, policy, revert_on_failure=True,
+                                                     weight_version=staged.version, locator=cmd)
             except Exception:
                 staged.release()
                 raise
-        self._check(rep, staged, verify)
-        pullable = not isinstance(staged.transport, Collective)
-        await self._desire(weight_version=staged.version, locator=cmd if pullable else None)
+        try:
+            self._check(rep, staged, verify)
+        except WeightsMismatch:
+            if not isinstance(staged.transport, Collective):
+                await self._desire(weight_version=self._desired.weight_version)
+            raise
+        if isinstance(staged.transport, Collective):
+            await self._desire(weight_version=staged.version, locator=None)
         if self._current is not None and self._current is not staged:
             self._current.release()  # the previous version is no longer anyone's to load
         self._current = staged
@@ -245,8 +277,7 @@ class FabricClient:
         for m in snap.members:
             offsets[m.worker_id] = rank
             rank += max(1, m.ranks)
-        state = await self.bus.desired_state()
-        epoch = max(state.group_epoch, self._last_epoch) + 1  # fresh, even after a failed init
+        epoch = max(self._desired.group_epoch, self._last_epoch) + 1  # fresh after a failure
         self._last_epoch = epoch
         if self._group is not None:
             self._group.close()  # torn down, never reused

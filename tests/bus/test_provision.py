@@ -26,11 +26,12 @@ async def test_provision_twice_and_repair_drift(nats_url: str, prefix: str) -> N
         assert (await js.stream_info(s.results_stream)).config.subjects == [
             f"{prefix}.rollout.result.>"]
         assert (await js.stream_info(s.weights_stream)).config.subjects == [f"{prefix}.weights.>"]
-        # an older config (shorter retention) is brought back to ours
-        await js.update_stream(StreamConfig(name=s.control_stream, subjects=[s.control_all],
+        # the first creator's settings stay; wrong subjects are repaired
+        await js.update_stream(StreamConfig(name=s.control_stream, subjects=[f"{prefix}.x.>"],
                                             max_age=60.0))
         await provision(js, s)
-        assert (await js.stream_info(s.control_stream)).config.max_age == Limits().control_max_age
+        info = await js.stream_info(s.control_stream)
+        assert info.config.subjects == [s.control_all] and info.config.max_age == 60.0
     finally:
         await nc.close()
 

@@ -102,3 +102,26 @@ def test_help_explains_each_command() -> None:
     out = subprocess.run([rlfabric_exe(), "nats", "--help"], capture_output=True, text=True,
                          timeout=30)
     assert "--store-dir" in out.stdout and "--port" in out.stdout
+
+
+def test_ctl_pause_describe_resume_report_every_worker(nats_url: str, prefix: str, spawn) -> None:
+    proc = spawn("--nats", nats_url, "--prefix", prefix, "--ids", "o1,o2")
+    assert "ready" in proc.stdout.readline()
+    base = [rlfabric_exe(), "ctl", "--nats", nats_url, "--prefix", prefix, "--timeout", "10"]
+    out = subprocess.run([*base, "pause", "--mode", "keep"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "2 ok, 0 failed, 0 missing" in out.stdout and "ok       o2" in out.stdout
+    out = subprocess.run([*base, "--json", "describe"], capture_output=True, text=True,
+                         timeout=60)
+    rep = json.loads(out.stdout)
+    assert rep["op"] == "describe" and rep["ok"] == ["o1", "o2"]
+    out = subprocess.run([*base, "resume"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "2 ok" in out.stdout
+
+
+def test_ctl_without_workers_fails_with_a_reason(nats_url: str, prefix: str) -> None:
+    out = subprocess.run([rlfabric_exe(), "ctl", "--nats", nats_url, "--prefix", prefix,
+                          "--timeout", "2", "pause"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "no workers were members" in out.stderr

@@ -1,0 +1,129 @@
+"""Pause -> every ack, for N lightweight responders: rlfabric vs HTTP fan-out.
+
+- `rlfabric`: N simulated workers (membership + the ordered, idempotent command receiver, no
+  engine) in `--processes` processes; `FabricClient.pause()` / `.resume()`: JetStream-persisted
+  command, quorum of N acks, missing members pinged.
+- `aiohttp` / `httpx`: N aiohttp servers in the same number of processes; the trainer POSTs
+  `/pause` to every URL concurrently and waits for every answer (what RL stacks do today).
+Each round alternates pause and resume; latency is one call until all N answered.
+
+    rlfabric bench control [--sizes 1,8,32,128] [--rounds 200] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+from rlfabric.bench._util import children, free_port, pct, table
+from rlfabric.bus import EmbeddedNats, QuorumPolicy
+from rlfabric.trainer import FabricClient
+
+
+def split(items: list, parts: int) -> list[list]:
+    per = -(-len(items) // parts)
+    return [items[i:i + per] for i in range(0, len(items), per)]
+
+
+async def timed(rounds: int, call: Callable[[int], Awaitable[None]]) -> dict[str, float]:
+    for i in range(10):  # warm-up
+        await call(i)
+    lat = []
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        await call(i)
+        lat.append((time.perf_counter() - t0) * 1e3)
+    return {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "mean_ms": sum(lat) / len(lat)}
+
+
+async def bench_fabric(url: str, n: int, rounds: int, processes: int) -> dict[str, float]:
+    prefix = f"ctl{n}"
+    ids = [f"b{i:03d}" for i in range(n)]
+    cmds = [["rlfabric.bus.sim", "--nats", url, "--prefix", prefix, "--ids", ",".join(part)]
+            for part in split(ids, processes)]
+    async with children(cmds, ready="ready"), FabricClient.connect(url, prefix=prefix,
+                                    policy=QuorumPolicy(timeout=30)) as fabric:
+        await fabric.wait_for_workers(n, timeout=120)
+
+        async def call(i: int) -> None:
+            rep = await (fabric.pause(mode="wait") if i % 2 == 0 else fabric.resume())
+            assert len(rep.ok) == n
+
+        return await timed(rounds, call)
+
+
+async def bench_http(n: int, rounds: int, processes: int, client: str) -> dict[str, float]:
+    ports = [free_port() for _ in range(n)]
+    cmds = [["rlfabric.bench.http_fleet", "--ports", ",".join(map(str, part))]
+            for part in split(ports, processes)]
+    async with children(cmds, ready="http fleet ready"):
+        pause = [f"http://127.0.0.1:{p}/pause?mode=wait" for p in ports]
+        resume = [f"http://127.0.0.1:{p}/resume" for p in ports]
+        if client == "aiohttp":
+            import aiohttp
+
+            async with aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0)) as session:
+                async def post(u: str) -> None:
+                    async with session.post(u) as r:
+                        assert (await r.json())["ok"]
+
+                async def call(i: int) -> None:
+                    async with anyio.create_task_group() as tg:
+                        for u in (pause if i % 2 == 0 else resume):
+                            tg.start_soon(post, u)
+
+                return await timed(rounds, call)
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(limits=limits) as hc:
+            async def hpost(u: str) -> None:
+                r = await hc.post(u)
+                assert r.json()["ok"]
+
+            async def hcall(i: int) -> None:
+                async with anyio.create_task_group() as tg:
+                    for u in (pause if i % 2 == 0 else resume):
+                        tg.start_soon(hpost, u)
+
+            return await timed(rounds, hcall)
+
+
+async def run(sizes: list[int], rounds: int, processes: int) -> list[dict]:
+    rows = []
+    async with EmbeddedNats() as nats:
+        for n in sizes:
+            procs = min(processes, n)
+            r = max(20, rounds if n < 128 else rounds // 2)
+            fab = await bench_fabric(nats.url, n, r, procs)
+            aio = await bench_http(n, r, procs, "aiohttp")
+            htx = await bench_http(n, max(10, r // (4 if n >= 32 else 1)), procs, "httpx")
+            for path, res in (("rlfabric", fab), ("aiohttp", aio), ("httpx", htx)):
+                rows.append({"responders": n, "processes": procs, "path": path, "rounds": r,
+                             **res, "x_vs_fabric": res["p50_ms"] / fab["p50_ms"]})
+    return rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="1,8,32,128")
+    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = anyio.run(run, [int(x) for x in args.sizes.split(",")], args.rounds, args.processes)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(table(rows, [("responders", "responders", ""), ("processes", "procs", ""),
+                       ("path", "path", ""), ("rounds", "rounds", ""),
+                       ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
+                       ("mean_ms", "mean ms", ".2f"),
+                       ("x_vs_fabric", "p50 / rlfabric p50", ".2f")]))
+    return 0

@@ -1,0 +1,118 @@
+"""Weight-update throughput per transport, beside the machine's own floors, in one run.
+
+For each size, a state dict of 16 MiB fp32 tensors goes to one worker (the null engine: it
+verifies the digest and takes the tensors, so the transport is what is measured) through
+`FabricClient.update_weights(..., verify="off")`: pack + digest on the sender, the transport,
+digest on the worker, ack. Floors in the same run: a torch memcpy of the same bytes, and a
+/dev/shm file write + read.
+
+    rlfabric bench weights [--sizes 256,1024] [--transports shm,filesystem,nats,collective]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+import time
+
+import anyio
+import torch
+
+from rlfabric.bench._util import children, table
+from rlfabric.bus import EmbeddedNats, Limits, QuorumPolicy
+from rlfabric.trainer import FabricClient
+
+MIB = 1024 * 1024
+
+
+def state_dict(mib: int) -> dict[str, torch.Tensor]:
+    n = max(1, mib // 16)
+    return {f"layer{i}.weight": torch.randn(4 * MIB) for i in range(n)}  # 16 MiB each
+
+
+def floors(sd: dict[str, torch.Tensor], nbytes: int, rounds: int) -> list[dict]:
+    """Best of `rounds`, buffers allocated and touched first (page faults are not copies)."""
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    best = float("inf")
+    for _ in range(rounds + 1):
+        t0 = time.perf_counter()
+        for k, v in sd.items():
+            dst[k].copy_(v)
+        best = min(best, time.perf_counter() - t0)
+    out = [{"path": "memcpy (torch copy_)", "seconds": best}]
+    del dst
+    shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(shm_dir, f"rlfabric-bench-{os.getpid()}")
+    buf = bytearray(nbytes)
+    best = float("inf")
+    try:
+        for _ in range(rounds + 1):
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                for v in sd.values():
+                    f.write(v.numpy().data)
+            with open(path, "rb") as f:
+                f.readinto(buf)
+            best = min(best, time.perf_counter() - t0)
+            os.unlink(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    out.append({"path": f"{shm_dir} write+read", "seconds": best})
+    return out
+
+
+async def bench(sizes: list[int], transports: list[str], rounds: int) -> list[dict]:
+    rows = []
+    async with EmbeddedNats() as nats:
+        policy = QuorumPolicy(timeout=600)
+        for mib in sizes:
+            sd = state_dict(mib)
+            nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+            for row in floors(sd, nbytes, rounds):
+                rows.append({"size_mib": mib, **row})
+            for tr in transports:
+                storage = "memory" if tr == "nats-memory" else "file"
+                prefix = f"wb{mib}{tr.replace('-', '')}"
+                # the client provisions first, so the weights stream gets this storage
+                async with FabricClient.connect(nats.url, prefix=prefix, policy=policy,
+                                                limits=Limits(weights_storage=storage)) as fab:
+                    cmds = [["rlfabric", "worker", "--nats", nats.url, "--prefix", prefix,
+                             "--engine", "null", "--worker-id", "sink"]]
+                    async with children(cmds, ready="ready"):
+                        await fab.wait_for_workers(1, timeout=120)
+                        if tr == "collective":
+                            await fab.init_transport("gloo", timeout=120)
+                        best = float("inf")
+                        for version in range(rounds):
+                            t0 = time.perf_counter()
+                            await fab.update_weights(version, state_dict=sd,
+                                                     transport=tr.split("-")[0], verify="off")
+                            best = min(best, time.perf_counter() - t0)
+                rows.append({"size_mib": mib, "path": f"rlfabric {tr}", "seconds": best})
+            del sd
+    for r in rows:
+        r["mb_s"] = r["size_mib"] * MIB / 1e6 / r["seconds"]
+    return rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="256,1024", help="MiB per update (default %(default)s)")
+    p.add_argument("--transports", default="shm,filesystem,nats,nats-memory,collective",
+                   help="nats-memory: the nats transport with an in-memory weights stream")
+    p.add_argument("--rounds", type=int, default=2, help="best of N per transport")
+    p.add_argument("--json", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = anyio.run(bench, [int(x) for x in args.sizes.split(",")],
+                     [t for t in args.transports.split(",") if t], args.rounds)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(table(rows, [("size_mib", "MiB", ""), ("path", "path", ""),
+                       ("seconds", "seconds", ".3f"), ("mb_s", "MB/s", ".0f")]))
+    return 0

@@ -1,0 +1,92 @@
+"""`rlfabric ctl`: operator commands, broadcast with quorum like the trainer's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import anyio
+import msgspec
+
+from rlfabric.bus import MembershipChanged, NatsUnavailable, QuorumNotReached, QuorumPolicy
+from rlfabric.cli._common import add_bus_options, connect_options
+from rlfabric.schemas import FanoutReport
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ctl", help="pause / resume / describe every worker, with a quorum report",
+        description="Broadcast a control command to every worker of the job and print who "
+        "acked ok, who failed (and why) and who never answered. Exit 0 when the quorum is "
+        "met, 1 when not, 2 when the bus cannot be reached.")
+    add_bus_options(p)
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds to wait for the quorum (default %(default)s)")
+    p.add_argument("--required", default="all",
+                   help="'all', a count (e.g. 3) or a fraction (e.g. 0.5) of the members")
+    p.add_argument("--shrink", action="store_true",
+                   help="go on without workers that leave or die while waiting (default: fail)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    csub = p.add_subparsers(dest="op", metavar="OP", required=True)
+    pause = csub.add_parser("pause", help="stop serving (in-flight work per --mode)")
+    pause.add_argument("--mode", choices=["wait", "abort", "keep"], default="wait",
+                       help="wait: finish in-flight first; abort: cut it short (partial "
+                       "results); keep: freeze it until resume (default %(default)s)")
+    csub.add_parser("resume", help="serve again")
+    csub.add_parser("describe", help="each worker's engine, model, version, load")
+    p.set_defaults(func=run)
+
+
+def _required(text: str) -> str | int | float:
+    if text == "all":
+        return "all"
+    return float(text) if "." in text else int(text)
+
+
+async def _run(args: argparse.Namespace) -> FanoutReport:
+    from rlfabric.trainer import FabricClient
+
+    policy = QuorumPolicy(required=_required(args.required), timeout=args.timeout,
+                          on_membership_change="shrink" if args.shrink else "fail")
+    async with FabricClient.connect(connect_options(args, "rlfabric-ctl"), prefix=args.prefix,
+                                    policy=policy) as fabric:
+        if args.op == "pause":
+            return await fabric.pause(mode=args.mode)
+        if args.op == "resume":
+            return await fabric.resume()
+        return await fabric.describe()
+
+
+def _print(rep: FanoutReport, args: argparse.Namespace) -> None:
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(rep), indent=2))
+        return
+    print(f"{rep.op} {rep.cmd_id}: {len(rep.ok)} ok, {len(rep.failed)} failed, "
+          f"{len(rep.missing)} missing ({rep.elapsed_s * 1e3:.1f} ms, epoch {rep.epoch})")
+    for w in rep.ok:
+        a = rep.acks[w]
+        extra = "  ".join(f"{k}={v}" for k, v in sorted(a.detail.items()))
+        print(f"  ok       {w}  v{a.weight_version}  {extra}".rstrip())
+    for w in rep.failed:
+        a = rep.acks[w]
+        print(f"  FAILED   {w}  {a.error_code}: {a.error_message}")
+    for w in rep.missing:
+        print(f"  MISSING  {w}{'  (gone: no ping responder)' if w in rep.dead else ''}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        rep = anyio.run(_run, args)
+    except NatsUnavailable as exc:
+        print(f"rlfabric ctl: {exc}", file=sys.stderr)
+        return 2
+    except (QuorumNotReached, MembershipChanged) as exc:
+        print(f"rlfabric ctl: {exc}", file=sys.stderr)
+        _print(exc.report, args)
+        return 1
+    except ValueError as exc:
+        print(f"rlfabric ctl: {exc}", file=sys.stderr)
+        return 2
+    _print(rep, args)
+    return 0
