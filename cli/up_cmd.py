@@ -1,0 +1,229 @@
+"""`rlfabric up`: the whole loop on one machine. An embedded NATS server, N worker processes
+serving the tiny model, and the reference GRPO loop training it on a toy task, with a live
+view, a summary table and a plot. Exit 0 only if the reward rose past the threshold and every
+worker ended on the final weight version."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+from rlfabric.bus import EmbeddedNats
+from rlfabric.bus.server import die_with_parent
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up", help="the demo: embedded NATS + N workers + GRPO on a toy task, live",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default %(default)s)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="GRPO steps (default 20; 30 with --async, which learns from one-step "
+                   "stale samples and needs a few more)")
+    p.add_argument("--transport", default="shm",
+                   choices=["shm", "filesystem", "nats", "collective"],
+                   help="how weights reach the workers (default %(default)s)")
+    p.add_argument("--async", dest="async_mode", action="store_true",
+                   help="overlap generation of step k+1 with training of step k (one step "
+                   "off-policy; keep pauses; version spans)")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (default %(default)s)")
+    p.add_argument("--group-size", type=int, default=8,
+                   help="samples per prompt (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per sample (default 8)")
+    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
+    p.add_argument("--threshold", type=float, default=0.8,
+                   help="final reward needed for exit 0 (default %(default)s)")
+    p.add_argument("--out", default="rlfabric-runs",
+                   help="folder for the run's plot, summary and worker logs (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
+    p.add_argument("--no-live", action="store_true",
+                   help="one line per step instead of the live view (default when not a TTY)")
+    p.set_defaults(func=run)
+
+
+class Fleet:
+    """The worker processes `up` started; `stop()` ends every one of them."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+
+    def start(self, n: int, url: str, prefix: str) -> None:
+        for i in range(n):
+            log = self.run_dir / f"worker-{i}.log"
+            self.logs.append(log)
+            with open(log, "wb") as out:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "rlfabric", "worker", "--nats", url, "--prefix", prefix,
+                     "--worker-id", f"w{i}", "--threads", "1", "--capacity", "64"],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    preexec_fn=die_with_parent))
+
+    def dead(self) -> list[str]:
+        out = []
+        for i, p in enumerate(self.procs):
+            if p.poll() is not None:
+                tail = self.logs[i].read_text(errors="replace").strip().splitlines()[-3:]
+                out.append(f"w{i} exited with {p.returncode}: {' | '.join(tail)}")
+        return out
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+
+async def _wait_workers(fabric, fleet: Fleet, n: int, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(fabric.watcher.snapshot().members) < n:
+        if fleet.dead():
+            raise RuntimeError("a worker failed to start: " + "; ".join(fleet.dead()))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(fabric.watcher.snapshot().members)} of {n} workers "
+                               f"joined within {timeout}s; see {fleet.run_dir}/worker-*.log")
+        changed = fabric.watcher.changed()
+        with anyio.move_on_after(0.5):  # and look at the processes twice a second
+            await changed.wait()
+
+
+async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from rlfabric.cli import up_view
+    from rlfabric.schemas.models import build_model
+    from rlfabric.trainer import FabricClient
+    from rlfabric.trainer.grpo import GRPOConfig, GRPOTrainer, StepStats
+
+    steps = args.steps or (30 if args.async_mode else 20)
+    cfg = GRPOConfig(steps=steps, prompts_per_step=args.prompts, group_size=args.group_size,
+                     max_tokens=args.max_tokens, lr=args.lr, transport=args.transport,
+                     async_mode=args.async_mode, reward_threshold=args.threshold)
+    console = Console() if sys.stdout.isatty() else Console(width=150)
+    live_ok = console.is_terminal and not args.no_live
+    mode = "async (1 step off-policy)" if args.async_mode else "sync"
+    t_start = time.monotonic()
+    async with EmbeddedNats() as nats:
+        try:
+            prefix = "up"
+            fleet.start(args.workers, nats.url, prefix)
+            (run_dir / "pids.json").write_text(json.dumps(
+                {"up": os.getpid(), "nats": nats.pid, "workers": [p.pid for p in fleet.procs]}))
+            console.print(f"rlfabric up: NATS at {nats.url}, {args.workers} workers starting "
+                          f"(logs in {run_dir})")
+            async with FabricClient.connect(nats.url, prefix=prefix) as fabric:
+                await _wait_workers(fabric, fleet, args.workers)
+                torch_model = build_model("tiny")
+                history: list[StepStats] = []
+                status = {"text": "training"}
+
+                def on_step(s: StepStats) -> None:
+                    history.append(s)
+                    if not live_ok:
+                        mm = "-" if s.mismatch is None else f"{s.mismatch:.1e}"
+                        console.print(f"step {s.step + 1}/{cfg.steps}  reward {s.reward:.3f}  "
+                                      f"mismatch {mm}  pause/update/resume "
+                                      f"{s.pause_ms:.1f}/{s.update_ms:.1f}/{s.resume_ms:.1f} ms  "
+                                      f"{s.tokens_per_s:.0f} tokens/s")
+
+                trainer = GRPOTrainer(fabric, torch_model, cfg, on_step=on_step)
+
+                def view():
+                    return up_view.live_view(history, fabric.watcher.snapshot(), steps=cfg.steps,
+                                             mode=mode, transport=cfg.transport,
+                                             status=status["text"])
+
+                if live_ok:
+                    with Live(view(), console=console, refresh_per_second=4) as live:
+                        async with anyio.create_task_group() as tg:
+                            async def refresh() -> None:
+                                while True:
+                                    live.update(view())
+                                    await anyio.sleep(0.25)
+
+                            tg.start_soon(refresh)
+                            await trainer.run()
+                            tg.cancel_scope.cancel()
+                        live.update(view())
+                else:
+                    await trainer.run()
+                final = trainer.version
+                with anyio.move_on_after(10):
+                    await fabric.watcher.wait_until(
+                        lambda s: len(s.members) == args.workers
+                        and all(m.weight_version == final for m in s.members), timeout=10)
+                snap = fabric.watcher.snapshot()
+        finally:
+            # NOTE: workers first, while the bus is still there for their clean exit
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(fleet.stop)
+    wall = time.monotonic() - t_start
+    on_final = {m.worker_id: m.weight_version for m in snap.members}
+    all_final = len(on_final) == args.workers and all(v == final for v in on_final.values())
+    first, last = history[0].reward, history[-1].reward
+    passed = last >= cfg.reward_threshold and last > first and all_final
+    plot_path = run_dir / "rlfabric-up.png"
+    up_view.plot(history, str(plot_path),
+                 f"rlfabric up: {args.workers} workers, {mode}, {cfg.transport} weights")
+    mismatches = [h.mismatch for h in history if h.mismatch is not None]
+    summary = up_view.summary_json(
+        history, workers=args.workers, mode=mode, transport=cfg.transport,
+        final_version=final, workers_on_final=on_final, all_workers_on_final=all_final,
+        reward_first=first, reward_last=last, threshold=cfg.reward_threshold,
+        mismatch_mean=sum(mismatches) / len(mismatches) if mismatches else None,
+        mismatch_max=max(mismatches) if mismatches else None,
+        wall_s=wall, steps_per_s=len(history) / sum(h.wall_s for h in history),
+        tokens_per_s=sum(h.tokens for h in history) / sum(h.wall_s for h in history),
+        passed=passed, plot=str(plot_path))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    console.print(up_view.summary_table(history))
+    console.print(
+        f"reward {first:.3f} -> {last:.3f} (threshold {cfg.reward_threshold}); mismatch mean "
+        f"{summary['mismatch_mean']:.1e}, max {summary['mismatch_max']:.1e}; workers on final "
+        f"version {final}: {on_final}; {summary['steps_per_s']:.2f} steps/s, "
+        f"{summary['tokens_per_s']:.0f} tokens/s; {wall:.1f}s in all")
+    console.print(f"plot: {plot_path}\nsummary: {run_dir / 'summary.json'}")
+    console.print("[bold green]PASS[/]" if passed else
+                  "[bold red]FAIL[/]: reward below threshold or a worker not on the final version")
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if passed else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlfabric.schemas import RLFabricError
+
+    if args.workers < 1:
+        print("rlfabric up: --workers must be >= 1", file=sys.stderr)
+        return 2
+    run_dir = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fleet = Fleet(run_dir)
+    try:
+        return anyio.run(_main, args, run_dir, fleet)
+    except KeyboardInterrupt:
+        print(f"\nrlfabric up: interrupted; stopping {len(fleet.procs)} workers and the NATS "
+              "server", file=sys.stderr)
+        return 130
+    except (RLFabricError, RuntimeError, ValueError, TimeoutError) as exc:
+        print(f"rlfabric up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        with contextlib.suppress(Exception):
+            fleet.stop()

@@ -1,0 +1,92 @@
+"""What `rlfabric up` shows: a live view while it trains, then a summary table and a plot."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from rlfabric.schemas import MembershipSnapshot
+from rlfabric.trainer.grpo import StepStats
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def spark(values: list[float]) -> str:
+    vals = [v for v in values if not math.isnan(v)][-40:]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    return "".join(SPARK[int((v - lo) / (hi - lo + 1e-12) * (len(SPARK) - 1))] for v in vals)
+
+
+def live_view(history: list[StepStats], snap: MembershipSnapshot, *, steps: int, mode: str,
+              transport: str, status: str) -> Group:
+    head = Table.grid(padding=(0, 2))
+    last = history[-1] if history else None
+    head.add_row(
+        Text(f"step {len(history)}/{steps}", style="bold"),
+        Text(f"reward {last.reward:.3f}" if last else "reward -", style="green"),
+        Text(f"mismatch {last.mismatch:.2e}" if last and last.mismatch is not None
+             else "mismatch -"),
+        Text(f"tokens/s {last.tokens_per_s:.0f}" if last else "tokens/s -"),
+        Text(f"{mode}, {transport}", style="dim"),
+    )
+    head.add_row(Text("reward"), Text(spark([h.reward for h in history]), style="green"),
+                 Text(""), Text(""), Text(status, style="yellow"))
+    if last:
+        head.add_row(Text("control ms"), Text(f"pause {last.pause_ms:.1f}"),
+                     Text(f"update {last.update_ms:.1f}"), Text(f"resume {last.resume_ms:.1f}"),
+                     Text(""))
+    workers = Table(title="workers", title_justify="left", expand=False)
+    for col in ("worker", "version", "state", "in flight"):
+        workers.add_column(col)
+    for m in snap.members:
+        workers.add_row(m.worker_id, str(m.weight_version), m.state, str(m.in_flight))
+    return Group(head, workers)
+
+
+def summary_table(history: list[StepStats]) -> Table:
+    t = Table(title="rlfabric up: per step", title_justify="left")
+    for col in ("step", "version", "reward", "mismatch", "samples", "gen s", "train s",
+                "pause ms", "update ms", "resume ms", "tokens/s"):
+        t.add_column(col, justify="right")
+    for h in history:
+        t.add_row(str(h.step), str(h.version), f"{h.reward:.3f}",
+                  "-" if h.mismatch is None else f"{h.mismatch:.1e}", str(h.samples),
+                  f"{h.gen_s:.2f}", f"{h.train_s:.2f}", f"{h.pause_ms:.1f}",
+                  f"{h.update_ms:.1f}", f"{h.resume_ms:.1f}", f"{h.tokens_per_s:.0f}")
+    return t
+
+
+def plot(history: list[StepStats], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h.step for h in history]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    ax[0].plot(steps, [h.reward for h in history], marker="o")
+    ax[0].set(title="reward per step", xlabel="step", ylabel="mean reward", ylim=(-0.05, 1.05))
+    mm = [(h.step, h.mismatch) for h in history if h.mismatch is not None]
+    if mm:
+        ax[1].semilogy([s for s, _ in mm], [max(m, 1e-12) for _, m in mm], marker="o")
+    ax[1].set(title="trainer vs rollout logprob mismatch", xlabel="step",
+              ylabel="mean |trainer - rollout|")
+    for key, label in (("pause_ms", "pause"), ("update_ms", "update_weights"),
+                       ("resume_ms", "resume")):
+        ax[2].plot(steps, [getattr(h, key) for h in history], marker=".", label=label)
+    ax[2].set(title="control latency", xlabel="step", ylabel="ms (all workers acked)")
+    ax[2].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summary_json(history: list[StepStats], **extra: Any) -> dict[str, Any]:
+    return {"steps": [h.as_dict() for h in history], **extra}

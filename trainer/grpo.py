@@ -1,0 +1,280 @@
+"""The reference GRPO loop: generate groups through the fabric, score, group-normalise, step,
+publish the new weights.
+
+Per step (sync): n samples for each prompt at the current version -> rewards -> advantages
+`(r - mean(group)) / (std(group) + eps)` -> the clipped policy-gradient loss with the rollout
+logprobs as the behaviour policy -> one optimizer step -> `pause(wait)` ->
+`update_weights(v + 1)` -> `resume()`.
+
+`async_mode`: generation of step k+1 runs while step k trains (one step off-policy). The
+update then uses a `keep` pause, so requests in flight continue under the new weights and
+their `version_spans` show the switch; `RolloutBuffer(max_staleness=1)` bounds how old a
+sample may be.
+
+Per step it also measures the trainer/rollout logprob mismatch: mean |trainer - rollout| over
+the samples produced entirely by the version the trainer holds, which is the weight-sync check
+(1e-6-ish on CPU in fp32 when the weights really are the same).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from rlfabric.schemas import RolloutError, RolloutRequest, RolloutResult, SamplingParams
+from rlfabric.trainer.buffer import RolloutBuffer, sample_version
+from rlfabric.trainer.client import FabricClient
+from rlfabric.trainer.task import LetterTask
+
+
+@dataclass(kw_only=True, slots=True)
+class GRPOConfig:
+    """Knobs of the reference loop; each error names the `rlfabric up` flag to change."""
+
+    steps: int = 20
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_tokens: int = 8
+    lr: float = 1e-2
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    transport: str = "shm"
+    async_mode: bool = False
+    max_staleness: int = 1
+    reward_threshold: float = 0.8
+    request_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.steps >= 1, f"--steps {self.steps}: need at least 1 step"),
+            (self.group_size >= 2, f"--group-size {self.group_size}: GRPO needs >= 2 samples "
+                                   "per prompt to normalise within a group"),
+            (self.prompts_per_step >= 1, f"--prompts {self.prompts_per_step}: need >= 1"),
+            (self.max_tokens >= 1, f"--max-tokens {self.max_tokens}: need >= 1"),
+            (self.lr > 0, f"--lr {self.lr}: must be > 0"),
+            (self.transport in ("shm", "filesystem", "nats", "collective"),
+             f"--transport {self.transport}: use shm, filesystem, nats or collective"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+@dataclass(kw_only=True, slots=True)
+class StepStats:
+    step: int
+    version: int
+    reward: float
+    reward_std: float
+    mismatch: float | None
+    samples: int
+    tokens: int
+    stale_dropped: int
+    two_version_samples: int
+    gen_s: float
+    train_s: float
+    pause_ms: float
+    update_ms: float
+    resume_ms: float
+    wall_s: float
+    tokens_per_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class GRPOTrainer:
+    def __init__(self, fabric: FabricClient, model: torch.nn.Module, cfg: GRPOConfig, *,
+                 task: LetterTask | None = None,
+                 on_step: Callable[[StepStats], None] | None = None) -> None:
+        self.fabric = fabric
+        self.model = model
+        self.cfg = cfg
+        self.task = task or LetterTask(max_tokens=cfg.max_tokens)
+        self.on_step = on_step
+        self.opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        self.version = 0
+        self.buffer = RolloutBuffer(max_staleness=cfg.max_staleness if cfg.async_mode else 0)
+        self.history: list[StepStats] = []
+        self._prompt_ids: dict[str, list[int]] = {}
+        self._published: dict[int, dict[str, torch.Tensor]] = {}
+
+    # ---- rollouts ----
+    def _requests(self, step: int) -> list[RolloutRequest]:
+        cfg = self.cfg
+        reqs = []
+        for i in range(cfg.prompts_per_step):
+            rid = f"s{step}p{i}"
+            prompt = self.task.prompt(step * cfg.prompts_per_step + i)
+            self._prompt_ids[rid] = prompt
+            reqs.append(RolloutRequest(
+                request_id=rid, group_id=f"s{step}", prompt_token_ids=prompt,
+                min_weight_version=self.version,
+                sampling=SamplingParams(max_tokens=cfg.max_tokens, n=cfg.group_size,
+                                        temperature=cfg.temperature,
+                                        seed=(step * 7919 + i) * 64)))
+        return reqs
+
+    async def _generate(self, step: int) -> tuple[list[RolloutResult], float]:
+        t0 = time.perf_counter()
+        out: list[RolloutResult] = []
+        async for group in self.fabric.generate_groups(self._requests(step),
+                                                       timeout=self.cfg.request_timeout):
+            errors = [r for r in group if isinstance(r, RolloutError)]
+            if errors:
+                raise RuntimeError(f"rollout {errors[0].request_id} failed on "
+                                   f"{errors[0].worker_id or 'no worker'}: {errors[0].code}: "
+                                   f"{errors[0].message}")
+            out.extend(r for r in group if isinstance(r, RolloutResult))
+        return out, time.perf_counter() - t0
+
+    # ---- learning ----
+    def _train(self, batch: list[RolloutResult]) -> tuple[float, float, float | None]:
+        """One optimizer step on `batch` (runs in a worker thread). Returns reward mean, std
+        and the mismatch over samples produced by the version the trainer holds."""
+        cfg = self.cfg
+        groups: dict[str, list[RolloutResult]] = {}
+        for r in batch:
+            groups.setdefault(r.request_id, []).append(r)
+        rewards_all: list[float] = []
+        seqs, advs, olds, plens, versions = [], [], [], [], []
+        for rid, g in groups.items():
+            rs = torch.tensor([self.task.reward(r.completion_token_ids.tolist()) for r in g])
+            rewards_all.extend(rs.tolist())
+            adv = (rs - rs.mean()) / (rs.std(unbiased=False) + 1e-4)
+            for r, a in zip(g, adv.tolist(), strict=True):
+                comp = r.completion_token_ids.tolist()
+                if not comp:
+                    continue
+                seqs.append(self._prompt_ids[rid] + comp)
+                plens.append(len(self._prompt_ids[rid]))
+                advs.append(a)
+                olds.append(torch.from_numpy(r.logprobs.numpy().copy()))
+                versions.append(sample_version(r) if len(r.version_spans) == 1 else -2)
+        width = max(len(s) for s in seqs)
+        pad = self.model.config.pad_token_id
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
+        earlier = self._earlier_logp(ids, mask, versions)
+        loss_terms, mismatch = [], []
+        for k, s in enumerate(seqs):
+            p, n = plens[k], len(s) - plens[k]
+            new = logp[k, p - 1:p - 1 + n].gather(1, ids[k, p:p + n, None])[:, 0]
+            old = olds[k][:n]
+            if versions[k] == self.version:
+                mismatch.append((new.detach() - old).abs().mean().item())
+            elif k in earlier:  # a stale sample, checked against the weights that made it
+                ref = earlier[k][p - 1:p - 1 + n].gather(1, ids[k, p:p + n, None])[:, 0]
+                mismatch.append((ref - old).abs().mean().item())
+            ratio = torch.exp(new - old)
+            a = advs[k]
+            clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps)
+            loss_terms.append(-torch.minimum(ratio * a, clipped * a).mean())
+        loss = torch.stack(loss_terms).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        r = torch.tensor(rewards_all)
+        return (r.mean().item(), r.std(unbiased=False).item(),
+                sum(mismatch) / len(mismatch) if mismatch else None)
+
+    def _earlier_logp(self, ids: torch.Tensor, mask: torch.Tensor,
+                      versions: list[int]) -> dict[int, torch.Tensor]:
+        """Log-probs of samples made by an earlier published version, under those weights
+        (async mode keeps the last `max_staleness` versions for this check)."""
+        out: dict[int, torch.Tensor] = {}
+        for v, state in self._published.items():
+            rows = [k for k, sv in enumerate(versions) if sv == v and v != self.version]
+            if not rows:
+                continue
+            with torch.no_grad():
+                logits = torch.func.functional_call(
+                    self.model, state, (), {"input_ids": ids[rows], "attention_mask": mask[rows]}
+                ).logits.float()
+            for k, row in zip(rows, torch.log_softmax(logits, dim=-1), strict=True):
+                out[k] = row
+        return out
+
+    def _remember(self) -> None:
+        if not self.cfg.async_mode:
+            return
+        self._published[self.version] = {k: v.detach().clone()
+                                         for k, v in self.model.state_dict().items()}
+        for v in [v for v in self._published if v < self.version - self.cfg.max_staleness]:
+            del self._published[v]
+
+    async def _publish(self) -> tuple[float, float, float]:
+        """pause -> update_weights(v + 1) -> resume, each timed (ms)."""
+        mode = "keep" if self.cfg.async_mode else "wait"
+        t0 = time.perf_counter()
+        await self.fabric.pause(mode=mode)
+        t1 = time.perf_counter()
+        await self.fabric.update_weights(self.version + 1, module=self.model,
+                                         transport=self.cfg.transport)
+        t2 = time.perf_counter()
+        await self.fabric.resume()
+        t3 = time.perf_counter()
+        self.version += 1
+        self._remember()
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
+
+    # ---- the loop ----
+    async def push_initial(self) -> None:
+        """Version 0: the trainer's own weights, so workers never need to share its seed."""
+        self.model.eval()
+        await self.fabric.update_weights(0, module=self.model, transport=self.cfg.transport)
+        self._remember()
+        self.model.train()
+
+    async def run(self) -> list[StepStats]:
+        await self.push_initial()
+        pending: dict[int, Any] = {}
+        async with anyio.create_task_group() as tg:
+            async def gen_into(step: int, box: dict) -> None:
+                box["out"] = await self._generate(step)
+                box["done"].set()
+
+            def start(step: int) -> None:
+                box = {"done": anyio.Event()}
+                pending[step] = box
+                tg.start_soon(gen_into, step, box)
+
+            start(0)
+            for step in range(self.cfg.steps):
+                t_step = time.perf_counter()
+                box = pending.pop(step)
+                await box["done"].wait()
+                results, gen_s = box["out"]
+                if self.cfg.async_mode and step + 1 < self.cfg.steps:
+                    start(step + 1)  # overlaps this step's training and update
+                self.buffer.add(results)
+                batch = self.buffer.take(self.version)
+                t0 = time.perf_counter()
+                reward, reward_std, mismatch = await anyio.to_thread.run_sync(self._train, batch)
+                train_s = time.perf_counter() - t0
+                pause_ms, update_ms, resume_ms = await self._publish()
+                if not self.cfg.async_mode and step + 1 < self.cfg.steps:
+                    start(step + 1)
+                tokens = sum(len(r.completion_token_ids) for r in results)
+                wall = time.perf_counter() - t_step
+                stats = StepStats(
+                    step=step, version=self.version, reward=reward, reward_std=reward_std,
+                    mismatch=mismatch, samples=len(batch), tokens=tokens,
+                    stale_dropped=self.buffer.dropped,
+                    two_version_samples=sum(1 for r in results if len(r.version_spans) > 1),
+                    gen_s=gen_s, train_s=train_s, pause_ms=pause_ms, update_ms=update_ms,
+                    resume_ms=resume_ms, wall_s=wall,
+                    tokens_per_s=tokens / gen_s if gen_s > 0 else math.nan)
+                self.history.append(stats)
+                if self.on_step is not None:
+                    self.on_step(stats)
+        return self.history
