@@ -9,15 +9,24 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import anyio
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports (all held open while choosing, so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @contextlib.asynccontextmanager
@@ -38,9 +47,11 @@ async def children(cmds: list[list[str]], ready: str | None = None,
         procs.append(p), logs.append(log), readies.append(ev), threads.append(t)
     try:
         for p, log, ev in zip(procs, logs, readies, strict=True):
-            if ready and not await anyio.to_thread.run_sync(ev.wait, timeout):
-                raise RuntimeError(f"{' '.join(p.args)} not ready in {timeout}s: "
-                                   + " | ".join(log))
+            deadline = time.monotonic() + timeout
+            while ready and not await anyio.to_thread.run_sync(ev.wait, 0.5):
+                if p.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{' '.join(map(str, p.args[2:4]))} did not get ready "
+                                       f"(exit code {p.poll()}): " + " | ".join(log))
         try:
             yield procs
         except BaseException:

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from rlfabric.bench._util import children, free_port, pct, table
+from rlfabric.bench._util import children, free_ports, pct, table
 from rlfabric.bus import EmbeddedNats, QuorumPolicy
 from rlfabric.trainer import FabricClient
 
@@ -57,7 +57,7 @@ async def bench_fabric(url: str, n: int, rounds: int, processes: int) -> dict[st
 
 
 async def bench_http(n: int, rounds: int, processes: int, client: str) -> dict[str, float]:
-    ports = [free_port() for _ in range(n)]
+    ports = free_ports(n)
     cmds = [["rlfabric.bench.http_fleet", "--ports", ",".join(map(str, part))]
             for part in split(ports, processes)]
     async with children(cmds, ready="http fleet ready"):

@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from rlfabric.bench._util import children, free_port, pct, table
+from rlfabric.bench._util import children, free_ports, pct, table
 from rlfabric.bus import EmbeddedNats
 from rlfabric.engines import make_engine
 from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
@@ -86,7 +86,7 @@ async def bench_direct(engine_kind: str, n: int, conc: int, max_tokens: int) -> 
 async def bench_http(engine_kind: str, workers: int, n: int, conc: int, max_tokens: int) -> dict:
     import aiohttp
 
-    ports = [free_port() for _ in range(workers)]
+    ports = free_ports(workers)
     cmds = [["rlfabric.bench.http_server", "--engine", engine_kind, "--port", str(p),
              "--threads", str(threads(workers))] for p in ports]
     async with children(cmds, ready="http server ready"):

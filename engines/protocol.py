@@ -90,7 +90,9 @@ class Engine(Protocol):
         ...
 
     async def init_transport(self, **kwargs: Any) -> None:
-        """Join a weight-broadcast group (collective transport)."""
+        """Join a weight-broadcast group with the engine's own machinery (vLLM's
+        `init_weight_transfer_engine`). Engines that load from a state dict leave this to the
+        worker runtime, which receives the broadcast itself and calls `load_weights`."""
         ...
 
     async def sleep(self, level: int) -> None:

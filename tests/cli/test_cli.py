@@ -97,11 +97,15 @@ def test_schema_prints_every_message() -> None:
 
 def test_help_explains_each_command() -> None:
     out = subprocess.run([rlfabric_exe(), "--help"], capture_output=True, text=True, timeout=30)
-    for cmd in ("nats", "status", "schema"):
+    for cmd in ("up", "nats", "worker", "status", "ctl", "schema", "bench"):
         assert cmd in out.stdout
     out = subprocess.run([rlfabric_exe(), "nats", "--help"], capture_output=True, text=True,
                          timeout=30)
     assert "--store-dir" in out.stdout and "--port" in out.stdout
+    out = subprocess.run([rlfabric_exe(), "bench", "--help"], capture_output=True, text=True,
+                         timeout=30)
+    for bench in ("rollout", "control", "weights", "grpo"):
+        assert bench in out.stdout
 
 
 def test_ctl_pause_describe_resume_report_every_worker(nats_url: str, prefix: str, spawn) -> None:
