@@ -31,6 +31,7 @@ from rlfabric.bus.membership import MembershipWatcher, fingerprint
 from rlfabric.bus.session import Bus
 from rlfabric.bus.sync import wait_any
 from rlfabric.schemas import (
+    CMD_ID_HEADER,
     Ack,
     Command,
     FanoutReport,
@@ -41,7 +42,6 @@ from rlfabric.schemas import (
     op_of,
 )
 
-CMD_ID_HEADER = "rlf-cmd-id"
 _WRONG_LAST_SEQUENCE = 10071
 
 

@@ -32,10 +32,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from rlfabric.bus.errors import BusError
-from rlfabric.bus.quorum import CMD_ID_HEADER
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
 from rlfabric.schemas import (
+    CMD_ID_HEADER,
     Ack,
     Command,
     ErrorEvent,

@@ -41,6 +41,8 @@ from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.engines.protocol import Engine, RequestRejected
 from rlfabric.engines.weights import WeightSync
 from rlfabric.schemas import (
+    CLIENT_ID_HEADER,
+    REQUEST_ID_HEADER,
     Command,
     Describe,
     ErrorEvent,
@@ -63,10 +65,8 @@ from rlfabric.schemas import (
 
 log = logging.getLogger("rlfabric.worker")
 
-CLIENT_ID_HEADER = "rlf-client-id"
-REQUEST_ID_HEADER = "rlf-request-id"
 
-#: extra command handlers (e.g. weight updates), by command type
+#: handlers for commands the runtime does not handle itself, by command type
 ExtraHandler = Callable[[Any, CommandContext], Awaitable[AckFields | None]]
 
 

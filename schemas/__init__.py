@@ -2,6 +2,9 @@
 
 from rlfabric.schemas.arrays import PackedF32, PackedI32
 from rlfabric.schemas.codec import (
+    CLIENT_ID_HEADER,
+    CMD_ID_HEADER,
+    REQUEST_ID_HEADER,
     SCHEMA_HEADER,
     SCHEMA_VERSION,
     Codec,
@@ -93,7 +96,10 @@ MESSAGE_TYPES: dict[str, type] = {
 }
 
 __all__ = [
+    "CLIENT_ID_HEADER",
+    "CMD_ID_HEADER",
     "MESSAGE_TYPES",
+    "REQUEST_ID_HEADER",
     "SCHEMA_HEADER",
     "SCHEMA_VERSION",
     "Ack",

@@ -18,6 +18,10 @@ from rlfabric.schemas.arrays import PACKED_TYPES
 from rlfabric.schemas.errors import MalformedMessage, SchemaError, UnknownSchemaVersion
 
 SCHEMA_HEADER = "rlf-schema"
+#: set by senders so a receiver can answer even a payload it cannot decode
+CMD_ID_HEADER = "rlf-cmd-id"
+CLIENT_ID_HEADER = "rlf-client-id"
+REQUEST_ID_HEADER = "rlf-request-id"
 SCHEMA_VERSION = "1.0"
 SCHEMA_MAJOR = 1
 

@@ -37,6 +37,8 @@ from rlfabric.bus import (
 from rlfabric.bus.collective import CollectiveGroup, CollectiveTimeout
 from rlfabric.bus.subjects import check_token
 from rlfabric.schemas import (
+    CLIENT_ID_HEADER,
+    REQUEST_ID_HEADER,
     Collective,
     Command,
     Describe,
@@ -62,9 +64,6 @@ from rlfabric.schemas import (
 from rlfabric.trainer.continuation import continuation, merge
 from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
 from rlfabric.trainer.weights import Staged, WeightStager, as_state_dict
-
-CLIENT_ID_HEADER = "rlf-client-id"
-REQUEST_ID_HEADER = "rlf-request-id"
 
 
 @dataclass(eq=False)

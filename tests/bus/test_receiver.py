@@ -7,8 +7,8 @@ import msgspec
 import pytest
 
 from rlfabric.bus import AckFields, CommandFailed, CommandReceiver, QuorumPolicy, new_cmd_id
-from rlfabric.bus.quorum import CMD_ID_HEADER
 from rlfabric.schemas import (
+    CMD_ID_HEADER,
     Ack,
     ErrorEvent,
     Pause,
