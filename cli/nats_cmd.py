@@ -40,13 +40,15 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)
-    print(f"rlfabric nats: ready at {srv.url} (JetStream store {srv.store_dir}); "
-          "Ctrl-C to stop", flush=True)
-    try:
+    try:  # NOTE: entered before "ready" is printed: a Ctrl-C right after it is handled too
+        print(f"rlfabric nats: ready at {srv.url} (JetStream store {srv.store_dir}); "
+              "Ctrl-C to stop", flush=True)
         rc = srv.wait()
     except KeyboardInterrupt:
         rc = 0
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         srv.stop()
     if rc:
         print(f"rlfabric nats: server exited with {rc}: " + " | ".join(srv.log_lines[-5:]),
