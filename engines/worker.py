@@ -15,6 +15,7 @@ Start order (each step is live before the next):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -308,11 +309,18 @@ class Worker:
             self._serving = anyio.Event()
             self._poke.fire()
             await self._set_state("paused")
-            await self.engine.pause(cmd.mode)
-            if cmd.mode != "keep":
-                while self.in_flight:
-                    idle = self._idle
-                    await idle.wait()
+            # draining is bounded by the command's deadline: past it the sender has given up
+            limit = cmd.deadline - time.time() if cmd.deadline else math.inf
+            with anyio.move_on_after(max(0.0, limit)) as scope:
+                await self.engine.pause(cmd.mode)
+                if cmd.mode != "keep":
+                    while self.in_flight:
+                        idle = self._idle
+                        await idle.wait()
+            if scope.cancelled_caught:
+                raise CommandFailed("drain_timeout", f"{self.worker_id} still had "
+                                    f"{self.in_flight} requests in flight at the pause's "
+                                    "deadline; it is paused and will finish them")
             return None
         if isinstance(cmd, Resume):
             await self.engine.resume()

@@ -127,8 +127,13 @@ class FabricClient:
 
     # ---- control ----
     async def broadcast(self, cmd: Command, policy: QuorumPolicy | None = None) -> FanoutReport:
-        """Send any command to every worker and wait for its quorum."""
-        return await self.broadcaster.broadcast(cmd, policy or self.policy)
+        """Send any command to every worker and wait for its quorum. A command without a
+        deadline gets the policy's timeout as one: a worker that receives it later (after a
+        reconnect, say) refuses it instead of acting on a request nobody waits for."""
+        policy = policy or self.policy
+        if not cmd.deadline:
+            cmd = msgspec.structs.replace(cmd, deadline=time.time() + policy.timeout)
+        return await self.broadcaster.broadcast(cmd, policy)
 
     async def pause(self, mode: str = "wait", *, policy: QuorumPolicy | None = None
                     ) -> FanoutReport:
