@@ -11,7 +11,6 @@ drains the connection.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
@@ -175,6 +174,3 @@ async def _close(nc: NATS) -> None:
     except Exception:
         await nc.close()
 
-
-def now() -> float:
-    return time.time()

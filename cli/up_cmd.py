@@ -131,7 +131,6 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
                 await _wait_workers(fabric, fleet, args.workers)
                 torch_model = build_model("tiny")
                 history: list[StepStats] = []
-                status = {"text": "training"}
 
                 def on_step(s: StepStats) -> None:
                     history.append(s)
@@ -147,7 +146,7 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
                 def view():
                     return up_view.live_view(history, fabric.watcher.snapshot(), steps=cfg.steps,
                                              mode=mode, transport=cfg.transport,
-                                             status=status["text"])
+                                             status="training")
 
                 if live_ok:
                     with Live(view(), console=console, refresh_per_second=4) as live:
