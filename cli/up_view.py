@@ -50,10 +50,11 @@ def live_view(history: list[StepStats], snap: MembershipSnapshot, *, steps: int,
 
 
 def summary_table(history: list[StepStats]) -> Table:
-    t = Table(title="rlfabric up: per step", title_justify="left")
-    for col in ("step", "version", "reward", "mismatch", "samples", "gen s", "train s",
-                "pause ms", "update ms", "resume ms", "tokens/s"):
-        t.add_column(col, justify="right")
+    t = Table(title="rlfabric up: per step (control columns in ms, all workers acked)",
+              title_justify="left", padding=(0, 1))
+    for col in ("step", "ver", "reward", "mismatch", "n", "gen s", "train s", "pause",
+                "update", "resume", "tok/s"):
+        t.add_column(col, justify="right", no_wrap=True)
     for h in history:
         t.add_row(str(h.step), str(h.version), f"{h.reward:.3f}",
                   "-" if h.mismatch is None else f"{h.mismatch:.1e}", str(h.samples),
