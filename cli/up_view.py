@@ -52,7 +52,7 @@ def live_view(history: list[StepStats], snap: MembershipSnapshot, *, steps: int,
 
 def summary_table(history: list[StepStats]) -> Table:
     t = Table(title="rlfabric up: per step (control columns in ms, all workers acked)",
-              title_justify="left", padding=(0, 1), box=box.SIMPLE_HEAD)
+              title_justify="left", padding=(0, 0, 0, 1), box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("step", "ver", "reward", "mismatch", "n", "gen s", "train s", "pause",
                 "update", "resume", "tok/s"):
         t.add_column(col, justify="right", no_wrap=True)
