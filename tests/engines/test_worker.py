@@ -68,7 +68,7 @@ async def test_same_seed_same_tokens_other_seed_differs(client, workers) -> None
 
 async def test_300_requests_over_3_workers_once_each_and_spread(client, workers) -> None:
     ids = ["q0", "q1", "q2"]
-    workers(ids, "--capacity", "8")
+    workers(ids, "--capacity", "4", "--threads", "1")  # equal shares of the 2 cores
     async with client() as fabric:
         await fabric.wait_for_workers(3, timeout=60)
         reqs = [req(f"r{i:03d}", [256, i % 200, 7], max_tokens=8, seed=i) for i in range(300)]
