@@ -29,6 +29,7 @@ from rlfabric.bus import (
     Broadcaster,
     Bus,
     ConnectOptions,
+    Fanout,
     Limits,
     MembershipWatcher,
     QuorumPolicy,
@@ -209,6 +210,7 @@ class FabricClient:
                            ) -> FanoutReport:
         policy = policy or self.policy
         deadline = time.time() + policy.timeout
+        previous = self._desired
         if isinstance(staged.transport, Collective):
             group = await self._fresh_group(policy)
             staged.transport = msgspec.structs.replace(staged.transport,
@@ -227,8 +229,10 @@ class FabricClient:
         try:
             self._check(rep, staged, verify)
         except WeightsMismatch:
-            if not isinstance(staged.transport, Collective):
-                await self._desire(weight_version=self._desired.weight_version)
+            # NOTE: the broadcast already recorded this version as desired: take it back
+            self._desired = previous
+            await self.bus.put_desired_state(previous)
+            staged.release()
             raise
         if isinstance(staged.transport, Collective):
             await self._desire(weight_version=staged.version, locator=None)
@@ -259,15 +263,7 @@ class FabricClient:
                                group: CollectiveGroup, policy: QuorumPolicy) -> FanoutReport:
         async with self.broadcaster.open(cmd) as fo:
             await fo.wait("ready", policy)
-            outcome: list[FanoutReport] = []
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(anyio.to_thread.run_sync, group.broadcast, staged.flat)
-
-                async def done() -> None:
-                    outcome.append(await fo.wait("done", policy))
-
-                tg.start_soon(done)
-            return outcome[0]
+            return await _alongside_done(fo, policy, group.broadcast, staged.flat)
 
     # ---- collective transport ----
     async def init_transport(self, backend: str = "gloo", *, master_addr: str = "127.0.0.1",
@@ -308,17 +304,10 @@ class FabricClient:
                     "their deadline; check those workers, then init again",
                     missing_workers=workers, missing_ranks=tuple(exc.missing),
                     group_epoch=epoch) from exc
-            outcome: list[FanoutReport] = []
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(anyio.to_thread.run_sync, group.connect)
-
-                async def done() -> None:
-                    outcome.append(await fo.wait("done", policy))
-
-                tg.start_soon(done)
+            rep = await _alongside_done(fo, policy, group.connect)
         self._group, self._group_fingerprint = group, snap.fingerprint
         await self._desire(group_epoch=epoch)
-        return outcome[0]
+        return rep
 
     async def _fresh_group(self, policy: QuorumPolicy) -> CollectiveGroup:
         """The current group, or a new one if there is none or membership moved since."""
@@ -506,3 +495,29 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+async def _alongside_done(fo: Fanout, policy: QuorumPolicy, blocking: Any, *args: Any
+                          ) -> FanoutReport:
+    """Run rank 0's side of a collective step (`blocking(*args)`, in a thread) while waiting
+    for the workers' `done` acks; either's failure is raised as itself, not as a group."""
+    outcome: dict[str, Any] = {}
+
+    async def rank0() -> None:
+        try:
+            await anyio.to_thread.run_sync(blocking, *args)
+        except Exception as exc:
+            outcome.setdefault("error", exc)
+
+    async def done() -> None:
+        try:
+            outcome["report"] = await fo.wait("done", policy)
+        except Exception as exc:
+            outcome.setdefault("error", exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rank0)
+        tg.start_soon(done)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["report"]
