@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
+from rlfabric.bus.sync import Signal
 from rlfabric.schemas import MembershipSnapshot, SchemaError, WorkerInfo, codec_for, encode
 
 log = logging.getLogger("rlfabric.bus.membership")
@@ -106,7 +107,7 @@ class MembershipWatcher:
         self.bus = bus
         self.members: dict[str, WorkerInfo] = {}
         self.epoch = 0
-        self._changed = anyio.Event()
+        self._changed = Signal()
         self._codec = codec_for(WorkerInfo)
 
     def snapshot(self) -> MembershipSnapshot:
@@ -117,12 +118,11 @@ class MembershipWatcher:
     def changed(self) -> anyio.Event:
         """An event set at the next join, leave or member update (take it before checking the
         state); only joins and leaves move the epoch."""
-        return self._changed
+        return self._changed.event()
 
     def _set_changed(self) -> None:
         self.epoch += 1
-        self._changed.set()
-        self._changed = anyio.Event()
+        self._changed.fire()
 
     async def wait_until(self, predicate: Callable[[MembershipSnapshot], bool], *,
                          timeout: float) -> MembershipSnapshot:
@@ -131,7 +131,7 @@ class MembershipWatcher:
         `TimeoutError` after `timeout` seconds, naming who is there."""
         with anyio.move_on_after(timeout):
             while True:
-                changed = self._changed
+                changed = self._changed.event()
                 snap = self.snapshot()
                 if predicate(snap):
                     return snap
@@ -164,8 +164,7 @@ class MembershipWatcher:
             if joined:
                 self._set_changed()
             else:  # a heartbeat or state update: waiters re-check, the epoch stays
-                self._changed.set()
-                self._changed = anyio.Event()
+                self._changed.fire()
         elif self.members.pop(key, None) is not None:
             self._set_changed()
 

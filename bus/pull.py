@@ -20,6 +20,7 @@ import anyio
 from nats.aio.msg import Msg
 
 from rlfabric.bus.session import Bus
+from rlfabric.bus.sync import Signal
 
 log = logging.getLogger("rlfabric.bus.pull")
 
@@ -43,7 +44,7 @@ class Puller:
         self.expires = expires
         self._pulls: deque[_Pull] = deque()
         self._inbox = bus.nc.new_inbox()
-        self._kick = anyio.Event()
+        self._kick = Signal()
 
     @property
     def outstanding(self) -> int:
@@ -52,11 +53,7 @@ class Puller:
 
     def kicked(self) -> anyio.Event:
         """Set when credits come back (a pull request expired or ended)."""
-        return self._kick
-
-    def _wake(self) -> None:
-        self._kick.set()
-        self._kick = anyio.Event()
+        return self._kick.event()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -90,7 +87,7 @@ class Puller:
         if status not in ("404", "408"):
             log.debug("pull request ended with %s %s", status,
                       (msg.headers or {}).get("Description", ""))
-        self._wake()
+        self._kick.fire()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -102,7 +99,7 @@ class Puller:
                 before = len(self._pulls)
                 self._expire()
                 if len(self._pulls) != before:
-                    self._wake()
+                    self._kick.fire()
         finally:
             with anyio.CancelScope(shield=True):
                 await sub.unsubscribe()

@@ -29,7 +29,7 @@ from nats.js.errors import BadRequestError
 from rlfabric.bus.errors import BusError, MembershipChanged, QuorumNotReached
 from rlfabric.bus.membership import MembershipWatcher, fingerprint
 from rlfabric.bus.session import Bus
-from rlfabric.bus.sync import wait_any
+from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     Ack,
@@ -103,7 +103,7 @@ class Fanout:
         self.acks: dict[str, dict[str, Ack]] = {"ready": {}, "done": {}}
         self.dead: set[str] = set()
         self.t0 = time.monotonic()
-        self._news = anyio.Event()
+        self._news = Signal()
         self._codec = codec_for(Ack)
 
     async def _on_ack(self, msg: Msg) -> None:
@@ -112,11 +112,7 @@ class Fanout:
         except SchemaError:
             return  # not an ack of ours; the sender's log would only be noise here
         self.acks.setdefault(ack.phase, {}).setdefault(ack.worker_id, ack)
-        self._poke()
-
-    def _poke(self) -> None:
-        self._news.set()
-        self._news = anyio.Event()
+        self._news.fire()
 
     def report(self, phase: str) -> FanoutReport:
         """Acks of `phase` so far; `missing` is every member of the snapshot the command was
@@ -142,7 +138,7 @@ class Fanout:
             if await self.b.bus.ping(wid, timeout=policy.ping_timeout) == "dead":
                 self.dead.add(wid)
                 await self.b.watcher.mark_dead(wid)
-                self._poke()
+                self._news.fire()
 
         while True:
             await anyio.sleep(policy.probe_interval)
@@ -174,7 +170,7 @@ class Fanout:
     async def _wait(self, phase: str, policy: QuorumPolicy, required: set[str], op: str,
                     deadline: float) -> FanoutReport:
         while True:
-            news, changed = self._news, self.b.watcher.changed()
+            news, changed = self._news.event(), self.b.watcher.changed()
             now = self._current(self.b.watcher)
             if now.fingerprint != self.before.fingerprint:
                 if policy.on_membership_change == "fail":

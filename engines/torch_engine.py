@@ -18,6 +18,7 @@ import anyio
 import torch
 from transformers import DynamicCache
 
+from rlfabric.bus.sync import Signal
 from rlfabric.engines.protocol import PauseMode, RequestRejected, WeightLoadError
 from rlfabric.engines.sampling import sample
 from rlfabric.engines.sequence import Sequence
@@ -48,8 +49,8 @@ class TorchEngine:
         self._running: list[Sequence] = []
         self._paused: PauseMode | None = None
         self._sleeping = 0
-        self._wakeup = anyio.Event()
-        self._progress = anyio.Event()
+        self._wakeup = Signal()  # new sequences, or a resume
+        self._progress = Signal()  # a batch ended
         self._step_lock = threading.Lock()
         self._cv = threading.Condition()
         self._thread_state = "idle"  # idle | running | parked
@@ -127,7 +128,7 @@ class TorchEngine:
             self._held.extend(seqs)
         else:  # running, or draining for a wait pause: admitted now
             self._pending.extend(seqs)
-            self._wake()
+            self._wakeup.fire()
         try:
             async with recv:
                 for _ in range(sp.n):
@@ -163,8 +164,7 @@ class TorchEngine:
             self._may_run = True
             self._cv.notify_all()
         while self._pending or self._running:
-            progress = self._progress
-            await progress.wait()
+            await self._progress.event().wait()
 
     async def resume(self) -> None:
         self._paused = None
@@ -173,7 +173,7 @@ class TorchEngine:
             self._cv.notify_all()
         self._pending.extend(self._held)
         self._held.clear()
-        self._wake()
+        self._wakeup.fire()
 
     async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
         new = self._checked(state)
@@ -218,10 +218,6 @@ class TorchEngine:
         }
 
     # ---- internals ----
-    def _wake(self) -> None:
-        self._wakeup.set()
-        self._wakeup = anyio.Event()
-
     def _deliver(self, seq: Sequence) -> None:
         if seq.cancelled:
             return
@@ -234,8 +230,7 @@ class TorchEngine:
         while True:
             self._pending = [s for s in self._pending if not s.cancelled]
             if not self._pending or self._paused in ("keep", "abort"):
-                wakeup = self._wakeup
-                await wakeup.wait()
+                await self._wakeup.event().wait()
                 continue
             batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
             self._running = batch
@@ -247,8 +242,7 @@ class TorchEngine:
                 self._running = []
                 for seq in batch:
                     self._deliver(seq)
-                self._progress.set()
-                self._progress = anyio.Event()
+                self._progress.fire()
 
     def _wait_thread_not_running(self) -> None:
         with self._cv:

@@ -83,7 +83,7 @@ class Worker:
         self.paused = False
         self._serving = anyio.Event()
         self._serving.set()
-        self._slot = anyio.Event()
+        self._slot = Signal()  # a lane finished a request
         self._idle = anyio.Event()
         self._idle.set()
         self._draining = False
@@ -119,8 +119,7 @@ class Worker:
             await self.weights.load_current()  # never serve a stale version
             desired = await self.bus.desired_state()
             if desired.paused:  # join a paused fleet paused
-                self.paused = True
-                self._serving = anyio.Event()
+                self._hold()
                 await self.engine.pause("keep")
             self.reg.update(weight_version=self.engine.version)
             await tg.start(self.reg.run)
@@ -189,7 +188,7 @@ class Worker:
                 if self._behind > time.monotonic():
                     await anyio.sleep(self._behind - time.monotonic())
                     continue
-                slot, kicked, poke = self._slot, puller.kicked(), self._poke.event()
+                slot, kicked, poke = self._slot.event(), puller.kicked(), self._poke.event()
                 try:
                     await puller.want(self.capacity - self.in_flight)
                 except nats.errors.Error as exc:  # a reconnect: try again shortly
@@ -225,8 +224,7 @@ class Worker:
                 finally:
                     del self._working[id(msg)]
                     self.in_flight -= 1
-                    self._slot.set()
-                    self._slot = anyio.Event()
+                    self._slot.fire()
                     if self.in_flight == 0:
                         self._idle.set()
 
@@ -303,11 +301,19 @@ class Worker:
         self.served += 1
 
     # ---- commands ----
+    def _hold(self) -> None:
+        """Take no more requests (pause, sleep): the rollout loop stops pulling."""
+        self.paused = True
+        self._serving = anyio.Event()
+        self._poke.fire()
+
+    def _serve_again(self) -> None:
+        self.paused = False
+        self._serving.set()
+
     async def _handle_command(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
         if isinstance(cmd, Pause):
-            self.paused = True
-            self._serving = anyio.Event()
-            self._poke.fire()
+            self._hold()
             await self._set_state("paused")
             # draining is bounded by the command's deadline: past it the sender has given up
             limit = cmd.deadline - time.time() if cmd.deadline else math.inf
@@ -324,8 +330,7 @@ class Worker:
             return None
         if isinstance(cmd, Resume):
             await self.engine.resume()
-            self.paused = False
-            self._serving.set()
+            self._serve_again()
             await self._set_state("ready")
             return None
         if isinstance(cmd, Describe):
@@ -337,15 +342,13 @@ class Worker:
             await self.engine.reset_prefix_cache()
             return None
         if isinstance(cmd, Sleep):
-            self.paused = True
-            self._serving = anyio.Event()
+            self._hold()
             await self.engine.sleep(cmd.level)
             await self._set_state("sleeping")
             return None
         if isinstance(cmd, Wake):
             await self.engine.wake(cmd.tags)
-            self.paused = False
-            self._serving.set()
+            self._serve_again()
             await self._set_state("ready")
             return None
         if isinstance(cmd, UpdateWeights):
