@@ -62,11 +62,13 @@ async def serve(args: argparse.Namespace) -> None:
     async with Bus.connect(connect_options(args, f"rlfabric-worker-{worker_id}"),
                            prefix=args.prefix) as bus, engine:
         worker = Worker(bus, engine, worker_id, capacity=args.capacity)
-        async with anyio.create_task_group() as tg:
-            await tg.start(worker.run)
-            print(f"rlfabric worker {worker_id}: ready ({engine.name} engine, model "
-                  f"{engine.model}, capacity {args.capacity}) on {args.nats}", flush=True)
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        # NOTE: signals are caught before the worker joins: a SIGTERM that lands while it
+        # takes its first requests still drains it
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with anyio.create_task_group() as tg:
+                await tg.start(worker.run)
+                print(f"rlfabric worker {worker_id}: ready ({engine.name} engine, model "
+                      f"{engine.model}, capacity {args.capacity}) on {args.nats}", flush=True)
                 async for _ in signals:
                     print(f"rlfabric worker {worker_id}: draining", flush=True)
                     await worker.drain()
