@@ -166,8 +166,9 @@ async def test_pause_keep_update_resume_gives_two_version_spans(client, workers)
                 out.extend([r async for r in fabric.generate(reqs, timeout=120)])
 
             tg.start_soon(consume)
-            await _in_flight(fabric, 16)
-            await anyio.sleep(0.1)  # let some tokens come out; there is no event for that
+            # the worker announces its load on its first fetch; the 16 land in that burst
+            await _in_flight(fabric, 1)
+            await anyio.sleep(0.2)  # let some tokens come out; there is no event for that
             t0 = time.monotonic()
             rep = await fabric.pause(mode="keep")
             assert rep.ok == ("k0",) and time.monotonic() - t0 < 2.0  # acked at once
