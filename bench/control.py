@@ -43,7 +43,7 @@ async def timed(rounds: int, call: Callable[[int], Awaitable[None]]) -> dict[str
 async def bench_fabric(url: str, n: int, rounds: int, processes: int) -> dict[str, float]:
     prefix = f"ctl{n}"
     ids = [f"b{i:03d}" for i in range(n)]
-    cmds = [["rlfabric.bus.sim", "--nats", url, "--prefix", prefix, "--ids", ",".join(part)]
+    cmds = [["rlfabric.bench.sim", "--nats", url, "--prefix", prefix, "--ids", ",".join(part)]
             for part in split(ids, processes)]
     async with children(cmds, ready="ready"), FabricClient.connect(url, prefix=prefix,
                                     policy=QuorumPolicy(timeout=30)) as fabric:

@@ -13,7 +13,7 @@ import json
 import anyio
 from aiohttp import web
 
-from rlfabric.engines import make_engine
+from rlfabric.engines import make_engine, running
 from rlfabric.schemas import RolloutRequest, SamplingParams
 
 
@@ -25,8 +25,7 @@ def result_json(res) -> dict:
 
 
 async def serve(engine_kind: str, model: str, port: int) -> None:
-    engine = make_engine(engine_kind, model)
-    async with engine:
+    async with running(make_engine(engine_kind, model)) as engine:
         async def generate(request: web.Request) -> web.Response:
             body = await request.json()
             req = RolloutRequest(request_id=body["request_id"],

@@ -26,7 +26,7 @@ import anyio
 
 from rlfabric.bench._util import children, free_ports, pct, table
 from rlfabric.bus import EmbeddedNats
-from rlfabric.engines import make_engine
+from rlfabric.engines import make_engine, running
 from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
 from rlfabric.trainer import FabricClient
 
@@ -72,7 +72,7 @@ async def run_lanes(reqs: list[RolloutRequest], concurrency: int,
 
 
 async def bench_direct(engine_kind: str, n: int, conc: int, max_tokens: int) -> dict:
-    async with make_engine(engine_kind, "tiny") as engine:
+    async with running(make_engine(engine_kind, "tiny")) as engine:
         async def one(req: RolloutRequest) -> int:
             got = 0
             async for res in engine.generate(req, worker_id="direct"):

@@ -3,8 +3,10 @@
 from rlfabric.bus.connect import ConnectOptions, connect
 from rlfabric.bus.errors import (
     BusError,
-    InvalidWorkerId,
+    CommandFailed,
+    InvalidName,
     MembershipChanged,
+    MembershipTimeout,
     NatsServerError,
     NatsUnavailable,
     ProvisioningError,
@@ -13,7 +15,7 @@ from rlfabric.bus.errors import (
 from rlfabric.bus.membership import MembershipWatcher, Registration, fingerprint, new_worker_info
 from rlfabric.bus.provision import Limits, provision
 from rlfabric.bus.quorum import Broadcaster, Fanout, QuorumPolicy, new_cmd_id
-from rlfabric.bus.receiver import AckFields, CommandContext, CommandFailed, CommandReceiver
+from rlfabric.bus.receiver import AckFields, CommandContext, CommandReceiver
 from rlfabric.bus.server import EmbeddedNats, find_nats_server
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import Subjects
@@ -29,9 +31,10 @@ __all__ = [
     "ConnectOptions",
     "EmbeddedNats",
     "Fanout",
-    "InvalidWorkerId",
+    "InvalidName",
     "Limits",
     "MembershipChanged",
+    "MembershipTimeout",
     "MembershipWatcher",
     "NatsServerError",
     "NatsUnavailable",

@@ -10,6 +10,13 @@ if TYPE_CHECKING:
     from rlfabric.schemas import FanoutReport, MembershipSnapshot
 
 
+#: JetStream API error codes rlfabric reacts to (nats-server's errors.json)
+JS_STREAM_NAME_IN_USE = 10058  # a stream of this name exists with another config
+JS_CONSUMER_NAME_IN_USE = 10013  # a consumer of this name exists with another config
+JS_CONSUMER_ALREADY_EXISTS = 10148  # a create-only call found the consumer already there
+JS_WRONG_LAST_SEQUENCE = 10071  # Nats-Expected-Last-Sequence did not hold
+
+
 class BusError(RLFabricError):
     """Base class of errors raised by `rlfabric.bus`."""
 
@@ -30,8 +37,18 @@ class ProvisioningError(BusError):
     """Raised when a stream or bucket exists with a config rlfabric cannot reconcile."""
 
 
-class InvalidWorkerId(BusError, ValueError):
-    """Raised when a worker id cannot be used as a NATS subject token / consumer name."""
+class InvalidName(BusError, ValueError):
+    """Raised when a name that becomes a NATS subject token or a JetStream name (a job prefix,
+    worker id, client id or command id) has characters the bus cannot carry."""
+
+
+class CommandFailed(BusError):
+    """Raised by a worker's command handler to answer with an error Ack carrying `code`
+    (`load_failed`, `digest_mismatch`, `unsupported`, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class QuorumNotReached(BusError):
@@ -41,6 +58,11 @@ class QuorumNotReached(BusError):
     def __init__(self, message: str, report: FanoutReport) -> None:
         super().__init__(message)
         self.report = report
+
+
+class MembershipTimeout(BusError, TimeoutError):
+    """Raised when membership did not reach an awaited state (e.g. N workers) in time; the
+    message names who is there."""
 
 
 class MembershipChanged(BusError):

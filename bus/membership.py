@@ -24,6 +24,7 @@ import msgspec
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
+from rlfabric.bus.errors import MembershipTimeout
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
 from rlfabric.bus.sync import Signal
@@ -128,7 +129,7 @@ class MembershipWatcher:
                          timeout: float) -> MembershipSnapshot:
         """Wait for a snapshot that satisfies `predicate` (e.g. `lambda s: len(s.members) >= 8`,
         or every member on weight version 3); re-checked at every join, leave and heartbeat.
-        `TimeoutError` after `timeout` seconds, naming who is there."""
+        `MembershipTimeout` (a `TimeoutError`) after `timeout` seconds, naming who is there."""
         with anyio.move_on_after(timeout):
             while True:
                 changed = self._changed.event()
@@ -136,7 +137,7 @@ class MembershipWatcher:
                 if predicate(snap):
                     return snap
                 await changed.wait()
-        raise TimeoutError(
+        raise MembershipTimeout(
             f"membership did not reach the awaited state within {timeout}s; members now: "
             f"{list(self.snapshot().worker_ids)}"
         )

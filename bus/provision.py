@@ -24,7 +24,12 @@ from nats.js.api import (
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
-from rlfabric.bus.errors import ProvisioningError
+from rlfabric.bus.errors import (
+    JS_CONSUMER_ALREADY_EXISTS,
+    JS_CONSUMER_NAME_IN_USE,
+    JS_STREAM_NAME_IN_USE,
+    ProvisioningError,
+)
 from rlfabric.bus.subjects import Subjects
 
 HOUR = 3600.0
@@ -104,8 +109,10 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
         try:
             await js.add_stream(cfg)
             return
-        except BadRequestError:  # created concurrently by another process
-            info = await js.stream_info(cfg.name)
+        except BadRequestError as exc:
+            if exc.err_code != JS_STREAM_NAME_IN_USE:
+                raise
+            info = await js.stream_info(cfg.name)  # created concurrently by another process
     if sorted(info.config.subjects or []) == sorted(cfg.subjects or []):
         return
     try:
@@ -120,7 +127,9 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
 async def _ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
     try:
         return await js.create_key_value(cfg)
-    except BadRequestError:
+    except BadRequestError as exc:
+        if exc.err_code != JS_STREAM_NAME_IN_USE:  # a bucket is a stream underneath
+            raise
         try:
             return await js.key_value(cfg.bucket)
         except NotFoundError as exc:
@@ -140,8 +149,9 @@ async def _ensure_rollout_consumer(js: JetStreamContext, s: Subjects, lim: Limit
             deliver_policy=DeliverPolicy.ALL, ack_wait=lim.rollout_ack_wait,
             max_ack_pending=100_000, max_waiting=4096, filter_subject=s.rollout_request,
         ))
-    except BadRequestError:
-        pass  # created concurrently by another process
+    except BadRequestError as exc:
+        if exc.err_code not in (JS_CONSUMER_NAME_IN_USE, JS_CONSUMER_ALREADY_EXISTS):
+            raise  # anything else than "created concurrently by another process"
 
 
 async def bind_buckets(js: JetStreamContext, s: Subjects) -> Buckets | None:

@@ -26,10 +26,15 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.errors import BadRequestError
 
-from rlfabric.bus.errors import BusError, MembershipChanged, QuorumNotReached
+from rlfabric.bus.errors import (
+    JS_WRONG_LAST_SEQUENCE,
+    BusError,
+    MembershipChanged,
+    QuorumNotReached,
+)
 from rlfabric.bus.membership import MembershipWatcher, fingerprint
 from rlfabric.bus.session import Bus
-from rlfabric.bus.sync import Signal, wait_any
+from rlfabric.bus.sync import Signal, beside, wait_any
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     Ack,
@@ -41,8 +46,6 @@ from rlfabric.schemas import (
     encode,
     op_of,
 )
-
-_WRONG_LAST_SEQUENCE = 10071
 
 
 def new_cmd_id() -> str:
@@ -155,17 +158,9 @@ class Fanout:
         required = set(self.before.worker_ids)
         op = op_of(self.cmd)
         deadline = self.t0 + policy.timeout
-        outcome: FanoutReport | BusError
-        async with anyio.create_task_group() as tg:
+        async with beside(cancel_at_exit=True) as tg:
             tg.start_soon(self._probe, phase, required, policy)
-            try:
-                outcome = await self._wait(phase, policy, required, op, deadline)
-            except BusError as exc:  # raised below, outside the group, not as a group
-                outcome = exc
-            tg.cancel_scope.cancel()
-        if isinstance(outcome, BusError):
-            raise outcome
-        return outcome
+            return await self._wait(phase, policy, required, op, deadline)
 
     async def _wait(self, phase: str, policy: QuorumPolicy, required: set[str], op: str,
                     deadline: float) -> FanoutReport:
@@ -259,7 +254,7 @@ class Broadcaster:
             try:
                 ack = await self.bus.js.publish(subject, encode(stamped), headers=hdrs)
             except BadRequestError as exc:
-                if exc.err_code == _WRONG_LAST_SEQUENCE:
+                if exc.err_code == JS_WRONG_LAST_SEQUENCE:
                     self._last_seq = None  # another sender got there first; re-read and retry
                     continue
                 raise

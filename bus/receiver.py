@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from rlfabric.bus.errors import BusError
+from rlfabric.bus.errors import BusError, CommandFailed
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
 from rlfabric.schemas import (
@@ -46,14 +46,6 @@ from rlfabric.schemas import (
 )
 
 log = logging.getLogger("rlfabric.bus.receiver")
-
-
-class CommandFailed(BusError):
-    """Raised by a command handler to answer with an error Ack carrying `code`."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(kw_only=True, slots=True)

@@ -3,9 +3,9 @@
     async with Bus.connect("nats://127.0.0.1:4222", prefix="rl") as bus:
         ...
 
-Entering provisions the streams and buckets (idempotent) unless `provision=False`, and opens
-a task group that owns the bus's background tasks; leaving cancels them, unsubscribes and
-drains the connection.
+Entering provisions the streams and buckets (idempotent) unless `provision_streams=False`;
+leaving drains the connection. The bus runs no tasks of its own: whoever starts a watcher,
+receiver or registration runs it in a task group of their own.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 import anyio
 import nats.errors
-from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -34,12 +33,11 @@ STATE_KEY = "desired"
 
 
 class Bus:
-    def __init__(self, nc: NATS, js: JetStreamContext, subjects: Subjects, tg: TaskGroup,
+    def __init__(self, nc: NATS, js: JetStreamContext, subjects: Subjects,
                  buckets: Buckets | None, limits: Limits) -> None:
         self.nc = nc
         self.js = js
         self.subjects = subjects
-        self.tg = tg
         self.limits = limits
         self._buckets = buckets
 
@@ -57,16 +55,7 @@ class Bus:
                 buckets: Buckets | None = await provision(js, subjects, limits)
             else:
                 buckets = await bind_buckets(js, subjects)
-            error: Exception | None = None
-            async with anyio.create_task_group() as tg:
-                bus = cls(nc, js, subjects, tg, buckets, limits)
-                try:
-                    yield bus
-                except Exception as exc:  # re-raised below as itself, not in an ExceptionGroup
-                    error = exc
-                tg.cancel_scope.cancel()
-            if error is not None:
-                raise error
+            yield cls(nc, js, subjects, buckets, limits)
         finally:
             with anyio.CancelScope(shield=True):
                 await _close(nc)

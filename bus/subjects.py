@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from rlfabric.bus.errors import InvalidWorkerId
+from rlfabric.bus.errors import InvalidName
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -16,7 +16,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 def check_token(value: str, what: str) -> str:
     """Return `value` if it can be one NATS subject token and a JetStream name; else raise."""
     if not _TOKEN.match(value):
-        raise InvalidWorkerId(
+        raise InvalidName(
             f"{what} {value!r} is not usable on the bus: use 1-64 characters from "
             "A-Z a-z 0-9 _ - (no dots, spaces or wildcards)"
         )

@@ -1,10 +1,14 @@
-"""Small synchronisation helpers over anyio events."""
+"""Small synchronisation helpers over anyio: a re-armable event, a wait on several events, and
+a task group that raises its first real error as itself."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import AsyncIterator
 
 import anyio
+from anyio.abc import TaskGroup
 
 
 class Signal:
@@ -32,3 +36,43 @@ async def wait_any(*events: anyio.Event, timeout: float = math.inf) -> None:
         async with anyio.create_task_group() as tg:
             for ev in events:
                 tg.start_soon(_one, ev, tg.cancel_scope)
+
+
+@contextlib.asynccontextmanager
+async def beside(*, cancel_at_exit: bool = False) -> AsyncIterator[TaskGroup]:
+    """A task group for work that runs beside the body of the `async with`.
+
+    The first real error, of the body or of a task, is raised as itself, not inside an
+    `ExceptionGroup`, so callers catch `QuorumNotReached` and friends by type; the others are
+    cancelled. `cancel_at_exit=True`: tasks still running when the body ends are cancelled
+    (helpers such as a prober); otherwise the body's end waits for them (work that must finish,
+    such as a state write).
+    """
+    body_error: Exception | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            try:
+                yield tg
+            except Exception as exc:  # raised below, outside the group
+                body_error = exc
+                tg.cancel_scope.cancel()
+            if cancel_at_exit:
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # the body's error came first: the tasks' errors are what its cancellation caused
+        raise (body_error or _first_real(group)) from None
+    if body_error is not None:
+        raise body_error
+
+
+def _first_real(group: BaseExceptionGroup) -> BaseException:
+    """The first leaf of `group` that is not a cancellation (the group itself if all are)."""
+    cancelled = anyio.get_cancelled_exc_class()
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            leaf = _first_real(exc)
+            if leaf is not exc:
+                return leaf
+        elif not isinstance(exc, cancelled):
+            return exc
+    return group

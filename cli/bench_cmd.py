@@ -1,4 +1,8 @@
-"""`rlfabric bench`: the benchmarks, side by side with the HTTP way, in one run each."""
+"""`rlfabric bench`: the benchmarks, side by side with the HTTP way, in one run each.
+
+A bench's module (and what it imports: torch, aiohttp) is loaded only when that bench runs;
+its options are its own (`rlfabric bench rollout --help`).
+"""
 
 from __future__ import annotations
 
@@ -21,24 +25,23 @@ BENCHES = {
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark and print its table",
                        description="Benchmarks start their own nats-server and processes; "
-                       "they need the `bench` extra (pip install 'rlfabric[bench]').")
+                       "they need the `bench` extra (pip install 'rlfabric[bench]'). "
+                       "`rlfabric bench BENCH --help` lists a bench's options.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, (module, help_) in BENCHES.items():
-        bp = bsub.add_parser(name, help=help_, description=help_)
-        bp.set_defaults(func=run, module=module)
-        _add_arguments(name, module, bp)
-
-
-def _add_arguments(name: str, module: str, bp: argparse.ArgumentParser) -> None:
-    try:
-        importlib.import_module(module).add_arguments(bp)
-    except ImportError as exc:
-        bp.set_defaults(import_error=exc)
+        # NOTE: no options here: the bench's own parser takes the rest of the command line
+        bp = bsub.add_parser(name, help=help_, description=help_, add_help=False)
+        bp.set_defaults(func=run, module=module, takes_rest=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "import_error", None) is not None:
-        print(f"rlfabric bench {args.bench}: {args.import_error}; install the bench extra: "
+    try:
+        mod = importlib.import_module(args.module)
+    except ImportError as exc:
+        print(f"rlfabric bench {args.bench}: {exc}; install the bench extra: "
               "pip install 'rlfabric[bench]'", file=sys.stderr)
         return 2
-    return int(importlib.import_module(args.module).main(args) or 0)
+    bp = argparse.ArgumentParser(prog=f"rlfabric bench {args.bench}", description=mod.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    mod.add_arguments(bp)
+    return int(mod.main(bp.parse_args(args.rest)) or 0)

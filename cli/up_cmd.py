@@ -107,7 +107,7 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
     from rich.live import Live
 
     from rlfabric.cli import up_view
-    from rlfabric.schemas.models import build_model
+    from rlfabric.tensors.models import build_model
     from rlfabric.trainer import FabricClient
     from rlfabric.trainer.grpo import GRPOConfig, GRPOTrainer, StepStats
 

@@ -11,9 +11,11 @@ import socket
 import sys
 
 import anyio
+from anyio.abc import TaskStatus
 
 from rlfabric.bus import Bus, NatsUnavailable
 from rlfabric.cli._common import add_bus_options, connect_options
+from rlfabric.engines import ENGINES
 from rlfabric.schemas import RLFabricError
 
 log = logging.getLogger("rlfabric.worker")
@@ -26,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "group up to --capacity at a time, answer commands (pause, resume, update_weights, ...) "
         "in order. SIGTERM / Ctrl-C: stop taking requests, finish in-flight ones, leave, exit 0.")
     add_bus_options(p)
-    p.add_argument("--engine", default="torch", choices=["torch", "null"],
+    p.add_argument("--engine", default="torch", choices=ENGINES,
                    help="torch: the reference engine; null: echoes prompts (benchmarks)")
     p.add_argument("--model", default="tiny",
                    help="built-in spec name (tiny) or a local Hugging Face checkpoint dir")
@@ -60,19 +62,23 @@ async def serve(args: argparse.Namespace) -> None:
     engine = make_engine(args.engine, args.model, **kwargs)
     worker_id = args.worker_id or default_worker_id()
     async with Bus.connect(connect_options(args, f"rlfabric-worker-{worker_id}"),
-                           prefix=args.prefix) as bus, engine:
+                           prefix=args.prefix) as bus:
         worker = Worker(bus, engine, worker_id, capacity=args.capacity)
         # NOTE: signals are caught before the worker joins: a SIGTERM that lands while it
         # takes its first requests still drains it
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with anyio.create_task_group() as tg:
-                await tg.start(worker.run)
+                async def serve_until_drained(*, task_status: TaskStatus[None]) -> None:
+                    await worker.run(task_status=task_status)
+                    # drained (a signal, or a Shutdown command): the process ends
+                    tg.cancel_scope.cancel()
+
+                await tg.start(serve_until_drained)
                 print(f"rlfabric worker {worker_id}: ready ({engine.name} engine, model "
                       f"{engine.model}, capacity {args.capacity}) on {args.nats}", flush=True)
                 async for _ in signals:
                     print(f"rlfabric worker {worker_id}: draining", flush=True)
-                    await worker.drain()
-                    break
+                    worker.drain()
 
 
 def run(args: argparse.Namespace) -> int:

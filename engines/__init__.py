@@ -1,21 +1,41 @@
 """Inference engines and the worker runtime that puts one on the bus."""
 
-from rlfabric.engines.protocol import Engine, PauseMode, RequestRejected, WeightLoadError
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from rlfabric.engines.protocol import Engine, RequestRejected, WeightLoadError
+from rlfabric.schemas import PauseMode
+
+#: what `--engine` takes: the reference engine, and an echo engine for benchmarks
+ENGINES: tuple[str, ...] = ("torch", "null")
 
 
-def make_engine(kind: str, model: str, **kwargs):
-    """An engine by name: "torch" (the reference engine), "null" (echo, for benchmarks)."""
+def make_engine(kind: str, model: str, **kwargs: Any) -> Engine:
+    """An engine by name (one of `ENGINES`); `kwargs` go to its constructor."""
     if kind == "torch":
-        from rlfabric.engines.torch_engine import TorchEngine
+        from rlfabric.engines.torch import TorchEngine
 
         return TorchEngine(model, **kwargs)
     if kind == "null":
-        from rlfabric.engines.null_engine import NullEngine
+        from rlfabric.engines.null import NullEngine
 
-        return NullEngine(model)
-    if kind == "vllm":
-        raise RequestRejected("unsupported", "the vLLM adapter is not built yet")
-    raise ValueError(f"unknown engine {kind!r}: use --engine torch or --engine null")
+        return NullEngine(model, **kwargs)
+    raise ValueError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")
 
 
-__all__ = ["Engine", "PauseMode", "RequestRejected", "WeightLoadError", "make_engine"]
+@contextlib.asynccontextmanager
+async def running(engine: Engine) -> AsyncIterator[Engine]:
+    """Run `engine` in-process for the body of the `async with` (no bus: benchmarks, tools)."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        yield engine
+        tg.cancel_scope.cancel()
+
+
+__all__ = ["ENGINES", "Engine", "PauseMode", "RequestRejected", "WeightLoadError",
+           "make_engine", "running"]

@@ -1,17 +1,18 @@
 """The `Engine` protocol: what the worker runtime needs from an inference engine.
 
-The interface is documented here, once; implementations (`TorchEngine`, `NullEngine`, the
-vLLM adapter) carry no docstrings of their own for these methods.
+The interface is documented here, once; implementations (`TorchEngine`, `NullEngine`) carry
+no docstrings of their own for these methods.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from rlfabric.schemas import RLFabricError, RolloutRequest, RolloutResult
+import anyio
+from anyio.abc import TaskStatus
 
-PauseMode = Literal["abort", "wait", "keep"]
+from rlfabric.schemas import PauseMode, RLFabricError, RolloutRequest, RolloutResult
 
 
 class RequestRejected(RLFabricError):
@@ -30,17 +31,18 @@ class WeightLoadError(RLFabricError):
 
 @runtime_checkable
 class Engine(Protocol):
-    """One inference engine replica. Use as an async context manager: entering starts its
-    background scheduler, leaving aborts what is left and stops it."""
+    """One inference engine replica, driven by the worker runtime."""
 
-    #: short engine name shown in membership ("torch", "null", "vllm")
+    #: short engine name shown in membership (one of `rlfabric.engines.ENGINES`)
     name: str
     #: the model it serves, as given on the command line
     model: str
 
-    async def __aenter__(self) -> Engine: ...
-
-    async def __aexit__(self, *exc: object) -> None: ...
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the engine's background work (its scheduler) until cancelled; started once it
+        takes requests (`await tg.start(engine.run)`). On cancellation what is still in
+        flight ends with `finish_reason="abort"`."""
+        ...
 
     @property
     def version(self) -> int:

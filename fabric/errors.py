@@ -1,15 +1,19 @@
-"""Every exception rlfabric raises, in one place. All derive from `RLFabricError`."""
+"""Every exception rlfabric raises, in one place. All derive from `RLFabricError`.
+
+The errors of the launchers on top (`rlfabric up`, the benchmarks) are defined here; the
+others where they are raised.
+"""
 
 from rlfabric.bus.errors import (
     BusError,
-    InvalidWorkerId,
+    CommandFailed,
+    InvalidName,
     MembershipChanged,
     NatsServerError,
     NatsUnavailable,
     ProvisioningError,
     QuorumNotReached,
 )
-from rlfabric.bus.receiver import CommandFailed
 from rlfabric.engines.protocol import RequestRejected, WeightLoadError
 from rlfabric.schemas.errors import (
     MalformedMessage,
@@ -17,12 +21,20 @@ from rlfabric.schemas.errors import (
     SchemaError,
     UnknownSchemaVersion,
 )
-from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
+from rlfabric.tensors.errors import CollectiveTimeout
+from rlfabric.trainer.errors import RolloutFailed, TransportInitFailed, WeightsMismatch
+
+
+class LaunchError(RLFabricError):
+    """Raised when processes a launcher started (`rlfabric up`'s workers, a benchmark's
+    servers) exit or do not get ready in time; the message carries the tail of their output."""
+
 
 __all__ = [
     "BusError",
+    "CollectiveTimeout",
     "CommandFailed",
-    "InvalidWorkerId",
+    "InvalidName",
     "MalformedMessage",
     "MembershipChanged",
     "NatsServerError",
@@ -31,6 +43,7 @@ __all__ = [
     "QuorumNotReached",
     "RLFabricError",
     "RequestRejected",
+    "RolloutFailed",
     "SchemaError",
     "TransportInitFailed",
     "UnknownSchemaVersion",

@@ -6,7 +6,7 @@ command and answers on `<prefix>.ack.<cmd_id>` (core NATS).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from rlfabric.schemas._base import Message
 
@@ -78,6 +78,11 @@ class CudaIpc(Message, tag_field="kind", tag="cuda_ipc", kw_only=True):
 
 
 Transport = SharedMemory | Filesystem | Nats | Collective | CudaIpc
+#: every transport's `kind` tag, in declaration order
+TRANSPORT_KINDS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in get_args(Transport))
+#: the transports `FabricClient.update_weights` can stage and send (CudaIpc is declared only:
+#: its sender needs a GPU build)
+TRANSPORTS: tuple[str, ...] = tuple(k for k in TRANSPORT_KINDS if k != "cuda_ipc")
 
 # ---- commands -------------------------------------------------------------------------------
 
@@ -93,8 +98,12 @@ class _Command(Message, tag_field="op", kw_only=True):
     deadline: float = 0.0
 
 
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+
+
 class Pause(_Command, tag="pause", kw_only=True):
-    mode: Literal["abort", "wait", "keep"] = "wait"
+    mode: PauseMode = "wait"
 
 
 class Resume(_Command, tag="resume", kw_only=True):
@@ -149,17 +158,7 @@ Command = (
     | Describe
     | Shutdown
 )
-COMMAND_TYPES: tuple[type[_Command], ...] = (
-    Pause,
-    Resume,
-    UpdateWeights,
-    InitTransport,
-    Sleep,
-    Wake,
-    ResetPrefixCache,
-    Describe,
-    Shutdown,
-)
+COMMAND_TYPES: tuple[type[_Command], ...] = get_args(Command)
 
 
 def op_of(cmd: _Command) -> str:

@@ -1,5 +1,5 @@
 """Model specs both sides build from: a worker's `--model tiny` and the trainer's
-`build_model("tiny")` are the same architecture, defined once here.
+`build_model("tiny")` (`rlfabric.tensors.models`) are the same architecture, defined once here.
 
 `tiny` is a small random-init Llama with a byte-level vocabulary: ids 0-255 are bytes, then
 BOS, EOS and PAD. Its initial weights are fixed by `seed`, but nothing relies on that: the
@@ -8,7 +8,6 @@ trainer pushes its weights as version 0 before the first rollout.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from rlfabric.schemas._base import Message
@@ -54,32 +53,3 @@ def byte_tokens(text: str | bytes, *, bos: bool = True) -> list[int]:
     """Token ids of `text` in the tiny model's byte-level vocabulary."""
     data = text.encode() if isinstance(text, str) else text
     return ([TINY.bos_token_id] if bos else []) + list(data)
-
-
-def build_model(name_or_path: str, *, dtype: Any = None, device: Any = None) -> Any:
-    """The torch module for a built-in spec name (`"tiny"`) or a local Hugging Face checkpoint
-    directory, in eval mode. Needs `transformers` (installed with rlfabric)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    dtype = dtype or torch.float32
-    if name_or_path in BUILTIN:
-        spec = BUILTIN[name_or_path]
-        # NOTE: eager attention: bit-stable logprobs between batched decoding with a KV cache
-        # and the trainer's one-pass recompute, which the weight-sync check relies on.
-        cfg = LlamaConfig(**spec.hf_config(), attn_implementation="eager")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.seed)
-            model = LlamaForCausalLM(cfg)
-        model = model.to(dtype=dtype)
-    elif os.path.isdir(name_or_path):
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
-                                                     attn_implementation="eager")
-    else:
-        raise ValueError(
-            f"model {name_or_path!r} is neither a built-in spec ({', '.join(BUILTIN)}) nor a "
-            "local checkpoint directory; pass --model tiny or a path with config.json"
-        )
-    if device is not None:
-        model = model.to(device)
-    return model.eval()

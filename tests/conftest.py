@@ -44,7 +44,7 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
     """Start a Python module as a child process; every one is killed at teardown."""
     procs: list[subprocess.Popen[str]] = []
 
-    def _spawn(*args: str, module: str = "rlfabric.bus.sim") -> subprocess.Popen[str]:
+    def _spawn(*args: str, module: str = "rlfabric.bench.sim") -> subprocess.Popen[str]:
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         procs.append(proc)
@@ -66,18 +66,23 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
 
 @pytest.fixture
 def fabric(nats_url: str, prefix: str):
-    """Open the trainer side of a job: `async with fabric() as (bus, watcher, broadcaster)`."""
+    """Open the trainer side of a job: `async with fabric() as (bus, watcher, broadcaster, tg)`;
+    `tg` is a task group for the test's own responders, cancelled when the block ends."""
     import contextlib
+
+    import anyio
 
     from rlfabric.bus import Broadcaster, Bus, Limits, MembershipWatcher
 
     @contextlib.asynccontextmanager
     async def _open(member_ttl: float = 5.0):
         async with Bus.connect(nats_url, prefix=prefix,
-                               limits=Limits(member_ttl=member_ttl)) as bus:
+                               limits=Limits(member_ttl=member_ttl)) as bus, \
+                anyio.create_task_group() as tg:
             watcher = MembershipWatcher(bus)
-            await bus.tg.start(watcher.run)
-            yield bus, watcher, Broadcaster(bus, watcher)
+            await tg.start(watcher.run)
+            yield bus, watcher, Broadcaster(bus, watcher), tg
+            tg.cancel_scope.cancel()
 
     return _open
 

@@ -1,16 +1,33 @@
-"""The trainer side: `FabricClient`, weight staging, and the model builder shared with workers."""
+"""The trainer side: `FabricClient`, weight staging, and the model builder shared with workers.
+
+`build_model` and `Staged` need torch and are imported on first use, so `rlfabric ctl` and
+other control-only users of `FabricClient` start without it.
+"""
+
+from typing import Any
 
 from rlfabric.bus import QuorumPolicy
-from rlfabric.schemas.models import build_model
+from rlfabric.schemas import TRANSPORTS
 from rlfabric.trainer.client import FabricClient
 from rlfabric.trainer.continuation import continuation, merge
-from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
-from rlfabric.trainer.weights import TRANSPORTS, Staged
+from rlfabric.trainer.errors import RolloutFailed, TransportInitFailed, WeightsMismatch
+
+_LAZY = {"build_model": "rlfabric.tensors.models", "Staged": "rlfabric.trainer.staging"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rlfabric.trainer' has no attribute {name!r}")
+
 
 __all__ = [
     "TRANSPORTS",
     "FabricClient",
     "QuorumPolicy",
+    "RolloutFailed",
     "Staged",
     "TransportInitFailed",
     "WeightsMismatch",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlfabric.schemas import FanoutReport, RLFabricError
+from rlfabric.schemas import FanoutReport, RLFabricError, RolloutError
 
 
 class WeightsMismatch(RLFabricError):
@@ -32,3 +32,12 @@ class TransportInitFailed(RLFabricError):
         self.missing_workers = missing_workers
         self.missing_ranks = missing_ranks
         self.group_epoch = group_epoch
+
+
+class RolloutFailed(RLFabricError):
+    """Raised by the GRPO loop when a rollout it needs came back as a `RolloutError`;
+    `error` is that error (its `code` and `worker_id` say what failed where)."""
+
+    def __init__(self, message: str, *, error: RolloutError) -> None:
+        super().__init__(message)
+        self.error = error

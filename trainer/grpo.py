@@ -21,15 +21,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import anyio
 import torch
 
-from rlfabric.schemas import RolloutError, RolloutRequest, RolloutResult, SamplingParams
+from rlfabric.schemas import (
+    TRANSPORTS,
+    RolloutError,
+    RolloutRequest,
+    RolloutResult,
+    SamplingParams,
+)
 from rlfabric.trainer.buffer import RolloutBuffer, sample_version
 from rlfabric.trainer.client import FabricClient
+from rlfabric.trainer.errors import RolloutFailed
 from rlfabric.trainer.task import LetterTask
 
 
@@ -58,8 +65,8 @@ class GRPOConfig:
             (self.prompts_per_step >= 1, f"--prompts {self.prompts_per_step}: need >= 1"),
             (self.max_tokens >= 1, f"--max-tokens {self.max_tokens}: need >= 1"),
             (self.lr > 0, f"--lr {self.lr}: must be > 0"),
-            (self.transport in ("shm", "filesystem", "nats", "collective"),
-             f"--transport {self.transport}: use shm, filesystem, nats or collective"),
+            (self.transport in TRANSPORTS,
+             f"--transport {self.transport}: use one of {', '.join(TRANSPORTS)}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -84,7 +91,6 @@ class StepStats:
     resume_ms: float
     wall_s: float
     tokens_per_s: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,9 +135,10 @@ class GRPOTrainer:
                                                        timeout=self.cfg.request_timeout):
             errors = [r for r in group if isinstance(r, RolloutError)]
             if errors:
-                raise RuntimeError(f"rollout {errors[0].request_id} failed on "
-                                   f"{errors[0].worker_id or 'no worker'}: {errors[0].code}: "
-                                   f"{errors[0].message}")
+                e = errors[0]
+                raise RolloutFailed(f"rollout {e.request_id} failed on "
+                                    f"{e.worker_id or 'no worker'}: {e.code}: {e.message}",
+                                    error=e)
             out.extend(r for r in group if isinstance(r, RolloutResult))
         return out, time.perf_counter() - t0
 
@@ -158,6 +165,11 @@ class GRPOTrainer:
                 advs.append(a)
                 olds.append(torch.from_numpy(r.logprobs.numpy().copy()))
                 versions.append(sample_version(r) if len(r.version_spans) == 1 else -2)
+        r = torch.tensor(rewards_all)
+        reward = (r.mean().item(), r.std(unbiased=False).item()) if rewards_all else (
+            math.nan, math.nan)
+        if not seqs:  # every sample stale or empty: nothing to learn from, no step
+            return (*reward, None)
         width = max(len(s) for s in seqs)
         pad = self.model.config.pad_token_id
         ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
@@ -183,9 +195,7 @@ class GRPOTrainer:
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()
-        r = torch.tensor(rewards_all)
-        return (r.mean().item(), r.std(unbiased=False).item(),
-                sum(mismatch) / len(mismatch) if mismatch else None)
+        return (*reward, sum(mismatch) / len(mismatch) if mismatch else None)
 
     def _earlier_logp(self, ids: torch.Tensor, mask: torch.Tensor,
                       versions: list[int]) -> dict[int, torch.Tensor]:

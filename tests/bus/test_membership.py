@@ -8,13 +8,13 @@ import time
 import anyio
 import pytest
 
-from rlfabric.bus import InvalidWorkerId, Registration, fingerprint, new_worker_info
+from rlfabric.bus import InvalidName, Registration, fingerprint, new_worker_info
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
 
 async def test_join_heartbeat_update_and_clean_leave(fabric) -> None:
-    async with fabric() as (bus, watcher, _bc):
+    async with fabric() as (bus, watcher, _bc, tg):
         e0 = watcher.snapshot().epoch
         reg = Registration(bus, new_worker_info("w1", engine="torch", model="tiny", capacity=4))
         async with anyio.create_task_group() as tg:
@@ -39,7 +39,7 @@ async def test_join_heartbeat_update_and_clean_leave(fabric) -> None:
 
 
 async def test_sigkilled_worker_expires_at_ttl_and_ping_says_dead_at_once(fabric, sims) -> None:
-    async with fabric(member_ttl=1.0) as (bus, watcher, _bc):
+    async with fabric(member_ttl=1.0) as (bus, watcher, _bc, _tg):
         assert bus.buckets.member_ttl == 1.0
         (proc,) = sims(["k1"])
         await watcher.wait_until(lambda s: s.worker_ids == ("k1",), timeout=30)
@@ -55,5 +55,5 @@ async def test_sigkilled_worker_expires_at_ttl_and_ping_says_dead_at_once(fabric
 
 async def test_fingerprint_is_order_free_and_ids_are_checked() -> None:
     assert fingerprint(["b", "a"]) == fingerprint(["a", "b"]) != fingerprint(["a"])
-    with pytest.raises(InvalidWorkerId, match=r"worker id 'a\.b'"):
+    with pytest.raises(InvalidName, match=r"worker id 'a\.b'"):
         new_worker_info("a.b", engine="x", model="y")

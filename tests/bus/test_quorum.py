@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 async def test_quorum_reached_with_n_responders(fabric, sims, n: int) -> None:
     ids = [f"w{i:03d}" for i in range(n)]
     sims(ids)
-    async with fabric() as (_bus, watcher, bc):
+    async with fabric() as (_bus, watcher, bc, _tg):
         await watcher.wait_until(lambda s: set(s.worker_ids) == set(ids), timeout=60)
         rep = await bc.broadcast(Pause(cmd_id=new_cmd_id(), mode="wait"), QuorumPolicy(timeout=20))
         assert rep.ok == tuple(ids)
@@ -34,7 +34,7 @@ async def _kill_during_pause(fabric, sims, policy: QuorumPolicy):
     fast = ["a0", "a1", "a2"]
     sims(fast)
     (victim,) = sims(["v0"], "pause=30")
-    async with fabric() as (bus, watcher, bc):
+    async with fabric() as (bus, watcher, bc, _tg):
         await watcher.wait_until(lambda s: set(s.worker_ids) == {*fast, "v0"}, timeout=60)
         handling = anyio.Event()
 
@@ -77,7 +77,7 @@ async def test_count_and_fraction_policies(fabric, sims) -> None:
     ids = ["f0", "f1", "f2", "s0"]
     sims(["f0", "f1", "f2"])
     sims(["s0"], "describe=30")
-    async with fabric() as (_bus, watcher, bc):
+    async with fabric() as (_bus, watcher, bc, _tg):
         await watcher.wait_until(lambda s: set(s.worker_ids) == set(ids), timeout=60)
         rep = await bc.broadcast(Describe(cmd_id=new_cmd_id()),
                                  QuorumPolicy(required=3, timeout=10))
@@ -94,7 +94,7 @@ async def test_count_and_fraction_policies(fabric, sims) -> None:
 
 
 async def test_no_members_raises(fabric) -> None:
-    async with fabric() as (_bus, _watcher, bc):
+    async with fabric() as (_bus, _watcher, bc, _tg):
         with pytest.raises(QuorumNotReached, match="no workers were members"):
             await bc.broadcast(Pause(cmd_id=new_cmd_id()), QuorumPolicy(timeout=2))
 

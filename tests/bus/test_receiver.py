@@ -66,9 +66,9 @@ async def _collect(bus, subject: str, decode_as) -> Inbox:
 
 async def test_command_delivered_twice_runs_once_and_acks_the_same(fabric) -> None:
     rec = Recorder()
-    async with fabric() as (bus, _watcher, _bc):
+    async with fabric() as (bus, _watcher, _bc, tg):
         r = CommandReceiver(bus, "w1", rec.handle)
-        await bus.tg.start(r.run)
+        await tg.start(r.run)
         cmd = Pause(cmd_id=new_cmd_id(), mode="wait")
         acks = await _collect(bus, bus.subjects.ack(cmd.cmd_id), Ack)
         hdrs = headers({CMD_ID_HEADER: cmd.cmd_id})
@@ -86,12 +86,12 @@ async def test_command_delivered_twice_runs_once_and_acks_the_same(fabric) -> No
 
 async def test_commands_apply_in_seq_order(fabric) -> None:
     rec = Recorder()
-    async with fabric() as (bus, watcher, bc):
+    async with fabric() as (bus, watcher, bc, tg):
         r = CommandReceiver(bus, "w1", rec.handle)
-        await bus.tg.start(r.run)
+        await tg.start(r.run)
         from rlfabric.bus import Registration, new_worker_info
 
-        await bus.tg.start(Registration(bus, new_worker_info("w1", engine="t", model="m")).run)
+        await tg.start(Registration(bus, new_worker_info("w1", engine="t", model="m")).run)
         await watcher.wait_until(lambda s: s.worker_ids == ("w1",), timeout=10)
         reps = []
         for cmd in [Pause(cmd_id=new_cmd_id()), Resume(cmd_id=new_cmd_id()),
@@ -112,9 +112,9 @@ async def test_commands_apply_in_seq_order(fabric) -> None:
 
 async def test_malformed_commands_give_typed_errors_then_a_valid_one_runs(fabric) -> None:
     rec = Recorder()
-    async with fabric() as (bus, _watcher, _bc):
+    async with fabric() as (bus, _watcher, _bc, tg):
         r = CommandReceiver(bus, "w1", rec.handle)
-        await bus.tg.start(r.run)
+        await tg.start(r.run)
         events = await _collect(bus, bus.subjects.events("error", "w1"), ErrorEvent)
         acks = await _collect(bus, f"{bus.subjects.prefix}.ack.*", Ack)
         subj = bus.subjects.control("pause")
@@ -156,9 +156,9 @@ async def test_malformed_commands_give_typed_errors_then_a_valid_one_runs(fabric
 
 async def test_expired_command_is_refused_not_run(fabric) -> None:
     rec = Recorder()
-    async with fabric() as (bus, _watcher, _bc):
+    async with fabric() as (bus, _watcher, _bc, tg):
         r = CommandReceiver(bus, "w1", rec.handle)
-        await bus.tg.start(r.run)
+        await tg.start(r.run)
         cmd = Pause(cmd_id=new_cmd_id(), deadline=1.0)  # 1970
         acks = await _collect(bus, bus.subjects.ack(cmd.cmd_id), Ack)
         await bus.js.publish(bus.subjects.control("pause"), encode(cmd),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlfabric.schemas import RolloutError, RolloutRequest, RolloutResult, SamplingParams
-from rlfabric.schemas.models import build_model
+from rlfabric.tensors.models import build_model
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 

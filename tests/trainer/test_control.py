@@ -13,8 +13,8 @@ import torch
 
 from rlfabric.bus import MembershipChanged, QuorumNotReached, QuorumPolicy
 from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
-from rlfabric.schemas.models import build_model
-from rlfabric.schemas.weights import checksum
+from rlfabric.tensors.models import build_model
+from rlfabric.tensors.packing import checksum
 from rlfabric.trainer import TransportInitFailed
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import anyio
+from anyio.abc import TaskStatus
 
 from rlfabric.engines.protocol import PauseMode, RequestRejected
 from rlfabric.schemas import RolloutRequest, RolloutResult, VersionSpan
@@ -24,11 +25,9 @@ class NullEngine:
         self._resumed = anyio.Event()
         self._resumed.set()
 
-    async def __aenter__(self) -> NullEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await anyio.sleep_forever()
 
     @property
     def version(self) -> int:

@@ -6,7 +6,7 @@ Each handler can be slowed per op (`--delay pause=30`), and announces on
 `<prefix>.events.state.<worker>` that it started (`state="handling:<op>"`), so a test can act
 while a command is in flight.
 
-    python -m rlfabric.bus.sim --nats URL --prefix rl --ids w0,w1 [--delay pause=2.5]
+    python -m rlfabric.bench.sim --nats URL --prefix rl --ids w0,w1 [--delay pause=2.5]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ async def serve(opts: ConnectOptions, prefix: str, ids: list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rlfabric.bus.sim", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m rlfabric.bench.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nats", required=True)
     p.add_argument("--prefix", default="rl")

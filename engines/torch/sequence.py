@@ -6,7 +6,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfabric.schemas import RolloutRequest, RolloutResult, Timings, TopLogprobs, VersionSpan
+import torch
+
+from rlfabric.schemas import (
+    FinishReason,
+    RolloutRequest,
+    RolloutResult,
+    Timings,
+    TopLogprobs,
+    VersionSpan,
+)
 
 
 @dataclass(eq=False)
@@ -14,7 +23,7 @@ class Sequence:
     request: RolloutRequest
     sample_index: int
     prompt: list[int]
-    generator: Any
+    generator: torch.Generator
     sink: Any  # anyio MemoryObjectSendStream of the request's results
     stop_ids: frozenset[int]
     worker_id: str = ""
@@ -26,7 +35,7 @@ class Sequence:
     top_ids: list[list[int]] = field(default_factory=list)
     top_lps: list[list[float]] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)  # [version, start, end]
-    finish: str | None = None
+    finish: FinishReason | None = None
 
     def append(self, token: int, logprob: float, version: int) -> None:
         if self.spans and self.spans[-1][0] == version:
@@ -36,7 +45,7 @@ class Sequence:
         self.tokens.append(token)
         self.logprobs.append(logprob)
 
-    def result(self, worker_id: str) -> RolloutResult:
+    def result(self) -> RolloutResult:
         sp = self.request.sampling
         top = None
         if sp.logprobs > 0:
@@ -48,10 +57,10 @@ class Sequence:
         return RolloutResult(
             request_id=self.request.request_id,
             sample_index=self.sample_index,
-            worker_id=worker_id,
+            worker_id=self.worker_id,
             completion_token_ids=self.tokens,
             logprobs=self.logprobs,
-            finish_reason=self.finish or "abort",  # type: ignore[arg-type]
+            finish_reason=self.finish or "abort",
             version_spans=tuple(VersionSpan(version=v, start=s, end=e) for v, s, e in self.spans),
             top_logprobs=top,
             group_id=self.request.group_id,

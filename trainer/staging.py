@@ -13,19 +13,23 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
-from typing import Any, Literal
+from typing import Any
 
 import anyio
+import torch
 
 from rlfabric.bus import Bus
 from rlfabric.schemas import (
+    TRANSPORTS,
     Base,
     Collective,
     Filesystem,
@@ -35,7 +39,7 @@ from rlfabric.schemas import (
     Transport,
     UpdateWeights,
 )
-from rlfabric.schemas.weights import (
+from rlfabric.tensors.packing import (
     STABLE_MARKER,
     WEIGHTS_FILE,
     checksum,
@@ -44,10 +48,13 @@ from rlfabric.schemas.weights import (
     plan,
 )
 
-TransportName = Literal["shm", "filesystem", "nats", "collective"]
-TRANSPORTS: tuple[str, ...] = ("shm", "filesystem", "nats", "collective")
+log = logging.getLogger("rlfabric.trainer.staging")
+
 NATS_CHUNK = 4 * 1024 * 1024
 NATS_WINDOW = 16  # chunks in flight: bounds the client's buffer, keeps the pipe full
+
+Release = Callable[[], Awaitable[None] | None]
+
 
 @dataclass(eq=False)
 class Staged:
@@ -58,8 +65,8 @@ class Staged:
     digest: str
     expected_checksum: str
     nbytes: int
-    flat: Any = None  # collective: the uint8 tensor rank 0 broadcasts
-    _release: list[Callable[[], None]] = field(default_factory=list)
+    flat: torch.Tensor | None = None  # collective: the uint8 tensor rank 0 broadcasts
+    _release: list[Release] = field(default_factory=list)
     _stable: Callable[[], None] | None = None
 
     def command(self, cmd_id: str, *, target: Target | None = None,
@@ -74,11 +81,19 @@ class Staged:
             self._stable()
             self._stable = None
 
-    def release(self) -> None:
-        for fn in self._release:
-            with contextlib.suppress(Exception):
-                fn()
-        self._release.clear()
+    async def release(self) -> None:
+        """Free the staging (segment, files, stream chunks); idempotent. A failure to free is
+        logged, never raised: the update it served is already decided."""
+        todo, self._release = self._release, []
+        for fn in todo:
+            try:
+                out = fn()
+                if inspect.isawaitable(out):
+                    await out
+            except Exception as exc:
+                log.warning("releasing staged v%d (%s) failed: %s", self.version,
+                            type(self.transport).__name__, exc)
+
 
 def as_state_dict(weights: Any) -> dict[str, Any]:
     """A state dict from a module or a mapping of tensors."""
@@ -88,6 +103,7 @@ def as_state_dict(weights: Any) -> dict[str, Any]:
         raise TypeError(f"update_weights takes a torch module or a state dict, got "
                         f"{type(weights).__name__}")
     return dict(weights)
+
 
 class WeightStager:
     def __init__(self, bus: Bus, *, fs_root: str | None = None) -> None:
@@ -183,13 +199,11 @@ class WeightStager:
 
         st = Staged(version, Nats(stream=s.weights_stream, subject=subject, chunks=chunks,
                                   chunk_bytes=NATS_CHUNK, tensors=metas), dg, expected, size)
-        st._release.append(lambda: self.bus.tg.start_soon(purge))
+        st._release.append(purge)
         return st
 
     async def _stage_collective(self, version: int, state: Mapping[str, Any], metas: Any,
                                 size: int, expected: str, group_epoch: int) -> Staged:
-        import torch
-
         flat = torch.empty(size, dtype=torch.uint8)
         buf = flat.numpy().data
         dg = await anyio.to_thread.run_sync(lambda: (pack_into(state, metas, buf), digest(buf))[1])

@@ -9,21 +9,15 @@ worker thread. Every wait has the group's `timeout`.
 from __future__ import annotations
 
 import datetime
-import logging
 import time
 from typing import Any
 
-log = logging.getLogger("rlfabric.bus.collective")
+import torch
+import torch.distributed as dist
+
+from rlfabric.tensors.errors import CollectiveTimeout
 
 CHUNK = 64 * 1024 * 1024
-
-
-class CollectiveTimeout(TimeoutError):
-    """Raised when ranks did not join a group in time; `missing` lists them."""
-
-    def __init__(self, message: str, missing: list[int]) -> None:
-        super().__init__(message)
-        self.missing = missing
 
 
 class CollectiveGroup:
@@ -44,8 +38,6 @@ class CollectiveGroup:
 
     def open_store(self) -> None:
         """Rank 0: start the rendezvous server (returns at once). Others: connect to it."""
-        import torch.distributed as dist
-
         base = dist.TCPStore(self.master_addr, self.master_port, self.world_size,
                              self.rank == 0, timeout=self._td(), wait_for_workers=False)
         self._store = dist.PrefixStore(f"rlfabric/epoch{self.group_epoch}/", base)
@@ -68,8 +60,6 @@ class CollectiveGroup:
 
     def connect(self) -> None:
         """Build the process group (all ranks must call it; returns when all have)."""
-        import torch.distributed as dist
-
         if self.backend == "gloo":
             self._pg = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, self._td())
         elif self.backend == "nccl":
@@ -79,7 +69,7 @@ class CollectiveGroup:
         else:
             raise ValueError(f"unknown collective backend {self.backend!r}: use gloo or nccl")
 
-    def broadcast(self, flat: Any) -> None:
+    def broadcast(self, flat: torch.Tensor) -> None:
         """Broadcast a flat uint8 tensor from rank 0, in chunks of 64 MiB."""
         for start in range(0, flat.numel(), CHUNK):
             self._pg.broadcast(flat[start:start + CHUNK], 0).wait()

@@ -17,14 +17,15 @@ from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import anyio
+import torch
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from rlfabric.bus import AckFields, Bus, CommandContext, CommandFailed
-from rlfabric.bus.collective import CollectiveGroup
 from rlfabric.engines.protocol import Engine, WeightLoadError
 from rlfabric.schemas import (
     Collective,
+    DesiredState,
     Filesystem,
     InitTransport,
     Lora,
@@ -32,9 +33,10 @@ from rlfabric.schemas import (
     SharedMemory,
     UpdateWeights,
 )
-from rlfabric.schemas.weights import (
+from rlfabric.tensors import (
     STABLE_MARKER,
     WEIGHTS_FILE,
+    CollectiveGroup,
     buffer_size,
     digest,
     unpack,
@@ -53,9 +55,8 @@ class WeightSync:
         self.group: CollectiveGroup | None = None
 
     # ---- join ----
-    async def load_current(self) -> None:
+    async def load_current(self, state: DesiredState) -> None:
         """At join: serve the fleet's current version if it can be pulled."""
-        state = await self.bus.desired_state()
         cmd = state.locator
         if cmd is None or cmd.version <= self.engine.version:
             return
@@ -188,8 +189,6 @@ class WeightSync:
 
     # ---- collective ----
     async def _collective(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
-        import torch
-
         t = cmd.transport
         assert isinstance(t, Collective)
         group = self.group

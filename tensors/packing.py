@@ -1,8 +1,6 @@
 """The packed weight format both sides agree on: every tensor's bytes at a 64-byte aligned
 offset of one flat buffer, described by `TensorMeta`s; a `digest` of the buffer travels in
 `UpdateWeights` and a `checksum` of the loaded parameters comes back in each `Ack`.
-
-torch is imported inside the functions: the message types above stay importable without it.
 """
 
 from __future__ import annotations
@@ -10,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 import xxhash
 
 from rlfabric.schemas.control import TensorMeta
@@ -20,15 +19,8 @@ WEIGHTS_FILE = "weights.bin"
 STABLE_MARKER = "STABLE"
 
 
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
-def dtype_of(name: str) -> Any:
+def dtype_of(name: str) -> torch.dtype:
     """`"torch.bfloat16"` (or `"bfloat16"`) -> `torch.bfloat16`."""
-    torch = _torch()
     dt = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"unknown tensor dtype {name!r}")
@@ -57,7 +49,6 @@ def buffer_size(metas: Iterable[TensorMeta]) -> int:
 
 def pack_into(state: Mapping[str, Any], metas: Iterable[TensorMeta], buf: Any) -> None:
     """Copy each tensor's bytes to its offset in `buf` (a writable buffer of the planned size)."""
-    torch = _torch()
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     for m in metas:
         if not m.nbytes:
@@ -68,7 +59,6 @@ def pack_into(state: Mapping[str, Any], metas: Iterable[TensorMeta], buf: Any) -
 
 def unpack(buf: Any, metas: Iterable[TensorMeta]) -> dict[str, Any]:
     """Tensors viewing `buf` (a writable buffer): no copy."""
-    torch = _torch()
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     out = {}
     for m in metas:
@@ -86,7 +76,6 @@ def digest(buf: Any) -> str:
 def checksum(state: Mapping[str, Any]) -> str:
     """A digest of named parameters (name, dtype, shape, bytes), name-sorted: what a worker
     reports after a load, and what the sender expects from the state dict it sent."""
-    torch = _torch()
     h = xxhash.xxh3_128()
     for name in sorted(state):
         t = state[name].detach()

@@ -1,0 +1,178 @@
+"""The torch reference engine: a Hugging Face causal LM with batched KV-cache decoding.
+
+`TorchEngine` is the `Engine` the worker drives; the `Scheduler` picks batches, the
+`ModelRunner` decodes them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import anyio
+import torch
+from anyio.abc import TaskStatus
+
+from rlfabric.engines.protocol import RequestRejected, WeightLoadError
+from rlfabric.engines.torch.model_runner import ModelRunner, RunnerState
+from rlfabric.engines.torch.scheduler import Scheduler
+from rlfabric.engines.torch.sequence import Sequence
+from rlfabric.schemas import PauseMode, RolloutRequest, RolloutResult
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, model: str = "tiny", *, device: str | None = None,
+                 dtype: torch.dtype | None = None, max_batch: int = 64) -> None:
+        self.model = model
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.runner = ModelRunner(model, device=self.device, dtype=dtype)
+        self.scheduler = Scheduler(max_batch)
+        self._sleeping = 0
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            task_status.started()
+            while True:
+                batch = self.scheduler.next_batch()
+                if batch is None:
+                    await self.scheduler.wakeup.event().wait()
+                    continue
+                # NOTE: marked running before the first await, so a pause that runs next sees it
+                self.runner.set_state(RunnerState.RUNNING)
+                try:
+                    await anyio.to_thread.run_sync(self.runner.run_batch, batch)
+                finally:
+                    self.scheduler.finished(batch)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.pause("abort")
+
+    @property
+    def version(self) -> int:
+        return self.runner.version
+
+    # ---- requests ----
+    def check(self, request: RolloutRequest) -> None:
+        sp = request.sampling
+        ids = request.prompt_token_ids.numpy()
+        vocab, context = self.runner.vocab_size, self.runner.context_len
+        if len(ids) == 0:
+            raise RequestRejected("bad_request", "prompt_token_ids is empty")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise RequestRejected(
+                "bad_request",
+                f"prompt token id {bad} is outside the vocabulary [0, {vocab}) of "
+                f"model {self.model!r}")
+        if len(ids) >= context:
+            raise RequestRejected(
+                "prompt_too_long",
+                f"prompt of {len(ids)} tokens leaves no room in the context of "
+                f"{context} tokens of model {self.model!r}")
+        if sp.max_tokens <= 0:
+            raise RequestRejected("bad_request", f"max_tokens={sp.max_tokens}: must be >= 1")
+        if sp.n < 1:
+            raise RequestRejected("bad_request", f"n={sp.n}: must be >= 1")
+        if sp.temperature < 0 or not (0.0 < sp.top_p <= 1.0) or sp.top_k < 0:
+            raise RequestRejected(
+                "bad_request",
+                f"sampling out of range (temperature={sp.temperature}, top_p={sp.top_p}, "
+                f"top_k={sp.top_k}): need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if not 0 <= sp.logprobs <= vocab:
+            raise RequestRejected("bad_request", f"logprobs={sp.logprobs}: must be in "
+                                  f"[0, {vocab}]")
+
+    async def generate(self, request: RolloutRequest, *,
+                       worker_id: str = "") -> AsyncIterator[RolloutResult]:
+        self.check(request)
+        sp = request.sampling
+        base_seed = sp.seed if sp.seed is not None else random.getrandbits(62)
+        send, recv = anyio.create_memory_object_stream[RolloutResult](sp.n)
+        prompt = request.prompt_token_ids.tolist()
+        stops = frozenset(sp.stop_token_ids) | self.runner.eos_ids
+        seqs = []
+        for i in range(sp.n):
+            gen = torch.Generator(device=self.device).manual_seed(base_seed + i)
+            seqs.append(Sequence(request=request, sample_index=i, prompt=prompt, generator=gen,
+                                 sink=send, stop_ids=stops, worker_id=worker_id))
+        self.scheduler.admit(seqs)
+        try:
+            async with recv:
+                for _ in range(sp.n):
+                    yield await recv.receive()
+        finally:
+            for s in seqs:
+                s.cancelled = True
+            send.close()
+
+    # ---- control ----
+    async def pause(self, mode: PauseMode) -> None:
+        self.scheduler.paused = mode
+        if mode == "keep":
+            self.runner.freeze()
+            await anyio.to_thread.run_sync(self.runner.wait_not_running)
+            return
+        if mode == "abort":
+            self.runner.set_abort(True)
+            await anyio.to_thread.run_sync(self.runner.wait_idle)
+            self.scheduler.abort_pending()
+            self.runner.set_abort(False)
+            return
+        # wait: drain what was admitted
+        self.runner.thaw()
+        while self.scheduler.busy:
+            await self.scheduler.progress.event().wait()
+
+    async def resume(self) -> None:
+        self.scheduler.paused = None
+        self.runner.thaw()
+        self.scheduler.release_held()
+
+    async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
+        new = self.runner.checked(state)
+        await anyio.to_thread.run_sync(self.runner.load, new, version)
+
+    def weights_checksum(self) -> str:
+        return self.runner.checksum()
+
+    def state_dict(self) -> Mapping[str, Any]:
+        return self.runner.params
+
+    async def init_transport(self, **kwargs: Any) -> None:
+        raise WeightLoadError("the collective transport is set up by the worker runtime")
+
+    async def sleep(self, level: int) -> None:
+        await self.pause("abort")
+        self._sleeping = level
+        if self.device.type == "cuda":
+            self.runner.module.to("cpu")
+            torch.cuda.empty_cache()
+
+    async def wake(self, tags: tuple[str, ...] = ()) -> None:
+        if self._sleeping and self.device.type == "cuda":
+            self.runner.module.to(self.device)
+        self._sleeping = 0
+        self.runner.params = dict(self.runner.module.state_dict())
+        await self.resume()
+
+    async def reset_prefix_cache(self) -> None:
+        return None  # no cross-request prefix cache: every batch prefills from scratch
+
+    def describe(self) -> dict[str, str]:
+        params = self.runner.params
+        p = next(iter(params.values()))
+        s = self.scheduler
+        return {
+            "engine": self.name, "model": self.model, "version": str(self.version),
+            "device": str(self.device), "dtype": str(p.dtype),
+            "params": str(sum(t.numel() for t in params.values())),
+            "paused": s.paused or "", "sleeping": str(self._sleeping),
+            "pending": str(len(s.pending) + len(s.held)), "running": str(len(s.running)),
+        }
+
+
+

@@ -1,0 +1,191 @@
+"""The worker runtime: one engine on the bus.
+
+Start order (each step is live before the next):
+0. the engine;
+1. the control receiver (so any command sent to a snapshot containing us reaches us);
+2. the desired state: a worker never serves before it holds the fleet's weight version
+   (loading it needs a pull transport; see `WeightSync`), and joins a paused fleet paused;
+3. membership (ping responder + heartbeated key);
+4. the rollout data plane (`RolloutServer`).
+
+`drain()` (SIGTERM, or a `Shutdown` command) stops fetching, lets in-flight requests finish,
+then `run()` returns: the key is deleted, the control consumer removed, the engine stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import anyio
+import msgspec
+from anyio.abc import TaskStatus
+
+from rlfabric.bus import (
+    AckFields,
+    Bus,
+    CommandContext,
+    CommandFailed,
+    CommandReceiver,
+    Registration,
+    new_worker_info,
+)
+from rlfabric.bus.subjects import check_token
+from rlfabric.engines.protocol import Engine
+from rlfabric.engines.worker.rollouts import RolloutServer
+from rlfabric.engines.worker.weights import WeightSync
+from rlfabric.schemas import (
+    Command,
+    Describe,
+    InitTransport,
+    Pause,
+    ResetPrefixCache,
+    Resume,
+    Shutdown,
+    Sleep,
+    StateEvent,
+    UpdateWeights,
+    Wake,
+    WorkerInfo,
+)
+
+log = logging.getLogger("rlfabric.worker")
+
+
+class Worker:
+    def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, capacity: int = 32,
+                 drain_grace: float = 120.0) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.worker_id = check_token(worker_id, "worker id")
+        self.drain_grace = drain_grace
+        self.weights = WeightSync(bus, engine, self.worker_id)
+        self.receiver = CommandReceiver(bus, self.worker_id, self._handle_command,
+                                        state=lambda: (engine.version, self._checksum()))
+        self.reg = Registration(bus, new_worker_info(self.worker_id, engine=engine.name,
+                                                     model=engine.model, capacity=capacity))
+        self.reg.refresh = self._refresh_info
+        self.rollouts = RolloutServer(bus, engine, self.worker_id, self.reg, capacity=capacity)
+        self._checksum_cache: tuple[int, str] | None = None
+        self._drain = anyio.Event()
+
+    def _checksum(self) -> str:
+        v = self.engine.version
+        if self._checksum_cache is None or self._checksum_cache[0] != v:
+            self._checksum_cache = (v, self.engine.weights_checksum())
+        return self._checksum_cache[1]
+
+    # ---- lifecycle ----
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.engine.run)
+            await tg.start(self.receiver.run)
+            desired = await self.bus.desired_state()
+            await self.weights.load_current(desired)  # never serve a stale version
+            if desired.paused:  # join a paused fleet paused
+                self.rollouts.hold()
+                await self.engine.pause("keep")
+            self.reg.update(weight_version=self.engine.version)
+            await tg.start(self.reg.run)
+            await tg.start(self.rollouts.run)
+            await self._set_state("paused" if self.rollouts.held else "ready")
+            task_status.started()
+            await self._drain.wait()
+            await self._set_state("draining")
+            await self.rollouts.drain(self.drain_grace)
+            tg.cancel_scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await self.receiver.close()
+
+    def drain(self) -> None:
+        """Stop taking requests, finish in-flight ones (at most `drain_grace` seconds), leave:
+        `run()` returns once that is done."""
+        self._drain.set()
+
+    async def _set_state(self, state: str) -> None:
+        self.reg.update(state=state)
+        try:
+            await self.reg.flush()
+            await self.bus.emit(StateEvent(source=self.worker_id, state=state,
+                                           weight_version=self.engine.version, at=time.time()))
+        except Exception as exc:  # the next heartbeat carries it
+            log.debug("state %s not published yet: %s", state, exc)
+
+    def _refresh_info(self, info: WorkerInfo) -> WorkerInfo:
+        in_flight = self.rollouts.in_flight
+        if info.in_flight == in_flight and info.weight_version == self.engine.version:
+            return info
+        return msgspec.structs.replace(info, in_flight=in_flight,
+                                       weight_version=self.engine.version)
+
+    # ---- commands: one method per op ----
+    async def _handle_command(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
+        match cmd:
+            case Pause():
+                return await self._pause(cmd)
+            case Resume():
+                return await self._resume()
+            case UpdateWeights():
+                return await self._update_weights(cmd, ctx)
+            case InitTransport():
+                return await self.weights.init_transport(cmd, ctx)
+            case Sleep():
+                return await self._sleep(cmd)
+            case Wake():
+                return await self._wake(cmd)
+            case ResetPrefixCache():
+                await self.engine.reset_prefix_cache()
+                return None
+            case Describe():
+                return self._describe()
+            case Shutdown():
+                self.drain()  # acked now; in-flight work finishes, then the worker leaves
+                return None
+        raise CommandFailed("unsupported", f"{type(cmd).__name__} is not supported by this "
+                            f"worker ({self.engine.name} engine)")
+
+    async def _pause(self, cmd: Pause) -> None:
+        self.rollouts.hold()
+        await self._set_state("paused")
+        # draining is bounded by the command's deadline: past it the sender has given up
+        limit = cmd.deadline - time.time() if cmd.deadline else math.inf
+        with anyio.move_on_after(max(0.0, limit)) as scope:
+            await self.engine.pause(cmd.mode)
+            if cmd.mode != "keep":
+                await self.rollouts.wait_idle()
+        if scope.cancelled_caught:
+            raise CommandFailed("drain_timeout", f"{self.worker_id} still had "
+                                f"{self.rollouts.in_flight} requests in flight at the pause's "
+                                "deadline; it is paused and will finish them")
+
+    async def _resume(self) -> None:
+        await self.engine.resume()
+        self.rollouts.serve_again()
+        await self._set_state("ready")
+
+    async def _sleep(self, cmd: Sleep) -> None:
+        self.rollouts.hold()
+        await self.engine.sleep(cmd.level)
+        await self._set_state("sleeping")
+
+    async def _wake(self, cmd: Wake) -> None:
+        await self.engine.wake(cmd.tags)
+        self.rollouts.serve_again()
+        await self._set_state("ready")
+
+    def _describe(self) -> AckFields:
+        d = self.engine.describe()
+        d.update(in_flight=str(self.rollouts.in_flight), served=str(self.rollouts.served),
+                 paused=str(self.rollouts.held), applied_seq=str(self.receiver.applied_seq))
+        return AckFields(detail=d)
+
+    async def _update_weights(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
+        before = "paused" if self.rollouts.held else "ready"
+        await self._set_state("updating")
+        try:
+            return await self.weights.update(cmd, ctx)
+        finally:
+            self._checksum_cache = None
+            self.rollouts.version_moved()
+            await self._set_state(before)

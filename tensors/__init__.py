@@ -1,0 +1,28 @@
+"""The torch side shared by engines and trainer: the packed weight format (`packing`: pack,
+unpack, digest, checksum), the collective group weights are broadcast over (`collective`),
+and the model builder (`models`).
+
+`rlfabric.schemas` and `rlfabric.bus` never import torch; what needs it lives here. The names
+below are loaded on first use, so importing `rlfabric.tensors.errors` costs no torch.
+"""
+
+from typing import Any
+
+_WHERE = {
+    "CollectiveGroup": "collective",
+    "CollectiveTimeout": "errors",
+    "build_model": "models",
+    **{name: "packing" for name in ("STABLE_MARKER", "WEIGHTS_FILE", "buffer_size", "checksum",
+                                     "digest", "pack_into", "plan", "unpack")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"rlfabric.tensors.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'rlfabric.tensors' has no attribute {name!r}")
+
+
+__all__ = sorted(_WHERE)

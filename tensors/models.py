@@ -1,0 +1,39 @@
+"""The torch module a model name stands for: a built-in spec (`tiny`) or a local Hugging Face
+checkpoint directory. A worker's `--model NAME` and the trainer's `build_model(NAME)` build the
+same architecture."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rlfabric.schemas.models import BUILTIN
+
+
+def build_model(name_or_path: str, *, dtype: Any = None, device: Any = None) -> Any:
+    """The torch module for a built-in spec name (`"tiny"`) or a local Hugging Face checkpoint
+    directory, in eval mode."""
+    dtype = dtype or torch.float32
+    if name_or_path in BUILTIN:
+        spec = BUILTIN[name_or_path]
+        # NOTE: eager attention: bit-stable logprobs between batched decoding with a KV cache
+        # and the trainer's one-pass recompute, which the weight-sync check relies on.
+        cfg = LlamaConfig(**spec.hf_config(), attn_implementation="eager")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            model = LlamaForCausalLM(cfg)
+        model = model.to(dtype=dtype)
+    elif os.path.isdir(name_or_path):
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
+                                                     attn_implementation="eager")
+    else:
+        raise ValueError(
+            f"model {name_or_path!r} is neither a built-in spec ({', '.join(BUILTIN)}) nor a "
+            "local checkpoint directory; pass --model tiny or a path with config.json"
+        )
+    if device is not None:
+        model = model.to(device)
+    return model.eval()

@@ -1,0 +1,45 @@
+"""The package layout's promises: the wire and bus layers never pull in torch, and the CLI's
+control commands start without it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "transformers", "matplotlib")
+
+
+def loaded_after(code: str) -> dict[str, bool]:
+    """Which heavy modules a fresh interpreter holds after running `code`."""
+    probe = (f"import sys\n{code}\n"
+             f"import json; print(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_schemas_and_bus_import_neither_torch_nor_transformers() -> None:
+    loaded = loaded_after("import rlfabric.schemas, rlfabric.bus, rlfabric.errors")
+    assert loaded == {m: False for m in HEAVY}
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"], ["status", "--help"], ["ctl", "--help"], ["nats", "--help"],
+    ["worker", "--help"], ["up", "--help"], ["bench", "--help"], ["schema"],
+])
+def test_cli_help_and_control_commands_start_without_torch(argv: list[str]) -> None:
+    code = ("from rlfabric.cli import main\n"
+            "import contextlib, io\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    try:\n        main({argv!r})\n    except SystemExit:\n        pass")
+    assert loaded_after(code) == {m: False for m in HEAVY}
+
+
+def test_fabric_client_for_control_only_starts_without_torch() -> None:
+    # what `rlfabric ctl` imports to pause / resume / describe
+    loaded = loaded_after("from rlfabric.trainer import FabricClient, QuorumPolicy")
+    assert loaded == {m: False for m in HEAVY}

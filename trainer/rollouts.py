@@ -1,0 +1,202 @@
+"""The trainer's data plane: requests into the workers' queue, each sample's result back
+exactly once, samples still missing at their deadline as typed errors.
+
+Results arrive on `<prefix>.rollout.result.<client_id>` through an ordered consumer on the
+results stream; a redelivered request can produce a result twice, so results are deduplicated
+by (request_id, sample_index) here, at the one place that knows what is still awaited.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+import anyio
+import msgspec
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+
+from rlfabric.bus import Bus
+from rlfabric.schemas import (
+    CLIENT_ID_HEADER,
+    REQUEST_ID_HEADER,
+    RolloutError,
+    RolloutReply,
+    RolloutRequest,
+    RolloutResult,
+    SchemaError,
+    codec_for,
+    encode,
+)
+from rlfabric.trainer.continuation import continuation, merge
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """One submitted request: which samples arrived, and where its results go."""
+
+    request: RolloutRequest
+    sink: MemoryObjectSendStream[RolloutReply]
+    got: set[int] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.got) >= self.request.sampling.n
+
+
+class RolloutPlane:
+    def __init__(self, bus: Bus, client_id: str) -> None:
+        self.bus = bus
+        self.client_id = client_id
+        self.duplicates_dropped = 0
+        self._waiting: dict[str, _Waiting] = {}
+        self._codec = codec_for(RolloutReply)
+
+    async def listen(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Receive this client's results; started once the subscription is live."""
+        sub = await self.bus.js.subscribe(
+            self.bus.subjects.rollout_result(self.client_id), cb=self._on_result,
+            ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
+        try:
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
+
+    async def _on_result(self, msg: Msg) -> None:
+        try:
+            reply = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
+        except SchemaError:
+            return
+        w = self._waiting.get(reply.request_id)
+        if w is None:  # late duplicate of a finished request, or not ours any more
+            self.duplicates_dropped += 1
+            return
+        if isinstance(reply, RolloutError) and reply.sample_index is None:
+            # an error for the whole request: one per sample still missing
+            replies: list[RolloutReply] = [
+                msgspec.structs.replace(reply, sample_index=i)
+                for i in range(w.request.sampling.n) if i not in w.got]
+        else:
+            replies = [reply]
+        fresh = [r for r in replies if (r.sample_index or 0) not in w.got]
+        if not fresh:
+            self.duplicates_dropped += 1
+            return
+        for r in fresh:
+            w.got.add(r.sample_index or 0)
+            w.sink.send_nowait(r)
+        if w.complete:
+            self._waiting.pop(reply.request_id, None)
+
+    def _prepare(self, req: RolloutRequest, timeout: float | None) -> RolloutRequest:
+        changes: dict[str, object] = {"client_id": self.client_id}
+        if timeout is not None and not req.deadline:
+            changes["deadline"] = time.time() + timeout
+        return msgspec.structs.replace(req, **changes)
+
+    async def submit(self, requests: Iterable[RolloutRequest],
+                     sink: MemoryObjectSendStream[RolloutReply], *,
+                     timeout: float | None = None) -> list[RolloutRequest]:
+        s = self.bus.subjects
+        sent = []
+        futures = []
+        for req in requests:
+            req = self._prepare(req, timeout)
+            if req.request_id in self._waiting:
+                raise ValueError(f"request_id {req.request_id!r} is already in flight")
+            self._waiting[req.request_id] = _Waiting(req, sink)
+            hdrs = self.bus.headers({
+                "Nats-Msg-Id": f"{self.client_id}/{req.request_id}",
+                CLIENT_ID_HEADER: self.client_id, REQUEST_ID_HEADER: req.request_id,
+            })
+            futures.append(await self.bus.js.publish_async(s.rollout_request, encode(req),
+                                                           headers=hdrs))
+            sent.append(req)
+        for fut in futures:
+            await fut  # every request persisted in the stream
+        return sent
+
+    async def generate(self, requests: Iterable[RolloutRequest], *,
+                       timeout: float | None = None) -> AsyncIterator[RolloutReply]:
+        reqs = list(requests)
+        total = sum(r.sampling.n for r in reqs)
+        send, recv = anyio.create_memory_object_stream[RolloutReply](max(total, 1))
+        sent = await self.submit(reqs, send, timeout=timeout)
+        ids = [r.request_id for r in sent]
+        yielded = 0
+        try:
+            async with recv:
+                while yielded < total:
+                    wait = self._next_deadline(ids)
+                    reply = None
+                    with anyio.move_on_after(wait if wait is not None else float("inf")):
+                        reply = await recv.receive()
+                    if reply is None:
+                        for err in self._expire(ids):
+                            yielded += 1
+                            yield err
+                        continue
+                    yielded += 1
+                    yield reply
+        finally:
+            for rid in ids:
+                self._waiting.pop(rid, None)
+            send.close()
+
+    async def generate_groups(self, requests: Iterable[RolloutRequest], *,
+                              timeout: float | None = None
+                              ) -> AsyncIterator[list[RolloutReply]]:
+        reqs = list(requests)
+        n_of = {r.request_id: r.sampling.n for r in reqs}
+        groups: dict[str, list[RolloutReply]] = {}
+        async for reply in self.generate(reqs, timeout=timeout):
+            g = groups.setdefault(reply.request_id, [])
+            g.append(reply)
+            if len(g) == n_of[reply.request_id]:
+                del groups[reply.request_id]
+                yield sorted(g, key=lambda r: r.sample_index or 0)
+
+    async def continue_aborted(self, requests: Iterable[RolloutRequest],
+                               results: Iterable[RolloutReply], *,
+                               timeout: float | None = None) -> AsyncIterator[RolloutReply]:
+        by_id = {r.request_id: r for r in requests}
+        partials: dict[str, RolloutResult] = {}
+        for res in results:
+            if isinstance(res, RolloutResult) and res.finish_reason == "abort":
+                partials[continuation(by_id[res.request_id], res).request_id] = res
+            else:
+                yield res
+        conts = [continuation(by_id[p.request_id], p) for p in partials.values()]
+        async for rest in self.generate(conts, timeout=timeout):
+            part = partials[rest.request_id]
+            if isinstance(rest, RolloutResult):
+                yield merge(part, rest)
+            else:
+                yield msgspec.structs.replace(rest, request_id=part.request_id,
+                                              sample_index=part.sample_index)
+
+    def _next_deadline(self, ids: list[str]) -> float | None:
+        deadlines = [w.request.deadline for rid in ids
+                     if (w := self._waiting.get(rid)) and w.request.deadline]
+        return max(0.0, min(deadlines) - time.time()) if deadlines else None
+
+    def _expire(self, ids: list[str]) -> list[RolloutError]:
+        out = []
+        now = time.time()
+        for rid in ids:
+            w = self._waiting.get(rid)
+            if w is None or not w.request.deadline or w.request.deadline > now:
+                continue
+            for i in range(w.request.sampling.n):
+                if i not in w.got:
+                    out.append(RolloutError(
+                        request_id=rid, worker_id="", code="deadline_exceeded", sample_index=i,
+                        group_id=w.request.group_id, retryable=True,
+                        message=f"no result for sample {i} of {rid} by its deadline"))
+            self._waiting.pop(rid, None)
+        return out

@@ -1,0 +1,168 @@
+"""The sending side of weight updates: push staged weights, verify what every worker reports,
+and form the collective group weights are broadcast over.
+
+Pull transports (shm, filesystem, nats) are one broadcast: each worker fetches, verifies the
+digest, swaps and acks `done` with its checksum; the desired state names the version while the
+command is out, so a worker joining meanwhile loads it too, and is taken back if the update
+fails. The collective transport is two-phase (`ready`, then rank 0 broadcasts, then `done`).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import Counter
+from typing import Any, Literal
+
+import anyio
+import msgspec
+
+from rlfabric.bus import Broadcaster, Fanout, MembershipWatcher, QuorumPolicy, new_cmd_id
+from rlfabric.bus.sync import beside
+from rlfabric.schemas import Collective, FanoutReport, InitTransport, Target, UpdateWeights
+from rlfabric.tensors import CollectiveGroup, CollectiveTimeout
+from rlfabric.trainer.desired import DesiredStateWriter
+from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
+from rlfabric.trainer.staging import Staged, WeightStager, as_state_dict
+
+Verify = Literal["sender", "workers", "off"]
+
+
+class WeightUpdates:
+    def __init__(self, broadcaster: Broadcaster, watcher: MembershipWatcher,
+                 desired: DesiredStateWriter) -> None:
+        self.broadcaster = broadcaster
+        self.watcher = watcher
+        self.desired = desired
+        self.stager = WeightStager(broadcaster.bus)
+        self._current: Staged | None = None  # what late joiners load: kept until replaced
+        self._group: CollectiveGroup | None = None
+        self._group_fingerprint = ""
+        self._last_epoch = 0
+
+    async def close(self) -> None:
+        if self._current is not None:
+            await self._current.release()
+        if self._group is not None:
+            self._group.close()
+
+    async def stage(self, version: int, weights: Any, transport: str, *, mark_stable: bool,
+                    with_checksum: bool) -> Staged:
+        return await self.stager.stage(version, as_state_dict(weights), transport,
+                                       mark_stable=mark_stable, with_checksum=with_checksum)
+
+    async def push(self, staged: Staged, *, target: Target | None, policy: QuorumPolicy,
+                   verify: Verify) -> FanoutReport:
+        deadline = time.time() + policy.timeout
+        try:
+            if isinstance(staged.transport, Collective):
+                group = await self._fresh_group(policy)
+                staged.transport = msgspec.structs.replace(staged.transport,
+                                                           group_epoch=group.group_epoch)
+                cmd = staged.command(new_cmd_id(), target=target, deadline=deadline)
+                rep = await self._push_collective(cmd, staged, group, policy)
+                self._check(rep, staged, verify)
+                await self.desired.write(weight_version=staged.version, locator=None)
+            else:
+                cmd = staged.command(new_cmd_id(), target=target, deadline=deadline)
+                # a worker joining during the update loads this version itself
+                async with self.desired.during(rollback=True, weight_version=staged.version,
+                                               locator=cmd):
+                    rep = await self.broadcaster.broadcast(cmd, policy)
+                    self._check(rep, staged, verify)
+        except Exception:
+            await staged.release()
+            raise
+        if self._current is not None and self._current is not staged:
+            await self._current.release()  # the previous version is no longer anyone's to load
+        self._current = staged
+        return rep
+
+    def _check(self, rep: FanoutReport, staged: Staged, verify: Verify) -> None:
+        if verify == "off":
+            return
+        sums = {w: rep.acks[w].weights_checksum for w in rep.ok}
+        if verify == "sender":
+            expected = staged.expected_checksum
+        else:
+            expected = Counter(sums.values()).most_common(1)[0][0] if sums else ""
+        versions = {w: rep.acks[w].weight_version for w in rep.ok}
+        bad = {w: c for w, c in sums.items() if c != expected or versions[w] != staged.version}
+        if bad:
+            detail = ", ".join(f"{w} (v{versions[w]}, checksum {c})"
+                               for w, c in sorted(bad.items()))
+            raise WeightsMismatch(
+                f"update to v{staged.version}: {len(bad)} of {len(sums)} workers do not serve "
+                f"what was sent (expected checksum {expected}): {detail}",
+                checksums=sums, expected=expected, report=rep)
+
+    async def _push_collective(self, cmd: UpdateWeights, staged: Staged,
+                               group: CollectiveGroup, policy: QuorumPolicy) -> FanoutReport:
+        async with self.broadcaster.open(cmd) as fo:
+            await fo.wait("ready", policy)
+            return await _beside_rank0(fo, policy, group.broadcast, staged.flat)
+
+    # ---- the collective group ----
+    async def init_transport(self, backend: str, *, master_addr: str, master_port: int | None,
+                             timeout: float, policy: QuorumPolicy) -> FanoutReport:
+        snap = self.watcher.snapshot()
+        offsets, rank = {}, 1
+        for m in snap.members:
+            offsets[m.worker_id] = rank
+            rank += max(1, m.ranks)
+        # fresh after a failure too: an epoch is never reused
+        epoch = max(self.desired.state.group_epoch, self._last_epoch) + 1
+        self._last_epoch = epoch
+        if self._group is not None:
+            self._group.close()  # torn down, never reused
+            self._group = None
+        port = master_port or _free_port(master_addr)
+        group = CollectiveGroup(backend=backend, master_addr=master_addr, master_port=port,
+                                rank=0, world_size=rank, group_epoch=epoch, timeout=timeout)
+        await anyio.to_thread.run_sync(group.open_store)
+        cmd = InitTransport(cmd_id=new_cmd_id(), backend=backend,  # type: ignore[arg-type]  # checked by the Literal on decode, and by CollectiveGroup.connect
+                            group_epoch=epoch, master_addr=master_addr, master_port=port,
+                            world_size=rank, rank_offsets=offsets, deadline=time.time() + timeout)
+        by_rank = {r: w for w, r in offsets.items()}
+        async with self.broadcaster.open(cmd) as fo:
+            try:
+                await anyio.to_thread.run_sync(group.wait_joined)
+            except CollectiveTimeout as exc:
+                group.close()
+                workers = tuple(sorted({by_rank.get(r, f"rank{r}") for r in exc.missing}))
+                raise TransportInitFailed(
+                    f"init_transport({backend}) epoch {epoch}: {', '.join(workers)} did not "
+                    f"join within {timeout}s (ranks {exc.missing}); others are released at "
+                    "their deadline; check those workers, then init again",
+                    missing_workers=workers, missing_ranks=tuple(exc.missing),
+                    group_epoch=epoch) from exc
+            rep = await _beside_rank0(fo, policy, group.connect)
+        self._group, self._group_fingerprint = group, snap.fingerprint
+        await self.desired.write(group_epoch=epoch)
+        return rep
+
+    async def _fresh_group(self, policy: QuorumPolicy) -> CollectiveGroup:
+        """The current group, or a new one if there is none or membership moved since."""
+        fp = self.watcher.snapshot().fingerprint
+        if self._group is None or fp != self._group_fingerprint:
+            backend = self._group.backend if self._group else "gloo"
+            await self.init_transport(backend, master_addr="127.0.0.1", master_port=None,
+                                      timeout=policy.timeout, policy=policy)
+        assert self._group is not None  # init_transport set it or raised
+        return self._group
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def _beside_rank0(fo: Fanout, policy: QuorumPolicy, blocking: Any, *args: Any
+                        ) -> FanoutReport:
+    """Run rank 0's side of a collective step (`blocking(*args)`, in a thread) while waiting
+    for the workers' `done` acks; either's failure is raised as itself."""
+    async with beside() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, blocking, *args)
+        return await fo.wait("done", policy)
