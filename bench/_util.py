@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 
 import anyio
 
+from rlfabric.errors import LaunchError
+
 
 def free_ports(n: int) -> list[int]:
     """`n` distinct free loopback ports (all held open while choosing, so none repeats)."""
@@ -36,7 +38,10 @@ async def children(cmds: list[list[str]], ready: str | None = None,
     (in a thread: the event loop, and the caller's NATS connection, keep running). Their
     output is drained (a full pipe would block them) and shown if one fails to start. All are
     stopped (SIGTERM, then SIGKILL) on exit."""
-    procs, logs, readies, threads = [], [], [], []
+    procs: list[subprocess.Popen[str]] = []
+    logs: list[collections.deque[str]] = []
+    readies: list[threading.Event] = []
+    threads: list[threading.Thread] = []
     for c in cmds:
         p = subprocess.Popen([sys.executable, "-m", *c], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -44,19 +49,22 @@ async def children(cmds: list[list[str]], ready: str | None = None,
         ev = threading.Event()
         t = threading.Thread(target=_drain, args=(p, log, ev, ready), daemon=True)
         t.start()
-        procs.append(p), logs.append(log), readies.append(ev), threads.append(t)
+        procs.append(p)
+        logs.append(log)
+        readies.append(ev)
+        threads.append(t)
     try:
-        for p, log, ev in zip(procs, logs, readies, strict=True):
+        for c, p, log, ev in zip(cmds, procs, logs, readies, strict=True):
             deadline = time.monotonic() + timeout
             while ready and not await anyio.to_thread.run_sync(ev.wait, 0.5):
                 if p.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{' '.join(map(str, p.args[2:4]))} did not get ready "
+                    raise LaunchError(f"{' '.join(c[:2])} did not get ready "
                                        f"(exit code {p.poll()}): " + " | ".join(log))
         try:
             yield procs
         except BaseException:
-            for p, log in zip(procs, logs, strict=True):
-                print(f"--- output of {' '.join(map(str, p.args[2:]))}:\n" + "\n".join(log),
+            for c, log in zip(cmds, logs, strict=True):
+                print(f"--- output of {' '.join(c)}:\n" + "\n".join(log),
                       file=sys.stderr)
             raise
     finally:

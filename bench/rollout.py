@@ -27,7 +27,7 @@ import anyio
 from rlfabric.bench._util import children, free_ports, pct, table
 from rlfabric.bus import EmbeddedNats
 from rlfabric.engines import make_engine, running
-from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
+from rlfabric.schemas import PackedI32, RolloutRequest, RolloutResult, SamplingParams
 from rlfabric.trainer import FabricClient
 
 WORKLOAD = {  # engine -> (requests, concurrency, max_tokens)
@@ -42,7 +42,7 @@ def threads(workers: int) -> int:
 
 
 def requests(n: int, max_tokens: int, tag: str) -> list[RolloutRequest]:
-    return [RolloutRequest(request_id=f"{tag}{i}", prompt_token_ids=[256, *range(1, 16)],
+    return [RolloutRequest(request_id=f"{tag}{i}", prompt_token_ids=PackedI32([256, *range(1, 16)]),
                            min_weight_version=-1,
                            sampling=SamplingParams(max_tokens=max_tokens, seed=i))
             for i in range(n)]

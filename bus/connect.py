@@ -6,6 +6,7 @@ import logging
 import math
 import ssl
 from dataclasses import dataclass, field
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
@@ -45,10 +46,10 @@ class ConnectOptions:
     pending_size: int = 64 * 1024 * 1024
 
     @classmethod
-    def from_url(cls, url: str | list[str], **kw: object) -> ConnectOptions:
+    def from_url(cls, url: str | list[str], **kw: Any) -> ConnectOptions:
         """Options for a URL (or comma-separated URLs / a list) and keyword overrides."""
         servers = url if isinstance(url, list) else [u.strip() for u in url.split(",") if u.strip()]
-        return cls(servers=servers, **kw)  # type: ignore[arg-type]
+        return cls(servers=servers, **kw)
 
     def tls_context(self) -> ssl.SSLContext | None:
         wants_tls = any(s.startswith("tls://") for s in self.servers)
@@ -98,8 +99,8 @@ async def connect(opts: ConnectOptions | str) -> NATS:
             nkeys_seed=opts.nkey_seed_file,
             tls=opts.tls_context(),
             tls_hostname=opts.tls_hostname,
-            connect_timeout=opts.connect_timeout,  # type: ignore[arg-type]
-            reconnect_time_wait=opts.reconnect_wait,  # type: ignore[arg-type]
+            connect_timeout=opts.connect_timeout,
+            reconnect_time_wait=opts.reconnect_wait,
             max_reconnect_attempts=attempts,
             allow_reconnect=True,
             pending_size=opts.pending_size,
@@ -110,7 +111,7 @@ async def connect(opts: ConnectOptions | str) -> NATS:
     except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
         raise NatsUnavailable(
             f"no NATS server answered at {', '.join(opts.servers)} within {opts.connect_wait}s "
-            f"({type(exc).__name__}: {exc or 'no servers available'}); start one with "
+            f"({type(exc).__name__}: {str(exc) or 'no servers available'}); start one with "
             "`rlfabric nats --port 4222` or pass the right --nats URL"
         ) from exc
     except nats.errors.Error as exc:  # auth and TLS failures

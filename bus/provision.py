@@ -103,6 +103,7 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
     """Create the stream, or leave an existing one as its creator configured it (limits,
     storage: the first process of a job decides), repairing only its subjects, which routing
     depends on."""
+    assert cfg.name is not None  # stream_configs names every stream
     try:
         info = await js.stream_info(cfg.name)
     except NotFoundError:

@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import nats.errors
@@ -95,7 +95,8 @@ class CommandReceiver:
         self.rejected = 0
 
     # ---- acks ----
-    def _make_ack(self, ctx: CommandContext, phase: str, status: str,
+    def _make_ack(self, ctx: CommandContext, phase: Literal["ready", "done"],
+                  status: Literal["ok", "error"],
                   fields: dict[str, Any] | AckFields | None, *, code: str = "",
                   message: str = "") -> Ack:
         version, checksum = self.state()
@@ -108,8 +109,8 @@ class CommandReceiver:
             version = fields.get("weight_version", version)
             checksum = fields.get("weights_checksum", checksum)
             detail = fields.get("detail", {})
-        return Ack(cmd_id=ctx.cmd.cmd_id, worker_id=self.worker_id, phase=phase,  # type: ignore[arg-type]
-                   status=status, error_code=code, error_message=message,  # type: ignore[arg-type]
+        return Ack(cmd_id=ctx.cmd.cmd_id, worker_id=self.worker_id, phase=phase,
+                   status=status, error_code=code, error_message=message,
                    weight_version=version, weights_checksum=checksum,
                    elapsed_s=time.monotonic() - ctx.t0, detail=detail)
 

@@ -130,7 +130,8 @@ class Bus:
             return DesiredState()
         if not entry.value:
             return DesiredState()
-        return codec_for(DesiredState).decode(entry.value, check_version=False)
+        state: DesiredState = codec_for(DesiredState).decode(entry.value, check_version=False)
+        return state
 
     async def put_desired_state(self, state: DesiredState) -> None:
         await self.buckets.state.put(STATE_KEY, encode(state))

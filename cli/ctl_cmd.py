@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Literal
 
 import anyio
 import msgspec
 
 from rlfabric.bus import MembershipChanged, NatsUnavailable, QuorumNotReached, QuorumPolicy
 from rlfabric.cli._common import add_bus_options, connect_options
-from rlfabric.schemas import FanoutReport
+from rlfabric.schemas import PAUSE_MODES, FanoutReport
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     csub = p.add_subparsers(dest="op", metavar="OP", required=True)
     pause = csub.add_parser("pause", help="stop serving (in-flight work per --mode)")
-    pause.add_argument("--mode", choices=["wait", "abort", "keep"], default="wait",
+    pause.add_argument("--mode", choices=PAUSE_MODES, default="wait",
                        help="wait: finish in-flight first; abort: cut it short (partial "
                        "results); keep: freeze it until resume (default %(default)s)")
     csub.add_parser("resume", help="serve again")
@@ -38,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _required(text: str) -> str | int | float:
+def _required(text: str) -> Literal["all"] | int | float:
     if text == "all":
         return "all"
     return float(text) if "." in text else int(text)

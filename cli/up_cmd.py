@@ -19,6 +19,8 @@ import anyio
 
 from rlfabric.bus import EmbeddedNats
 from rlfabric.bus.server import die_with_parent
+from rlfabric.errors import LaunchError
+from rlfabric.schemas import TRANSPORTS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="GRPO steps (default 20; 30 with --async, which learns from one-step "
                    "stale samples and needs a few more)")
     p.add_argument("--transport", default="shm",
-                   choices=["shm", "filesystem", "nats", "collective"],
+                   choices=TRANSPORTS,
                    help="how weights reach the workers (default %(default)s)")
     p.add_argument("--async", dest="async_mode", action="store_true",
                    help="overlap generation of step k+1 with training of step k (one step "
@@ -93,9 +95,9 @@ async def _wait_workers(fabric, fleet: Fleet, n: int, timeout: float = 180.0) ->
     deadline = time.monotonic() + timeout
     while len(fabric.watcher.snapshot().members) < n:
         if fleet.dead():
-            raise RuntimeError("a worker failed to start: " + "; ".join(fleet.dead()))
+            raise LaunchError("a worker failed to start: " + "; ".join(fleet.dead()))
         if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(fabric.watcher.snapshot().members)} of {n} workers "
+            raise LaunchError(f"only {len(fabric.watcher.snapshot().members)} of {n} workers "
                                f"joined within {timeout}s; see {fleet.run_dir}/worker-*.log")
         changed = fabric.watcher.changed()
         with anyio.move_on_after(0.5):  # and look at the processes twice a second
@@ -206,7 +208,7 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlfabric.schemas import RLFabricError
+    from rlfabric.errors import RLFabricError
 
     if args.workers < 1:
         print("rlfabric up: --workers must be >= 1", file=sys.stderr)
@@ -220,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nrlfabric up: interrupted; stopping {len(fleet.procs)} workers and the NATS "
               "server", file=sys.stderr)
         return 130
-    except (RLFabricError, RuntimeError, ValueError, TimeoutError) as exc:
+    except (RLFabricError, ValueError) as exc:
         print(f"rlfabric up: {exc}", file=sys.stderr)
         return 1
     finally:

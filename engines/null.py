@@ -11,7 +11,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.engines.protocol import PauseMode, RequestRejected
-from rlfabric.schemas import RolloutRequest, RolloutResult, VersionSpan
+from rlfabric.schemas import PackedF32, PackedI32, RolloutRequest, RolloutResult, VersionSpan
 
 
 class NullEngine:
@@ -41,11 +41,12 @@ class NullEngine:
                        worker_id: str = "") -> AsyncIterator[RolloutResult]:
         self.check(request)
         await self._resumed.wait()
-        ids = request.prompt_token_ids.numpy()[: request.sampling.max_tokens]
+        ids = PackedI32(request.prompt_token_ids.numpy()[: request.sampling.max_tokens])
+        zeros = PackedF32([0.0] * len(ids))
         for i in range(request.sampling.n):
             yield RolloutResult(
                 request_id=request.request_id, sample_index=i, worker_id=worker_id,
-                completion_token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="length",
+                completion_token_ids=ids, logprobs=zeros, finish_reason="length",
                 version_spans=(VersionSpan(version=self._version, start=0, end=len(ids)),),
                 group_id=request.group_id, prompt_len=len(request.prompt_token_ids))
 

@@ -15,6 +15,7 @@ from rlfabric.schemas.codec import (
     json_schema,
 )
 from rlfabric.schemas.control import (
+    COLLECTIVE_BACKENDS,
     COMMAND_TYPES,
     PAUSE_MODES,
     TRANSPORT_KINDS,
@@ -22,6 +23,7 @@ from rlfabric.schemas.control import (
     Ack,
     Base,
     Collective,
+    CollectiveBackend,
     Command,
     CudaIpc,
     Describe,
@@ -70,39 +72,38 @@ from rlfabric.schemas.rollout import (
     VersionSpan,
 )
 
+_ALL: tuple[type, ...] = (
+    SamplingParams,
+    RolloutRequest,
+    RolloutResult,
+    RolloutError,
+    VersionSpan,
+    TopLogprobs,
+    Timings,
+    *COMMAND_TYPES,
+    Base,
+    Lora,
+    TensorMeta,
+    SharedMemory,
+    Filesystem,
+    Nats,
+    Collective,
+    CudaIpc,
+    Ack,
+    WorkerInfo,
+    MembershipSnapshot,
+    DesiredState,
+    FanoutReport,
+    ErrorEvent,
+    StateEvent,
+)
 #: Every message type by name: what `rlfabric schema` prints and the codec tests cover.
-MESSAGE_TYPES: dict[str, type] = {
-    t.__name__: t
-    for t in (
-        SamplingParams,
-        RolloutRequest,
-        RolloutResult,
-        RolloutError,
-        VersionSpan,
-        TopLogprobs,
-        Timings,
-        *COMMAND_TYPES,
-        Base,
-        Lora,
-        TensorMeta,
-        SharedMemory,
-        Filesystem,
-        Nats,
-        Collective,
-        CudaIpc,
-        Ack,
-        WorkerInfo,
-        MembershipSnapshot,
-        DesiredState,
-        FanoutReport,
-        ErrorEvent,
-        StateEvent,
-    )
-}
+MESSAGE_TYPES: dict[str, type] = {t.__name__: t for t in _ALL}
 
 __all__ = [
     "CLIENT_ID_HEADER",
     "CMD_ID_HEADER",
+    "COLLECTIVE_BACKENDS",
     "MESSAGE_TYPES",
     "PAUSE_MODES",
     "REQUEST_ID_HEADER",
@@ -114,6 +115,7 @@ __all__ = [
     "Base",
     "Codec",
     "Collective",
+    "CollectiveBackend",
     "Command",
     "CudaIpc",
     "Describe",

@@ -16,7 +16,8 @@ import numpy as np
 
 class _Packed:
     __slots__ = ("_buf",)
-    dtype: ClassVar[np.dtype]
+    _buf: bytes
+    dtype: ClassVar[np.dtype[Any]]
 
     def __init__(self, values: Any = b"") -> None:
         if isinstance(values, _Packed):
@@ -49,24 +50,25 @@ class _Packed:
                 raise ValueError(f"{type(self).__name__}: a value is outside int32")
         self._buf = np.ascontiguousarray(arr, dtype=self.dtype).tobytes()
 
-    def numpy(self) -> np.ndarray:
+    def numpy(self) -> np.ndarray[Any, np.dtype[Any]]:
         """A read-only numpy view over the packed bytes (no copy)."""
         return np.frombuffer(self._buf, dtype=self.dtype)
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, np.dtype[Any]]:
         arr = self.numpy()
         return arr if dtype is None else arr.astype(dtype)
 
     def tobytes(self) -> bytes:
         return self._buf
 
-    def tolist(self) -> list:
-        return self.numpy().tolist()
+    def tolist(self) -> list[Any]:
+        out: list[Any] = self.numpy().tolist()
+        return out
 
     def __len__(self) -> int:
         return len(self._buf) // self.dtype.itemsize
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[Any]:
         return iter(self.tolist())
 
     def __getitem__(self, i: Any) -> Any:

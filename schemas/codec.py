@@ -90,7 +90,8 @@ class Codec(Generic[T]):
         if check_version:
             check_schema_version(headers, subject=subject, type_name=self.type_name)
         try:
-            return self._decoder.decode(data)
+            out: T = self._decoder.decode(data)
+            return out
         except (msgspec.DecodeError, ValueError, TypeError) as exc:
             # ValueError also covers invalid UTF-8 in a string field
             where = f" on {subject!r}" if subject else ""
@@ -117,7 +118,8 @@ def headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def encode(msg: Any) -> bytes:
     """Encode any rlfabric message with its type's codec."""
-    return codec_for(type(msg)).encode(msg)
+    kind: Any = type(msg)
+    return codec_for(kind).encode(msg)
 
 
 def _schema_hook(kind: type) -> dict[str, Any]:

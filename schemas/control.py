@@ -13,11 +13,11 @@ from rlfabric.schemas._base import Message
 # ---- update targets and weight transports -------------------------------------------------
 
 
-class Base(Message, tag_field="kind", tag="base", kw_only=True):
+class Base(Message, tag_field="kind", tag="base", frozen=True, kw_only=True):
     """Update the base model's weights."""
 
 
-class Lora(Message, tag_field="kind", tag="lora", kw_only=True):
+class Lora(Message, tag_field="kind", tag="lora", frozen=True, kw_only=True):
     """Load or unload a LoRA adapter by name."""
 
     name: str
@@ -27,7 +27,7 @@ class Lora(Message, tag_field="kind", tag="lora", kw_only=True):
 Target = Base | Lora
 
 
-class TensorMeta(Message, kw_only=True):
+class TensorMeta(Message, frozen=True, kw_only=True):
     """Where one tensor lies in a staged buffer (offset/nbytes) or a collective broadcast."""
 
     name: str
@@ -37,14 +37,14 @@ class TensorMeta(Message, kw_only=True):
     nbytes: int = 0
 
 
-class SharedMemory(Message, tag_field="kind", tag="shm", kw_only=True):
+class SharedMemory(Message, tag_field="kind", tag="shm", frozen=True, kw_only=True):
     """Tensors staged in a POSIX shared-memory segment on the same host."""
 
     name: str
     tensors: tuple[TensorMeta, ...] = ()
 
 
-class Filesystem(Message, tag_field="kind", tag="filesystem", kw_only=True):
+class Filesystem(Message, tag_field="kind", tag="filesystem", frozen=True, kw_only=True):
     """Tensors written under `path`; with `require_marker` a STABLE file marks them complete."""
 
     path: str
@@ -52,7 +52,7 @@ class Filesystem(Message, tag_field="kind", tag="filesystem", kw_only=True):
     tensors: tuple[TensorMeta, ...] = ()
 
 
-class Nats(Message, tag_field="kind", tag="nats", kw_only=True):
+class Nats(Message, tag_field="kind", tag="nats", frozen=True, kw_only=True):
     """Tensors chunked over a JetStream stream; any host can pull them. Chunk `i` is the
     message on `<subject>.<i>` and holds bytes `[i * chunk_bytes, (i + 1) * chunk_bytes)`."""
 
@@ -63,14 +63,14 @@ class Nats(Message, tag_field="kind", tag="nats", kw_only=True):
     tensors: tuple[TensorMeta, ...] = ()
 
 
-class Collective(Message, tag_field="kind", tag="collective", kw_only=True):
+class Collective(Message, tag_field="kind", tag="collective", frozen=True, kw_only=True):
     """Tensors broadcast by the trainer (rank 0) over an initialised group (NCCL or gloo)."""
 
     group_epoch: int
     tensors: tuple[TensorMeta, ...] = ()
 
 
-class CudaIpc(Message, tag_field="kind", tag="cuda_ipc", kw_only=True):
+class CudaIpc(Message, tag_field="kind", tag="cuda_ipc", frozen=True, kw_only=True):
     """CUDA IPC handles for colocated trainer and worker on the same GPU."""
 
     handles: bytes = b""
@@ -87,7 +87,7 @@ TRANSPORTS: tuple[str, ...] = tuple(k for k in TRANSPORT_KINDS if k != "cuda_ipc
 # ---- commands -------------------------------------------------------------------------------
 
 
-class _Command(Message, tag_field="op", kw_only=True):
+class _Command(Message, tag_field="op", frozen=True, kw_only=True):
     """Fields every command carries: `cmd_id` (idempotency key), `seq` (its sequence in the
     control stream, assigned at publish), the membership `epoch` the sender saw, and a
     `deadline` (unix seconds; 0 = none) after which a worker refuses to start it."""
@@ -102,15 +102,15 @@ PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 
 
-class Pause(_Command, tag="pause", kw_only=True):
+class Pause(_Command, tag="pause", frozen=True, kw_only=True):
     mode: PauseMode = "wait"
 
 
-class Resume(_Command, tag="resume", kw_only=True):
+class Resume(_Command, tag="resume", frozen=True, kw_only=True):
     pass
 
 
-class UpdateWeights(_Command, tag="update_weights", kw_only=True):
+class UpdateWeights(_Command, tag="update_weights", frozen=True, kw_only=True):
     version: int
     transport: Transport
     digest: str
@@ -118,8 +118,12 @@ class UpdateWeights(_Command, tag="update_weights", kw_only=True):
     reset_prefix_cache: bool = True
 
 
-class InitTransport(_Command, tag="init_transport", kw_only=True):
-    backend: Literal["gloo", "nccl"]
+CollectiveBackend = Literal["gloo", "nccl"]
+COLLECTIVE_BACKENDS: tuple[str, ...] = get_args(CollectiveBackend)
+
+
+class InitTransport(_Command, tag="init_transport", frozen=True, kw_only=True):
+    backend: CollectiveBackend
     group_epoch: int
     master_addr: str
     master_port: int
@@ -127,23 +131,23 @@ class InitTransport(_Command, tag="init_transport", kw_only=True):
     rank_offsets: dict[str, int]
 
 
-class Sleep(_Command, tag="sleep", kw_only=True):
+class Sleep(_Command, tag="sleep", frozen=True, kw_only=True):
     level: int = 1
 
 
-class Wake(_Command, tag="wake", kw_only=True):
+class Wake(_Command, tag="wake", frozen=True, kw_only=True):
     tags: tuple[str, ...] = ()
 
 
-class ResetPrefixCache(_Command, tag="reset_prefix_cache", kw_only=True):
+class ResetPrefixCache(_Command, tag="reset_prefix_cache", frozen=True, kw_only=True):
     pass
 
 
-class Describe(_Command, tag="describe", kw_only=True):
+class Describe(_Command, tag="describe", frozen=True, kw_only=True):
     pass
 
 
-class Shutdown(_Command, tag="shutdown", kw_only=True):
+class Shutdown(_Command, tag="shutdown", frozen=True, kw_only=True):
     pass
 
 
@@ -163,13 +167,15 @@ COMMAND_TYPES: tuple[type[_Command], ...] = get_args(Command)
 
 def op_of(cmd: _Command) -> str:
     """The command's tag, e.g. `"pause"`: the last token of its subject."""
-    return type(cmd).__struct_config__.tag  # type: ignore[return-value]
+    tag = type(cmd).__struct_config__.tag
+    assert isinstance(tag, str)  # every command class declares a str tag
+    return tag
 
 
 # ---- acknowledgements -----------------------------------------------------------------------
 
 
-class Ack(Message, kw_only=True):
+class Ack(Message, frozen=True, kw_only=True):
     """A worker's answer to one command. Two-phase commands (collective updates, transport
     init) send `phase="ready"` once posted, then `phase="done"`. `weight_version` and
     `weights_checksum` are what the worker serves after applying the command; `detail` carries

@@ -17,7 +17,7 @@ from rlfabric.schemas.control import Ack, UpdateWeights
 WorkerState = Literal["starting", "ready", "paused", "updating", "sleeping", "draining"]
 
 
-class WorkerInfo(Message, kw_only=True):
+class WorkerInfo(Message, frozen=True, kw_only=True):
     """One worker as the fleet sees it. `ranks` = TP x PP ranks it needs in a collective."""
 
     worker_id: str
@@ -34,7 +34,7 @@ class WorkerInfo(Message, kw_only=True):
     heartbeat_at: float = 0.0
 
 
-class MembershipSnapshot(Message, kw_only=True):
+class MembershipSnapshot(Message, frozen=True, kw_only=True):
     """The member set at one moment. `epoch` moves on every join/leave the observer saw;
     `fingerprint` is a digest of the sorted worker ids (equal sets, equal fingerprints)."""
 
@@ -47,7 +47,7 @@ class MembershipSnapshot(Message, kw_only=True):
         return tuple(m.worker_id for m in self.members)
 
 
-class DesiredState(Message, kw_only=True):
+class DesiredState(Message, frozen=True, kw_only=True):
     """What the trainer wants the fleet to be: the weight version to serve and how to fetch it
     (`locator`, the last `UpdateWeights`), whether it is paused, the collective group epoch."""
 
@@ -59,7 +59,7 @@ class DesiredState(Message, kw_only=True):
     updated_at: float = 0.0
 
 
-class FanoutReport(Message, kw_only=True):
+class FanoutReport(Message, frozen=True, kw_only=True):
     """The outcome of one broadcast: worker ids that acked ok, acked an error, or never acked
     (`missing`; those a ping found gone are also listed in `dead`). `acks` holds every ack
     received by worker id."""
@@ -76,7 +76,7 @@ class FanoutReport(Message, kw_only=True):
     phase: str = "done"
 
 
-class ErrorEvent(Message, tag_field="kind", tag="error", kw_only=True):
+class ErrorEvent(Message, tag_field="kind", tag="error", frozen=True, kw_only=True):
     """Something a process could not handle, e.g. a malformed command (`code="malformed"`)."""
 
     source: str
@@ -87,7 +87,7 @@ class ErrorEvent(Message, tag_field="kind", tag="error", kw_only=True):
     at: float = 0.0
 
 
-class StateEvent(Message, tag_field="kind", tag="state", kw_only=True):
+class StateEvent(Message, tag_field="kind", tag="state", frozen=True, kw_only=True):
     """A worker changed state (joined, paused, updated, left)."""
 
     source: str

@@ -13,7 +13,7 @@ from typing import Any
 from rlfabric.schemas._base import Message
 
 
-class ModelSpec(Message, kw_only=True):
+class ModelSpec(Message, frozen=True, kw_only=True):
     name: str
     arch: str = "llama"
     vocab_size: int = 259

@@ -15,7 +15,7 @@ from rlfabric.schemas._base import Message, PackedF32, PackedI32, coerce_packed
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class SamplingParams(Message, kw_only=True):
+class SamplingParams(Message, frozen=True, kw_only=True):
     """How to sample. `top_k=0` and `top_p=1.0` mean off; `logprobs` is the top-k count
     returned per token beside the sampled token's own logprob (0 = sampled token only)."""
 
@@ -29,7 +29,7 @@ class SamplingParams(Message, kw_only=True):
     logprobs: int = 0
 
 
-class RolloutRequest(Message, kw_only=True):
+class RolloutRequest(Message, frozen=True, kw_only=True):
     """One prompt to complete `sampling.n` times. `deadline` is unix time in seconds (0 = none);
     a worker never serves weights older than `min_weight_version`."""
 
@@ -46,7 +46,7 @@ class RolloutRequest(Message, kw_only=True):
         coerce_packed(self, prompt_token_ids=PackedI32)
 
 
-class VersionSpan(Message, kw_only=True):
+class VersionSpan(Message, frozen=True, kw_only=True):
     """Completion tokens `[start, end)` were produced by weight version `version`."""
 
     version: int
@@ -54,7 +54,7 @@ class VersionSpan(Message, kw_only=True):
     end: int
 
 
-class TopLogprobs(Message, kw_only=True):
+class TopLogprobs(Message, frozen=True, kw_only=True):
     """Top-k alternatives per completion token, row-major: `ids[t*k:(t+1)*k]`."""
 
     k: int
@@ -65,7 +65,7 @@ class TopLogprobs(Message, kw_only=True):
         coerce_packed(self, ids=PackedI32, logprobs=PackedF32)
 
 
-class Timings(Message, kw_only=True):
+class Timings(Message, frozen=True, kw_only=True):
     """Seconds: waiting in the stream, generating, and in total as the worker saw it."""
 
     queued_s: float = 0.0
@@ -73,7 +73,7 @@ class Timings(Message, kw_only=True):
     total_s: float = 0.0
 
 
-class RolloutResult(Message, tag_field="kind", tag="result", kw_only=True):
+class RolloutResult(Message, tag_field="kind", tag="result", frozen=True, kw_only=True):
     """One sample of one request. `logprobs[i]` is the logprob of `completion_token_ids[i]`
     under the weights of the span that covers `i`."""
 
@@ -96,7 +96,7 @@ class RolloutResult(Message, tag_field="kind", tag="result", kw_only=True):
         coerce_packed(self, completion_token_ids=PackedI32, logprobs=PackedF32)
 
 
-class RolloutError(Message, tag_field="kind", tag="error", kw_only=True):
+class RolloutError(Message, tag_field="kind", tag="error", frozen=True, kw_only=True):
     """A request a worker could not serve. `code` is stable (e.g. `bad_request`,
     `prompt_too_long`, `deadline_exceeded`, `engine_error`); `retryable` says whether
     resubmitting the same request can succeed."""

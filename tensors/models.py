@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from rlfabric.schemas.models import BUILTIN
 
 
-def build_model(name_or_path: str, *, dtype: Any = None, device: Any = None) -> Any:
+def build_model(name_or_path: str, *, dtype: torch.dtype | None = None,
+                device: torch.device | str | None = None) -> Any:
     """The torch module for a built-in spec name (`"tiny"`) or a local Hugging Face checkpoint
     directory, in eval mode."""
     dtype = dtype or torch.float32
@@ -21,10 +22,11 @@ def build_model(name_or_path: str, *, dtype: Any = None, device: Any = None) -> 
         spec = BUILTIN[name_or_path]
         # NOTE: eager attention: bit-stable logprobs between batched decoding with a KV cache
         # and the trainer's one-pass recompute, which the weight-sync check relies on.
-        cfg = LlamaConfig(**spec.hf_config(), attn_implementation="eager")
+        cfg = LlamaConfig(**spec.hf_config(),
+                          attn_implementation="eager")  # type: ignore[call-arg]  # a PretrainedConfig kwarg LlamaConfig's signature does not list
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
-            model = LlamaForCausalLM(cfg)
+            model: Any = LlamaForCausalLM(cfg)
         model = model.to(dtype=dtype)
     elif os.path.isdir(name_or_path):
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,

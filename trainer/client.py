@@ -32,12 +32,15 @@ from rlfabric.bus import (
 from rlfabric.bus.subjects import check_token
 from rlfabric.bus.sync import beside
 from rlfabric.schemas import (
+    COLLECTIVE_BACKENDS,
     PAUSE_MODES,
+    CollectiveBackend,
     Command,
     Describe,
     FanoutReport,
     MembershipSnapshot,
     Pause,
+    PauseMode,
     ResetPrefixCache,
     Resume,
     RolloutReply,
@@ -107,7 +110,7 @@ class FabricClient:
             cmd = msgspec.structs.replace(cmd, deadline=time.time() + policy.timeout)
         return await self.broadcaster.broadcast(cmd, policy)
 
-    async def pause(self, mode: str = "wait", *, policy: QuorumPolicy | None = None
+    async def pause(self, mode: PauseMode = "wait", *, policy: QuorumPolicy | None = None
                     ) -> FanoutReport:
         """Pause every worker. `wait`: acks once its in-flight requests finished. `abort`:
         in-flight samples end now and come back with `finish_reason="abort"` (continue them
@@ -115,7 +118,7 @@ class FabricClient:
         under the weights loaded by then. Queued requests wait in the stream either way."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause(mode={mode!r}): use one of {', '.join(PAUSE_MODES)}")
-        cmd = Pause(cmd_id=new_cmd_id(), mode=mode)  # type: ignore[arg-type]  # checked above
+        cmd = Pause(cmd_id=new_cmd_id(), mode=mode)
         async with self.desired.during(rollback=False, paused=True, pause_mode=mode):
             return await self.broadcast(cmd, policy)
 
@@ -177,12 +180,16 @@ class FabricClient:
         return await self.updates.push(staged, target=target, policy=policy or self.policy,
                                        verify=verify)
 
-    async def init_transport(self, backend: str = "gloo", *, master_addr: str = "127.0.0.1",
-                             master_port: int | None = None, timeout: float = 60.0,
-                             policy: QuorumPolicy | None = None) -> FanoutReport:
+    async def init_transport(self, backend: CollectiveBackend = "gloo", *,
+                             master_addr: str = "127.0.0.1", master_port: int | None = None,
+                             timeout: float = 60.0, policy: QuorumPolicy | None = None
+                             ) -> FanoutReport:
         """Form a fresh collective group: this client is rank 0, each worker gets the ranks
         of its TP x PP from the membership snapshot, a new `group_epoch` names it. Fails
         within `timeout` with `TransportInitFailed` naming the workers that did not join."""
+        if backend not in COLLECTIVE_BACKENDS:
+            raise ValueError(f"init_transport(backend={backend!r}): use one of "
+                             f"{', '.join(COLLECTIVE_BACKENDS)}")
         policy = policy or QuorumPolicy(required=self.policy.required, timeout=timeout,
                                         on_membership_change=self.policy.on_membership_change)
         return await self.updates.init_transport(backend, master_addr=master_addr,

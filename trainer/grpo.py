@@ -29,6 +29,8 @@ import torch
 
 from rlfabric.schemas import (
     TRANSPORTS,
+    PackedI32,
+    PauseMode,
     RolloutError,
     RolloutRequest,
     RolloutResult,
@@ -121,7 +123,7 @@ class GRPOTrainer:
             prompt = self.task.prompt(step * cfg.prompts_per_step + i)
             self._prompt_ids[rid] = prompt
             reqs.append(RolloutRequest(
-                request_id=rid, group_id=f"s{step}", prompt_token_ids=prompt,
+                request_id=rid, group_id=f"s{step}", prompt_token_ids=PackedI32(prompt),
                 min_weight_version=self.version,
                 sampling=SamplingParams(max_tokens=cfg.max_tokens, n=cfg.group_size,
                                         temperature=cfg.temperature,
@@ -165,13 +167,14 @@ class GRPOTrainer:
                 advs.append(a)
                 olds.append(torch.from_numpy(r.logprobs.numpy().copy()))
                 versions.append(sample_version(r) if len(r.version_spans) == 1 else -2)
-        r = torch.tensor(rewards_all)
-        reward = (r.mean().item(), r.std(unbiased=False).item()) if rewards_all else (
+        rw = torch.tensor(rewards_all)
+        reward = (rw.mean().item(), rw.std(unbiased=False).item()) if rewards_all else (
             math.nan, math.nan)
         if not seqs:  # every sample stale or empty: nothing to learn from, no step
             return (*reward, None)
         width = max(len(s) for s in seqs)
-        pad = self.model.config.pad_token_id
+        cfg_hf: Any = self.model.config
+        pad = cfg_hf.pad_token_id
         ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
         mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
         logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
@@ -224,7 +227,7 @@ class GRPOTrainer:
 
     async def _publish(self) -> tuple[float, float, float]:
         """pause -> update_weights(v + 1) -> resume, each timed (ms)."""
-        mode = "keep" if self.cfg.async_mode else "wait"
+        mode: PauseMode = "keep" if self.cfg.async_mode else "wait"
         t0 = time.perf_counter()
         await self.fabric.pause(mode=mode)
         t1 = time.perf_counter()

@@ -19,7 +19,14 @@ import msgspec
 
 from rlfabric.bus import Broadcaster, Fanout, MembershipWatcher, QuorumPolicy, new_cmd_id
 from rlfabric.bus.sync import beside
-from rlfabric.schemas import Collective, FanoutReport, InitTransport, Target, UpdateWeights
+from rlfabric.schemas import (
+    Collective,
+    CollectiveBackend,
+    FanoutReport,
+    InitTransport,
+    Target,
+    UpdateWeights,
+)
 from rlfabric.tensors import CollectiveGroup, CollectiveTimeout
 from rlfabric.trainer.desired import DesiredStateWriter
 from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
@@ -103,8 +110,9 @@ class WeightUpdates:
             return await _beside_rank0(fo, policy, group.broadcast, staged.flat)
 
     # ---- the collective group ----
-    async def init_transport(self, backend: str, *, master_addr: str, master_port: int | None,
-                             timeout: float, policy: QuorumPolicy) -> FanoutReport:
+    async def init_transport(self, backend: CollectiveBackend, *, master_addr: str,
+                             master_port: int | None, timeout: float, policy: QuorumPolicy
+                             ) -> FanoutReport:
         snap = self.watcher.snapshot()
         offsets, rank = {}, 1
         for m in snap.members:
@@ -120,9 +128,9 @@ class WeightUpdates:
         group = CollectiveGroup(backend=backend, master_addr=master_addr, master_port=port,
                                 rank=0, world_size=rank, group_epoch=epoch, timeout=timeout)
         await anyio.to_thread.run_sync(group.open_store)
-        cmd = InitTransport(cmd_id=new_cmd_id(), backend=backend,  # type: ignore[arg-type]  # checked by the Literal on decode, and by CollectiveGroup.connect
-                            group_epoch=epoch, master_addr=master_addr, master_port=port,
-                            world_size=rank, rank_offsets=offsets, deadline=time.time() + timeout)
+        cmd = InitTransport(cmd_id=new_cmd_id(), backend=backend, group_epoch=epoch,
+                            master_addr=master_addr, master_port=port, world_size=rank,
+                            rank_offsets=offsets, deadline=time.time() + timeout)
         by_rank = {r: w for w, r in offsets.items()}
         async with self.broadcaster.open(cmd) as fo:
             try:
@@ -145,7 +153,8 @@ class WeightUpdates:
         """The current group, or a new one if there is none or membership moved since."""
         fp = self.watcher.snapshot().fingerprint
         if self._group is None or fp != self._group_fingerprint:
-            backend = self._group.backend if self._group else "gloo"
+            backend: CollectiveBackend = "nccl" if self._group and \
+                self._group.backend == "nccl" else "gloo"
             await self.init_transport(backend, master_addr="127.0.0.1", master_port=None,
                                       timeout=policy.timeout, policy=policy)
         assert self._group is not None  # init_transport set it or raised

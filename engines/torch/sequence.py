@@ -10,6 +10,8 @@ import torch
 
 from rlfabric.schemas import (
     FinishReason,
+    PackedF32,
+    PackedI32,
     RolloutRequest,
     RolloutResult,
     Timings,
@@ -51,15 +53,16 @@ class Sequence:
         if sp.logprobs > 0:
             flat_ids = [i for row in self.top_ids for i in row]
             flat_lps = [v for row in self.top_lps for v in row]
-            top = TopLogprobs(k=sp.logprobs, ids=flat_ids, logprobs=flat_lps)
+            top = TopLogprobs(k=sp.logprobs, ids=PackedI32(flat_ids),
+                              logprobs=PackedF32(flat_lps))
         now = time.monotonic()
         started = self.t_started or now
         return RolloutResult(
             request_id=self.request.request_id,
             sample_index=self.sample_index,
             worker_id=self.worker_id,
-            completion_token_ids=self.tokens,
-            logprobs=self.logprobs,
+            completion_token_ids=PackedI32(self.tokens),
+            logprobs=PackedF32(self.logprobs),
             finish_reason=self.finish or "abort",
             version_spans=tuple(VersionSpan(version=v, start=s, end=e) for v, s, e in self.spans),
             top_logprobs=top,

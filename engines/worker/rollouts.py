@@ -215,7 +215,7 @@ class RolloutServer:
             await self._reply_error(msg, req, exc.code, str(exc))
             await msg.ack()
             return
-        attempt = msg.metadata.num_delivered if msg.metadata else 1
+        attempt = msg.metadata.num_delivered or 1
         async for res in self.engine.generate(req, worker_id=self.worker_id):
             if attempt > 1:
                 res = msgspec.structs.replace(res, attempt=attempt)

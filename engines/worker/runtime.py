@@ -145,7 +145,7 @@ class Worker:
         raise CommandFailed("unsupported", f"{type(cmd).__name__} is not supported by this "
                             f"worker ({self.engine.name} engine)")
 
-    async def _pause(self, cmd: Pause) -> None:
+    async def _pause(self, cmd: Pause) -> AckFields | None:
         self.rollouts.hold()
         await self._set_state("paused")
         # draining is bounded by the command's deadline: past it the sender has given up
@@ -158,21 +158,25 @@ class Worker:
             raise CommandFailed("drain_timeout", f"{self.worker_id} still had "
                                 f"{self.rollouts.in_flight} requests in flight at the pause's "
                                 "deadline; it is paused and will finish them")
+        return None
 
-    async def _resume(self) -> None:
+    async def _resume(self) -> AckFields | None:
         await self.engine.resume()
         self.rollouts.serve_again()
         await self._set_state("ready")
+        return None
 
-    async def _sleep(self, cmd: Sleep) -> None:
+    async def _sleep(self, cmd: Sleep) -> AckFields | None:
         self.rollouts.hold()
         await self.engine.sleep(cmd.level)
         await self._set_state("sleeping")
+        return None
 
-    async def _wake(self, cmd: Wake) -> None:
+    async def _wake(self, cmd: Wake) -> AckFields | None:
         await self.engine.wake(cmd.tags)
         self.rollouts.serve_again()
         await self._set_state("ready")
+        return None
 
     def _describe(self) -> AckFields:
         d = self.engine.describe()

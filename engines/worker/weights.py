@@ -233,7 +233,7 @@ def _open_shm(name: str) -> Any:
     # NOTE: Python < 3.13 registers opened segments with the resource tracker, which would
     # unlink the trainer's segment when this worker exits. The trainer owns it.
     with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # the name as registered (leading slash) is private
     try:
         yield shm.buf
     finally:
