@@ -33,22 +33,29 @@ class TorchEngine:
         self._sleeping = 0
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._schedule)
             task_status.started()
-            while True:
-                batch = self.scheduler.next_batch()
-                if batch is None:
-                    await self.scheduler.wakeup.event().wait()
-                    continue
-                # NOTE: marked running before the first await, so a pause that runs next sees it
-                self.runner.set_state(RunnerState.RUNNING)
-                try:
-                    await anyio.to_thread.run_sync(self.runner.run_batch, batch)
-                finally:
-                    self.scheduler.finished(batch)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.pause("abort")
+            try:
+                await anyio.sleep_forever()
+            finally:
+                # NOTE: abort before the scheduler is cancelled: a batch in its worker thread
+                # cannot be cancelled, only stopped at its next step boundary
+                with anyio.CancelScope(shield=True):
+                    await self.pause("abort")
+
+    async def _schedule(self) -> None:
+        while True:
+            batch = self.scheduler.next_batch()
+            if batch is None:
+                await self.scheduler.wakeup.event().wait()
+                continue
+            # NOTE: marked running before the first await, so a pause that runs next sees it
+            self.runner.set_state(RunnerState.RUNNING)
+            try:
+                await anyio.to_thread.run_sync(self.runner.run_batch, batch)
+            finally:
+                self.scheduler.finished(batch)
 
     @property
     def version(self) -> int:

@@ -26,21 +26,18 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
                          device=dev)[:, None]
     top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
-    truncate = bool((top_k < vocab).any() or (top_p < 1.0).any())
-    if truncate:  # work in descending order: both cut-offs are prefixes there
-        scaled, order = torch.sort(scaled, dim=-1, descending=True)
-        rank = torch.arange(vocab, device=dev)[None, :]
-        scaled = scaled.masked_fill(rank >= top_k, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        # drop a token once the mass before it already reaches top_p (the first always stays)
-        scaled = scaled.masked_fill(torch.cumsum(probs, dim=-1) - probs >= top_p, float("-inf"))
+    # NOTE: every row is sampled in descending order, truncated or not: a row's token must not
+    # depend on what else shares its batch. Both cut-offs are prefixes in that order.
+    scaled, order = torch.sort(scaled, dim=-1, descending=True)
+    rank = torch.arange(vocab, device=dev)[None, :]
+    scaled = scaled.masked_fill(rank >= top_k, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    # drop a token once the mass before it already reaches top_p (the first always stays)
+    scaled = scaled.masked_fill(torch.cumsum(probs, dim=-1) - probs >= top_p, float("-inf"))
     cdf = torch.cumsum(torch.softmax(scaled, dim=-1), dim=-1)
     u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(dev)
     # the first index whose cumulative mass exceeds u: never a token of zero probability
     idx = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True)
-    idx = idx.clamp(max=vocab - 1)
-    if truncate:
-        idx = order.gather(1, idx)
-    sampled = idx[:, 0]
+    sampled = order.gather(1, idx.clamp(max=vocab - 1))[:, 0]
     is_greedy = torch.tensor([t <= 0.0 for t in temps], device=dev)
     return torch.where(is_greedy, greedy, sampled)

@@ -1,0 +1,89 @@
+"""The torch reference engine in-process (no bus): sampling and stopping."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+import torch
+
+from rlfabric.engines import make_engine, running
+from rlfabric.engines.torch.sampling import sample
+from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+
+def req(rid: str, prompt: list[int], **sampling) -> RolloutRequest:
+    return RolloutRequest(request_id=rid, prompt_token_ids=prompt, min_weight_version=-1,
+                          sampling=SamplingParams(**sampling))
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_a_rows_tokens_depend_on_its_own_seed_not_on_its_batch() -> None:
+    logits = torch.randn(4, 50, generator=gen(0))
+    p = SamplingParams(temperature=1.0)
+    alone = [int(sample(logits[r:r + 1], [p], [gen(100 + r)])[0]) for r in range(4)]
+    together = sample(logits, [p] * 4, [gen(100 + r) for r in range(4)]).tolist()
+    assert together == alone
+
+
+def test_greedy_top_k_1_and_tiny_top_p_all_pick_the_argmax_in_one_batch() -> None:
+    logits = torch.randn(3, 50, generator=gen(1))
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1),
+              SamplingParams(top_p=1e-6)]
+    for seed in range(20):
+        got = sample(logits, params, [gen(seed + r) for r in range(3)])
+        assert got.tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_k_never_samples_outside_the_k_best() -> None:
+    logits = torch.randn(1, 50, generator=gen(2))
+    best = set(torch.topk(logits[0], 5).indices.tolist())
+    drawn = {int(sample(logits, [SamplingParams(top_k=5, temperature=2.0)], [gen(s)])[0])
+             for s in range(300)}
+    assert drawn <= best and len(drawn) > 1
+
+
+async def test_same_seed_same_tokens_whatever_shares_the_batch() -> None:
+    async with running(make_engine("torch", "tiny")) as engine:
+        async def one(r: RolloutRequest) -> list[int]:
+            out = [res async for res in engine.generate(r)]
+            assert isinstance(out[0], RolloutResult)
+            return out[0].completion_token_ids.tolist()
+
+        alone = await one(req("a", [256, 5, 6], max_tokens=24, seed=7))
+        crowd: dict[str, list[int]] = {}
+        async with anyio.create_task_group() as tg:
+            async def keep(r: RolloutRequest) -> None:
+                crowd[r.request_id] = await one(r)
+
+            for i in range(6):
+                tg.start_soon(keep, req(f"x{i}", [256, 40 + i], max_tokens=24, seed=i,
+                                        top_p=0.9, top_k=20))
+            tg.start_soon(keep, req("b", [256, 5, 6], max_tokens=24, seed=7))
+    assert crowd["b"] == alone
+
+
+async def test_stopping_the_engine_aborts_a_running_batch_at_once() -> None:
+    engine = make_engine("torch", "tiny")
+    out: list[RolloutResult] = []
+    async with anyio.create_task_group() as tg:
+        async def consume() -> None:
+            out.extend([r async for r in engine.generate(
+                req("long", [256, 1], max_tokens=480, temperature=0.0))])
+
+        async with running(engine):
+            tg.start_soon(consume)
+            with anyio.fail_after(30):
+                while not engine.scheduler.running:  # noqa: ASYNC110  (no event for "batch taken")
+                    await anyio.sleep(0.01)
+            t0 = time.monotonic()
+        stop_s = time.monotonic() - t0
+    assert stop_s < 2.0, stop_s
+    (res,) = out
+    assert res.finish_reason == "abort" and 0 <= len(res.completion_token_ids) < 480
