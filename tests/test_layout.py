@@ -43,3 +43,21 @@ def test_fabric_client_for_control_only_starts_without_torch() -> None:
     # what `rlfabric ctl` imports to pause / resume / describe
     loaded = loaded_after("from rlfabric.trainer import FabricClient, QuorumPolicy")
     assert loaded == {m: False for m in HEAVY}
+
+
+def test_every_package_folder_is_listed_for_the_wheel() -> None:
+    # an editable install finds a subpackage missing from `packages`; the wheel does not
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).parents[1]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    found = set()
+    for pkg, folder in cfg["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder).parts
+            if pkg == "rlfabric" and rel:
+                continue
+            found.add(".".join([pkg, *rel]))
+    assert found == listed, f"not listed: {sorted(found - listed)}; stale: {sorted(listed - found)}"
