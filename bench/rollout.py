@@ -1,15 +1,17 @@
 """Rollout throughput and latency: rlfabric vs an aiohttp server vs a direct in-process call.
 
-For each engine (null: echoes the prompt; torch: the tiny model) and each fleet size, the same
-requests go through
-- `direct`: `engine.generate()` in this process (one engine: there is no fleet to spread over);
-- `http`: N `aiohttp` servers, one engine each, a client round-robining JSON POSTs (token ids
-  and logprobs as JSON lists, the way RL stacks call inference servers today);
+For each engine (null: echoes the prompt; torch: the tiny model; vllm: vLLM on tiny64) and each
+fleet size, the same requests go through
+- `direct`: `engine.generate()` in this process (one engine: there is no fleet to spread over;
+  for vllm that is `AsyncLLM` in this process, no bus);
+- `http` (null, torch): N `aiohttp` servers, one engine each, a client round-robining JSON
+  POSTs (token ids and logprobs as JSON lists, the way RL stacks call inference servers today);
 - `rlfabric`: N `rlfabric worker` processes on an embedded nats-server, `FabricClient.generate`.
 Every path runs `--concurrency` lanes, each sending one request at a time, so latency is one
 request's round trip and throughput is what the fleet sustains.
 
     rlfabric bench rollout [--workers 1,4] [--engines null,torch] [--json]
+    rlfabric bench rollout --engine vllm --workers 1,2
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from rlfabric.trainer import FabricClient
 WORKLOAD = {  # engine -> (requests, concurrency, max_tokens)
     "null": (3000, 64, 16),
     "torch": (384, 32, 16),
+    "vllm": (384, 32, 32),
 }
+#: vLLM's CPU build rejects the 16-wide heads of `tiny`
+MODEL = {"null": "tiny", "torch": "tiny", "vllm": "tiny64"}
 
 
 def threads(workers: int) -> int:
@@ -72,7 +77,7 @@ async def run_lanes(reqs: list[RolloutRequest], concurrency: int,
 
 
 async def bench_direct(engine_kind: str, n: int, conc: int, max_tokens: int) -> dict:
-    async with running(make_engine(engine_kind, "tiny")) as engine:
+    async with running(make_engine(engine_kind, MODEL[engine_kind])) as engine:
         async def one(req: RolloutRequest) -> int:
             got = 0
             async for res in engine.generate(req, worker_id="direct"):
@@ -110,11 +115,13 @@ async def bench_fabric(engine_kind: str, workers: int, n: int, conc: int,
                        max_tokens: int) -> dict:
     async with EmbeddedNats() as nats:
         prefix = f"bench{engine_kind}{workers}"
+        per_engine = (["--threads", str(threads(workers))] if engine_kind != "vllm"
+                      else ["--threads-bind", "nobind"])
         cmds = [["rlfabric", "worker", "--nats", nats.url, "--prefix", prefix, "--engine",
-                 engine_kind, "--worker-id", f"w{i}", "--capacity", str(conc),
-                 "--threads", str(threads(workers))]
+                 engine_kind, "--model", MODEL[engine_kind], "--worker-id", f"w{i}",
+                 "--capacity", str(conc), *per_engine]
                 for i in range(workers)]
-        async with children(cmds, ready="ready"), \
+        async with children(cmds, ready="ready", timeout=300), \
                 FabricClient.connect(nats.url, prefix=prefix) as fabric:
             await fabric.wait_for_workers(workers, timeout=120)
 
@@ -135,17 +142,24 @@ async def run(engines: list[str], sizes: list[int], scale: float) -> list[dict[s
         n, conc, max_tokens = WORKLOAD[eng]
         n = max(conc, int(n * scale))
         base = {"engine": eng, "requests": n, "concurrency": conc}
-        rows.append({**base, "path": "direct", "workers": 1,
-                     **await bench_direct(eng, n, conc, max_tokens)})
+        fleet_rows = []
         for k in sizes:
-            rows.append({**base, "path": "http", "workers": k,
-                         **await bench_http(eng, k, n, conc, max_tokens)})
-            rows.append({**base, "path": "rlfabric", "workers": k,
-                         **await bench_fabric(eng, k, n, conc, max_tokens)})
+            if eng != "vllm":  # the HTTP server serves the engines rlfabric ships in-process
+                fleet_rows.append({**base, "path": "http", "workers": k,
+                                   **await bench_http(eng, k, n, conc, max_tokens)})
+            fleet_rows.append({**base, "path": "rlfabric", "workers": k,
+                               **await bench_fabric(eng, k, n, conc, max_tokens)})
+        # NOTE: measured last: an in-process vLLM sets environment variables (LD_PRELOAD, ...)
+        # that processes started after it would inherit
+        rows += [{**base, "path": "direct", "workers": 1,
+                  **await bench_direct(eng, n, conc, max_tokens)}, *fleet_rows]
     http = {(r["engine"], r["workers"]): r["results_s"] for r in rows if r["path"] == "http"}
+    direct = {r["engine"]: r["tokens_s"] for r in rows if r["path"] == "direct"}
     for r in rows:
         ref = http.get((r["engine"], r["workers"]))
         r["vs_http"] = r["results_s"] / ref if ref else float("nan")
+        r["vs_direct"] = r["tokens_s"] / direct[r["engine"]] if direct.get(r["engine"]) \
+            else float("nan")
     return rows
 
 
@@ -160,12 +174,15 @@ def main(args: argparse.Namespace) -> int:
                        ("workers", "workers", ""), ("requests", "requests", ""),
                        ("concurrency", "lanes", ""), ("results_s", "results/s", ".0f"),
                        ("tokens_s", "tokens/s", ".0f"), ("p50_ms", "p50 ms", ".2f"),
-                       ("p99_ms", "p99 ms", ".2f"), ("vs_http", "x http", ".2f")]))
+                       ("p99_ms", "p99 ms", ".2f"), ("vs_http", "x http", ".2f"),
+                       ("vs_direct", "x direct tok/s", ".2f")]))
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", default="null,torch", help="comma-separated: null,torch")
+    p.add_argument("--engines", "--engine", default="null,torch",
+                   help="comma-separated: null,torch,vllm (vllm needs vLLM installed; its "
+                   "rows are direct AsyncLLM in-process vs rlfabric workers, no HTTP row)")
     p.add_argument("--workers", default="1,4", help="fleet sizes (default %(default)s)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply the request counts (e.g. 0.1 for a quick look)")

@@ -117,10 +117,29 @@ class Fanout:
         self.acks.setdefault(ack.phase, {}).setdefault(ack.worker_id, ack)
         self._news.fire()
 
+    def _got(self, phase: str) -> dict[str, Ack]:
+        """Acks of `phase`. For `ready`, a worker that acked `done` with an error (it failed
+        before it could post, e.g. an engine that refuses the transport) counts as answered
+        with that error: it will never be ready."""
+        got = dict(self.acks.get(phase, {}))
+        if phase == "ready":
+            for w, a in self.acks.get("done", {}).items():
+                if a.status != "ok":
+                    got.setdefault(w, a)
+        return got
+
+    async def failed(self, phase: Literal["ready", "done"]) -> None:
+        """Return once any worker has answered `phase` with an error."""
+        while True:
+            news = self._news.event()
+            if any(a.status != "ok" for a in self._got(phase).values()):
+                return
+            await news.wait()
+
     def report(self, phase: str) -> FanoutReport:
         """Acks of `phase` so far; `missing` is every member of the snapshot the command was
         sent to that has not answered (found dead or not)."""
-        got = self.acks.get(phase, {})
+        got = self._got(phase)
         ok = sorted(w for w, a in got.items() if a.status == "ok")
         failed = sorted(w for w, a in got.items() if a.status != "ok")
         missing = sorted(set(self.before.worker_ids) - set(got))
@@ -179,7 +198,7 @@ class Fanout:
                     )
                     raise exc
                 required &= set(now.worker_ids)
-            got = self.acks.get(phase, {})
+            got = self._got(phase)
             ok = sum(1 for w in required if w in got and got[w].status == "ok")
             failed = sum(1 for w in required if w in got and got[w].status != "ok")
             needed = self.policy_needed(policy, len(required))

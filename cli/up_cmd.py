@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", default="shm",
                    choices=TRANSPORTS,
                    help="how weights reach the workers (default %(default)s)")
+    p.add_argument("--engine", default="torch", choices=("torch", "vllm"),
+                   help="the workers' engine (default %(default)s); vllm serves the tiny64 "
+                   "model (64-wide heads) and needs vLLM installed (README, 'vLLM')")
     p.add_argument("--async", dest="async_mode", action="store_true",
                    help="overlap generation of step k+1 with training of step k (one step "
                    "off-policy; keep pauses; version spans)")
@@ -60,14 +63,16 @@ class Fleet:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
 
-    def start(self, n: int, url: str, prefix: str) -> None:
+    def start(self, n: int, url: str, prefix: str, engine: str, model: str) -> None:
+        per_engine = ["--threads", "1"] if engine == "torch" else ["--kv-cache-gib", "1"]
         for i in range(n):
             log = self.run_dir / f"worker-{i}.log"
             self.logs.append(log)
             with open(log, "wb") as out:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "rlfabric", "worker", "--nats", url, "--prefix", prefix,
-                     "--worker-id", f"w{i}", "--threads", "1", "--capacity", "64"],
+                     "--worker-id", f"w{i}", "--capacity", "64", "--engine", engine,
+                     "--model", model, *per_engine],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     preexec_fn=die_with_parent))
 
@@ -114,6 +119,7 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
     from rlfabric.trainer.grpo import GRPOConfig, GRPOTrainer, StepStats
 
     steps = args.steps or (30 if args.async_mode else 20)
+    model = "tiny64" if args.engine == "vllm" else "tiny"  # vLLM's CPU build wants 64-wide heads
     cfg = GRPOConfig(steps=steps, prompts_per_step=args.prompts, group_size=args.group_size,
                      max_tokens=args.max_tokens, lr=args.lr, transport=args.transport,
                      async_mode=args.async_mode, reward_threshold=args.threshold)
@@ -124,14 +130,14 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
     async with EmbeddedNats() as nats:
         try:
             prefix = "up"
-            fleet.start(args.workers, nats.url, prefix)
+            fleet.start(args.workers, nats.url, prefix, args.engine, model)
             (run_dir / "pids.json").write_text(json.dumps(
                 {"up": os.getpid(), "nats": nats.pid, "workers": [p.pid for p in fleet.procs]}))
             console.print(f"rlfabric up: NATS at {nats.url}, {args.workers} workers starting "
                           f"(logs in {run_dir})")
             async with FabricClient.connect(nats.url, prefix=prefix) as fabric:
                 await _wait_workers(fabric, fleet, args.workers)
-                torch_model = build_model("tiny")
+                torch_model = build_model(model)
                 history: list[StepStats] = []
 
                 def on_step(s: StepStats) -> None:

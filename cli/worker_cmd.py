@@ -9,13 +9,16 @@ import re
 import signal
 import socket
 import sys
+from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.bus import Bus, NatsUnavailable
+from rlfabric.bus.sync import beside
 from rlfabric.cli._common import add_bus_options, connect_options
 from rlfabric.engines import ENGINES
+from rlfabric.engines.protocol import EngineDied
 from rlfabric.schemas import RLFabricError
 
 log = logging.getLogger("rlfabric.worker")
@@ -29,9 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "in order. SIGTERM / Ctrl-C: stop taking requests, finish in-flight ones, leave, exit 0.")
     add_bus_options(p)
     p.add_argument("--engine", default="torch", choices=ENGINES,
-                   help="torch: the reference engine; null: echoes prompts (benchmarks)")
+                   help="torch: the reference engine; vllm: vLLM's AsyncLLM (needs vLLM, see "
+                   "the README); null: echoes prompts (benchmarks)")
     p.add_argument("--model", default="tiny",
-                   help="built-in spec name (tiny) or a local Hugging Face checkpoint dir")
+                   help="built-in spec name (tiny; tiny64, whose heads vLLM's CPU build "
+                   "accepts) or a local Hugging Face checkpoint dir")
     p.add_argument("--worker-id", default=None,
                    help="unique id on the bus (default: <host>-<pid>); letters, digits, _ -")
     p.add_argument("--capacity", type=int, default=32,
@@ -41,7 +46,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch CPU threads (default: torch's own choice; set it when several "
                    "workers share a machine)")
     p.add_argument("--max-batch", type=int, default=64,
-                   help="sequences decoded together by the torch engine (default %(default)s)")
+                   help="sequences decoded together (torch engine; vLLM's max_num_seqs) "
+                   "(default %(default)s)")
+    v = p.add_argument_group("vllm engine")
+    v.add_argument("--max-model-len", type=int, default=512,
+                   help="context length vLLM reserves KV cache for (default %(default)s)")
+    v.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE; default "
+                   "%(default)s)")
+    v.add_argument("--dtype", default="float32",
+                   help="weights and compute dtype (default %(default)s: logprob parity)")
+    v.add_argument("--threads-bind", default="nobind",
+                   help="CPU: VLLM_CPU_OMP_THREADS_BIND ('auto' binds every engine to the same "
+                   "cores; give each its own, e.g. 0-3, or nobind; default %(default)s)")
+    v.add_argument("--no-in-process", dest="in_process", action="store_false",
+                   help="vLLM's own 3-process layout instead of the model in its EngineCore "
+                   "process (slower to start here)")
     p.set_defaults(func=run)
 
 
@@ -58,7 +78,16 @@ async def serve(args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    kwargs = {"device": args.device, "max_batch": args.max_batch} if args.engine == "torch" else {}
+    kwargs: dict[str, Any] = {}
+    if args.engine == "torch":
+        kwargs = {"device": args.device, "max_batch": args.max_batch}
+    elif args.engine == "vllm":
+        from rlfabric.engines.vllm import VllmOptions
+
+        kwargs = {"options": VllmOptions(
+            max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, dtype=args.dtype,
+            threads_bind=args.threads_bind, in_process=args.in_process,
+            max_num_seqs=args.max_batch)}
     engine = make_engine(args.engine, args.model, **kwargs)
     worker_id = args.worker_id or default_worker_id()
     async with Bus.connect(connect_options(args, f"rlfabric-worker-{worker_id}"),
@@ -67,7 +96,7 @@ async def serve(args: argparse.Namespace) -> None:
         # NOTE: signals are caught before the worker joins: a SIGTERM that lands while it
         # takes its first requests still drains it
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with anyio.create_task_group() as tg:
+            async with beside() as tg:  # a dead engine's error raised as itself
                 async def serve_until_drained(*, task_status: TaskStatus[None]) -> None:
                     await worker.run(task_status=task_status)
                     # drained (a signal, or a Shutdown command): the process ends
@@ -90,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     except NatsUnavailable as exc:
         print(f"rlfabric worker: {exc}", file=sys.stderr)
         return 2
+    except EngineDied as exc:
+        print(f"rlfabric worker: {exc}", file=sys.stderr)
+        return 3
     except (RLFabricError, ValueError) as exc:
         print(f"rlfabric worker: {exc}", file=sys.stderr)
         return 2

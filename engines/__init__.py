@@ -8,11 +8,11 @@ from typing import Any
 
 import anyio
 
-from rlfabric.engines.protocol import Engine, RequestRejected, WeightLoadError
+from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected, WeightLoadError
 from rlfabric.schemas import PauseMode
 
-#: what `--engine` takes: the reference engine, and an echo engine for benchmarks
-ENGINES: tuple[str, ...] = ("torch", "null")
+#: what `--engine` takes: the reference engine, vLLM, and an echo engine for benchmarks
+ENGINES: tuple[str, ...] = ("torch", "vllm", "null")
 
 
 def make_engine(kind: str, model: str, **kwargs: Any) -> Engine:
@@ -21,11 +21,30 @@ def make_engine(kind: str, model: str, **kwargs: Any) -> Engine:
         from rlfabric.engines.torch import TorchEngine
 
         return TorchEngine(model, **kwargs)
+    if kind == "vllm":
+        from rlfabric.engines.vllm import VllmEngine
+
+        return VllmEngine(_checkpoint_dir(model), **kwargs)
     if kind == "null":
         from rlfabric.engines.null import NullEngine
 
         return NullEngine(model, **kwargs)
     raise ValueError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")
+
+
+def _checkpoint_dir(model: str) -> str:
+    """A built-in spec name becomes a checkpoint written once under the user's cache (engines
+    that load from a directory, such as vLLM, need one); a path stays as it is."""
+    import os
+
+    from rlfabric.schemas.models import BUILTIN
+
+    if model not in BUILTIN or os.path.isdir(model):
+        return model
+    from rlfabric.tensors.models import write_checkpoint
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return write_checkpoint(model, os.path.join(cache, "rlfabric", "checkpoints", model))
 
 
 @contextlib.asynccontextmanager
@@ -37,5 +56,5 @@ async def running(engine: Engine) -> AsyncIterator[Engine]:
         tg.cancel_scope.cancel()
 
 
-__all__ = ["ENGINES", "Engine", "PauseMode", "RequestRejected", "WeightLoadError",
+__all__ = ["ENGINES", "Engine", "EngineDied", "PauseMode", "RequestRejected", "WeightLoadError",
            "make_engine", "running"]

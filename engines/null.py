@@ -10,11 +10,21 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
-from rlfabric.engines.protocol import PauseMode, RequestRejected
-from rlfabric.schemas import PackedF32, PackedI32, RolloutRequest, RolloutResult, VersionSpan
+from rlfabric.engines.payload import PackedWeights
+from rlfabric.engines.protocol import PauseMode, RequestRejected, WeightLoadError
+from rlfabric.schemas import (
+    InitTransport,
+    PackedF32,
+    PackedI32,
+    RolloutRequest,
+    RolloutResult,
+    UpdateWeights,
+    VersionSpan,
+)
 
 
 class NullEngine:
+    owns_collective = False
     name = "null"
 
     def __init__(self, model: str = "none", *, vocab_size: int = 1 << 20) -> None:
@@ -56,9 +66,9 @@ class NullEngine:
     async def resume(self) -> None:
         self._resumed.set()
 
-    async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
-        # names, dtypes and shapes only: holding the tensors would pin the sender's buffer
-        self._state = {k: (str(t.dtype), tuple(t.shape)) for k, t in state.items()}
+    async def load_weights(self, weights: PackedWeights, version: int) -> None:
+        # names, dtypes and shapes only: holding tensors would pin the sender's buffer
+        self._state = {m.name: (m.dtype, tuple(m.shape)) for m in weights.tensors}
         self._version = version
 
     def weights_checksum(self) -> str:
@@ -70,8 +80,11 @@ class NullEngine:
     def state_dict(self) -> Mapping[str, Any]:
         return self._state
 
-    async def init_transport(self, **kwargs: Any) -> None:
-        return None
+    async def init_transport(self, cmd: InitTransport) -> None:
+        raise WeightLoadError("the worker runtime joins collective groups for this engine")
+
+    async def receive_collective(self, cmd: UpdateWeights) -> None:
+        raise WeightLoadError("the worker runtime receives collective updates for this engine")
 
     async def sleep(self, level: int) -> None:
         await self.pause("abort")

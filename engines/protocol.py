@@ -12,7 +12,15 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 from anyio.abc import TaskStatus
 
-from rlfabric.schemas import PauseMode, RLFabricError, RolloutRequest, RolloutResult
+from rlfabric.engines.payload import PackedWeights
+from rlfabric.schemas import (
+    InitTransport,
+    PauseMode,
+    RLFabricError,
+    RolloutRequest,
+    RolloutResult,
+    UpdateWeights,
+)
 
 
 class RequestRejected(RLFabricError):
@@ -22,6 +30,12 @@ class RequestRejected(RLFabricError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class EngineDied(RLFabricError):
+    """Raised out of `Engine.run` when the engine is gone (its process killed or crashed);
+    the message names the cause (vLLM: with the tail of its log). The worker reports it as an
+    `ErrorEvent` (code `engine_died`), leaves membership and exits with status 3."""
 
 
 class WeightLoadError(RLFabricError):
@@ -75,11 +89,15 @@ class Engine(Protocol):
         """Undo `pause`: frozen sequences continue, held requests start."""
         ...
 
-    async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
-        """Replace the weights with `state` (name -> tensor, all of the model's names) and serve
-        them as `version`. All-or-nothing: names, shapes and dtypes are checked before anything
-        is copied; on failure `WeightLoadError` is raised and the old version keeps serving. It
-        takes effect between two decode steps and never aborts a sequence by itself."""
+    async def load_weights(self, weights: PackedWeights, version: int) -> None:
+        """Replace the weights with the verified payload `weights` (all of the model's names:
+        `weights.state()` views them as tensors in this process, `weights.file()` is a file
+        with the same bytes for an engine that loads in another process) and serve them as
+        `version`. Nothing may keep a view of the payload after the call. All-or-nothing:
+        names, shapes and dtypes are checked before anything is copied; on failure
+        `WeightLoadError` is raised and the old version keeps serving (an engine that cannot
+        check first restores a sound state before it raises). It takes effect between two
+        decode steps and never aborts a sequence by itself."""
         ...
 
     def weights_checksum(self) -> str:
@@ -91,10 +109,21 @@ class Engine(Protocol):
         """The served weights by name (a view, not a copy)."""
         ...
 
-    async def init_transport(self, **kwargs: Any) -> None:
-        """Join a weight-broadcast group with the engine's own machinery (vLLM's
-        `init_weight_transfer_engine`). Engines that load from a state dict leave this to the
-        worker runtime, which receives the broadcast itself and calls `load_weights`."""
+    #: True: collective updates go through the engine's own machinery (vLLM's NCCL weight
+    #: transfer), so the worker hands `init_transport` and collective updates to the engine.
+    #: False: the worker runtime joins the group, receives the broadcast itself and calls
+    #: `load_weights`.
+    owns_collective: bool
+
+    async def init_transport(self, cmd: InitTransport) -> None:
+        """(`owns_collective` engines) Join the weight-broadcast group `cmd` describes, with
+        the rank offset and world size of rlfabric's handshake; raise `CommandFailed` with
+        code `unsupported` at once where the engine cannot."""
+        ...
+
+    async def receive_collective(self, cmd: UpdateWeights) -> None:
+        """(`owns_collective` engines) Receive the broadcast of `cmd.version` over the group
+        joined by `init_transport` and serve it."""
         ...
 
     async def sleep(self, level: int) -> None:

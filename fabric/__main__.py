@@ -1,3 +1,5 @@
 from rlfabric.cli import main
 
-raise SystemExit(main())
+# NOTE: guarded: engines that spawn processes (vLLM) re-import __main__ in the child
+if __name__ == "__main__":
+    raise SystemExit(main())

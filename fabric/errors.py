@@ -14,7 +14,7 @@ from rlfabric.bus.errors import (
     ProvisioningError,
     QuorumNotReached,
 )
-from rlfabric.engines.protocol import RequestRejected, WeightLoadError
+from rlfabric.engines.protocol import EngineDied, RequestRejected, WeightLoadError
 from rlfabric.schemas.errors import (
     MalformedMessage,
     RLFabricError,
@@ -34,6 +34,7 @@ __all__ = [
     "BusError",
     "CollectiveTimeout",
     "CommandFailed",
+    "EngineDied",
     "InvalidName",
     "MalformedMessage",
     "MembershipChanged",

@@ -2,8 +2,9 @@
 `build_model("tiny")` (`rlfabric.tensors.models`) are the same architecture, defined once here.
 
 `tiny` is a small random-init Llama with a byte-level vocabulary: ids 0-255 are bytes, then
-BOS, EOS and PAD. Its initial weights are fixed by `seed`, but nothing relies on that: the
-trainer pushes its weights as version 0 before the first rollout.
+BOS, EOS and PAD; `tiny64` is the same with attention heads vLLM's CPU build accepts. Their
+initial weights are fixed by `seed`, but nothing relies on that: the trainer pushes its
+weights as version 0 before the first rollout.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ class ModelSpec(Message, frozen=True, kw_only=True):
 
 
 TINY = ModelSpec(name="tiny")
-BUILTIN: dict[str, ModelSpec] = {"tiny": TINY}
+#: the same vocabulary with 64-wide attention heads: vLLM's CPU attention rejects 16-wide ones
+TINY64 = ModelSpec(name="tiny64", hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                   num_key_value_heads=1)
+BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (TINY, TINY64)}
 
 
 def byte_tokens(text: str | bytes, *, bos: bool = True) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,15 +44,16 @@ class CollectiveGroup:
         self._store = dist.PrefixStore(f"rlfabric/epoch{self.group_epoch}/", base)
         self._store.set(f"joined/{self.rank}", b"1")
 
-    def wait_joined(self) -> None:
-        """Rank 0: wait for every rank to reach the store; name those that did not."""
+    def wait_joined(self, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Rank 0: wait for every rank to reach the store; name those that did not. Stops
+        early, the same way, once `give_up()` is true (a worker refused to join)."""
         deadline = time.monotonic() + self.timeout
         keys = [f"joined/{r}" for r in range(self.world_size)]
         while True:
             missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
             if not missing:
                 return
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or give_up():
                 raise CollectiveTimeout(
                     f"ranks {missing} did not join collective group epoch {self.group_epoch} "
                     f"at {self.master_addr}:{self.master_port} within {self.timeout}s",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import msgspec
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -39,3 +40,22 @@ def build_model(name_or_path: str, *, dtype: torch.dtype | None = None,
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def write_checkpoint(name: str, path: str) -> str:
+    """Write a built-in spec's model (its seeded initial weights, fp32) as a local Hugging Face
+    checkpoint directory at `path`, the form engines such as vLLM load; returns `path`.
+    Rewriting an existing checkpoint of the same spec leaves it as it is."""
+    if name not in BUILTIN:
+        raise ValueError(f"no built-in spec {name!r}: use one of {', '.join(BUILTIN)}")
+    marker = os.path.join(path, "rlfabric-spec.json")
+    spec_json = msgspec.json.encode(BUILTIN[name]).decode()
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if f.read() == spec_json:
+                return path
+    os.makedirs(path, exist_ok=True)
+    build_model(name).save_pretrained(path)
+    with open(marker, "w") as f:
+        f.write(spec_json)
+    return path

@@ -10,6 +10,7 @@ fails. The collective transport is two-phase (`ready`, then rank 0 broadcasts, t
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections import Counter
 from typing import Any, Literal
@@ -17,7 +18,14 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from rlfabric.bus import Broadcaster, Fanout, MembershipWatcher, QuorumPolicy, new_cmd_id
+from rlfabric.bus import (
+    Broadcaster,
+    Fanout,
+    MembershipWatcher,
+    QuorumNotReached,
+    QuorumPolicy,
+    new_cmd_id,
+)
 from rlfabric.bus.sync import beside
 from rlfabric.schemas import (
     Collective,
@@ -132,11 +140,26 @@ class WeightUpdates:
                             master_addr=master_addr, master_port=port, world_size=rank,
                             rank_offsets=offsets, deadline=time.time() + timeout)
         by_rank = {r: w for w, r in offsets.items()}
+        refused = threading.Event()
+
+        async def watch_refusals(fo: Fanout) -> None:
+            await fo.failed("done")  # a worker that cannot join says so: stop waiting for it
+            refused.set()
+
         async with self.broadcaster.open(cmd) as fo:
             try:
-                await anyio.to_thread.run_sync(group.wait_joined)
+                async with beside(cancel_at_exit=True) as tg:
+                    tg.start_soon(watch_refusals, fo)
+                    await anyio.to_thread.run_sync(group.wait_joined, refused.is_set)
             except CollectiveTimeout as exc:
                 group.close()
+                if refused.is_set():
+                    rep = fo.report("done")
+                    why = "; ".join(f"{w} ({rep.acks[w].error_code}: "
+                                    f"{rep.acks[w].error_message})" for w in rep.failed)
+                    raise QuorumNotReached(
+                        f"init_transport({backend}) epoch {epoch}: refused by {why}", rep
+                    ) from exc
                 workers = tuple(sorted({by_rank.get(r, f"rank{r}") for r in exc.missing}))
                 raise TransportInitFailed(
                     f"init_transport({backend}) epoch {epoch}: {', '.join(workers)} did not "

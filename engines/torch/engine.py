@@ -14,14 +14,22 @@ import anyio
 import torch
 from anyio.abc import TaskStatus
 
+from rlfabric.engines.payload import PackedWeights
 from rlfabric.engines.protocol import RequestRejected, WeightLoadError
 from rlfabric.engines.torch.model_runner import ModelRunner, RunnerState
 from rlfabric.engines.torch.scheduler import Scheduler
 from rlfabric.engines.torch.sequence import Sequence
-from rlfabric.schemas import PauseMode, RolloutRequest, RolloutResult
+from rlfabric.schemas import (
+    InitTransport,
+    PauseMode,
+    RolloutRequest,
+    RolloutResult,
+    UpdateWeights,
+)
 
 
 class TorchEngine:
+    owns_collective = False
     name = "torch"
 
     def __init__(self, model: str = "tiny", *, device: str | None = None,
@@ -139,9 +147,13 @@ class TorchEngine:
         self.runner.thaw()
         self.scheduler.release_held()
 
-    async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
-        new = self.runner.checked(state)
-        await anyio.to_thread.run_sync(self.runner.load, new, version)
+    async def load_weights(self, weights: PackedWeights, version: int) -> None:
+        state = weights.state()
+        try:
+            new = self.runner.checked(state)
+            await anyio.to_thread.run_sync(self.runner.load, new, version)
+        finally:
+            state.clear()
 
     def weights_checksum(self) -> str:
         return self.runner.checksum()
@@ -149,8 +161,11 @@ class TorchEngine:
     def state_dict(self) -> Mapping[str, Any]:
         return self.runner.params
 
-    async def init_transport(self, **kwargs: Any) -> None:
-        raise WeightLoadError("the collective transport is set up by the worker runtime")
+    async def init_transport(self, cmd: InitTransport) -> None:
+        raise WeightLoadError("the worker runtime joins collective groups for this engine")
+
+    async def receive_collective(self, cmd: UpdateWeights) -> None:
+        raise WeightLoadError("the worker runtime receives collective updates for this engine")
 
     async def sleep(self, level: int) -> None:
         await self.pause("abort")

@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from rlfabric.bus import Bus, Registration
 from rlfabric.bus.pull import Puller
 from rlfabric.bus.sync import Signal, wait_any
-from rlfabric.engines.protocol import Engine, RequestRejected
+from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     REQUEST_ID_HEADER,
@@ -168,6 +168,15 @@ class RolloutServer:
                 self._working[id(msg)] = (msg, time.monotonic())
                 try:
                     await self._serve_one(msg)
+                except anyio.get_cancelled_exc_class():
+                    # stopped (an engine died, a drain ran out of grace): hand it back now
+                    # rather than at ack_wait
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                        await msg.nak()
+                    raise
+                except EngineDied:  # not the request's fault: another worker serves it
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                        await msg.nak()
                 except Exception as exc:  # never let one request take the worker down
                     log.exception("request on %s failed", msg.subject)
                     await self._reply_error(msg, None, "engine_error",

@@ -32,12 +32,14 @@ from rlfabric.bus import (
     new_worker_info,
 )
 from rlfabric.bus.subjects import check_token
+from rlfabric.bus.sync import beside
 from rlfabric.engines.protocol import Engine
 from rlfabric.engines.worker.rollouts import RolloutServer
 from rlfabric.engines.worker.weights import WeightSync
 from rlfabric.schemas import (
     Command,
     Describe,
+    ErrorEvent,
     InitTransport,
     Pause,
     ResetPrefixCache,
@@ -78,8 +80,8 @@ class Worker:
 
     # ---- lifecycle ----
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.engine.run)
+        async with beside(cancel_at_exit=True) as tg:  # an engine's death raised as itself
+            await tg.start(self._run_engine)
             await tg.start(self.receiver.run)
             desired = await self.bus.desired_state()
             await self.weights.load_current(desired)  # never serve a stale version
@@ -97,6 +99,18 @@ class Worker:
             tg.cancel_scope.cancel()
         with anyio.CancelScope(shield=True):
             await self.receiver.close()
+
+    async def _run_engine(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                          ) -> None:
+        try:
+            await self.engine.run(task_status=task_status)
+        except Exception as exc:  # the engine is gone: say so, then leave (run() raises it)
+            log.error("%s: engine %s stopped: %s", self.worker_id, self.engine.name, exc)
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await self.bus.emit(ErrorEvent(source=self.worker_id, code="engine_died",
+                                               message=str(exc), at=time.time()))
+                await self.bus.nc.flush()
+            raise
 
     def drain(self) -> None:
         """Stop taking requests, finish in-flight ones (at most `drain_grace` seconds), leave:
@@ -167,8 +181,8 @@ class Worker:
         return None
 
     async def _sleep(self, cmd: Sleep) -> AckFields | None:
+        await self.engine.sleep(cmd.level)  # an engine that cannot sleep refuses: still serving
         self.rollouts.hold()
-        await self.engine.sleep(cmd.level)
         await self._set_state("sleeping")
         return None
 

@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from rlfabric.bus import AckFields, Bus, CommandContext, CommandFailed
+from rlfabric.engines.payload import PackedWeights, payload
 from rlfabric.engines.protocol import Engine, WeightLoadError
 from rlfabric.schemas import (
     Collective,
@@ -39,7 +40,6 @@ from rlfabric.tensors import (
     CollectiveGroup,
     buffer_size,
     digest,
-    unpack,
 )
 
 log = logging.getLogger("rlfabric.worker.weights")
@@ -73,6 +73,9 @@ class WeightSync:
             raise CommandFailed("unsupported", f"LoRA targets are not supported by the "
                                 f"{self.engine.name} engine")
         if isinstance(cmd.transport, Collective):
+            if self.engine.owns_collective:
+                await self.engine.receive_collective(cmd)
+                return AckFields(weight_version=self.engine.version)
             return await self._collective(cmd, ctx)
         return await self._apply(cmd)
 
@@ -80,6 +83,10 @@ class WeightSync:
         if self.worker_id not in cmd.rank_offsets:
             raise CommandFailed("not_in_group", f"{self.worker_id} has no rank in group epoch "
                                 f"{cmd.group_epoch}")
+        if self.engine.owns_collective:
+            await self.engine.init_transport(cmd)
+            return AckFields(detail={"rank": str(cmd.rank_offsets[self.worker_id]),
+                                     "group_epoch": str(cmd.group_epoch)})
         if self.group is not None:
             self.group.close()  # an old group is torn down, never reused
             self.group = None
@@ -103,12 +110,16 @@ class WeightSync:
     async def _apply(self, cmd: UpdateWeights) -> AckFields:
         t = cmd.transport
         metas = t.tensors
+        path: str | None = None  # a file with the same bytes, for engines loading elsewhere
         with contextlib.ExitStack() as keep:
             try:
                 if isinstance(t, SharedMemory):
                     buf = keep.enter_context(_open_shm(t.name))
+                    if await anyio.Path(f"/dev/shm/{t.name}").exists():  # Linux: a file
+                        path = f"/dev/shm/{t.name}"
                 elif isinstance(t, Filesystem):
                     buf = await self._read_fs(t, cmd.deadline)
+                    path = os.path.join(t.path, WEIGHTS_FILE)
                 elif isinstance(t, Nats):
                     buf = await self._read_nats(t, cmd.version, buffer_size(metas))
                 else:
@@ -125,18 +136,17 @@ class WeightSync:
                 del view
                 raise CommandFailed("digest_mismatch", f"{self.worker_id}: v{cmd.version} "
                                     f"payload digest {got} != {cmd.digest}; old weights kept")
-            state = unpack(view, metas)
             try:
-                await self._load(state, cmd)
+                with payload(view, metas, path=path) as weights:
+                    await self._load(weights, cmd)
             finally:
-                state.clear()  # no tensor may outlive the buffer it views
-                del view
+                del view  # no view may outlive the buffer
         return AckFields(weight_version=self.engine.version)
 
-    async def _load(self, state: dict[str, Any], cmd: UpdateWeights) -> None:
+    async def _load(self, weights: PackedWeights, cmd: UpdateWeights) -> None:
         why = ""
         try:
-            await self.engine.load_weights(state, cmd.version)
+            await self.engine.load_weights(weights, cmd.version)
         except (WeightLoadError, ValueError, TypeError, RuntimeError) as exc:
             why = str(exc)
         if why:
@@ -209,7 +219,8 @@ class WeightSync:
         if got != cmd.digest:
             raise CommandFailed("digest_mismatch", f"{self.worker_id}: v{cmd.version} "
                                 f"broadcast digest {got} != {cmd.digest}; old weights kept")
-        await self._load(unpack(buf, t.tensors), cmd)
+        with payload(memoryview(buf), t.tensors) as weights:
+            await self._load(weights, cmd)
         return AckFields(weight_version=self.engine.version)
 
 

