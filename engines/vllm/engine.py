@@ -117,7 +117,13 @@ class VllmEngine:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         logging.getLogger("vllm").addHandler(self._tail)
         try:
-            await self._start()
+            try:
+                await self._start()
+            except Exception as exc:
+                raise EngineDied(f"vLLM could not start {self.model}: {type(exc).__name__}: "
+                                 f"{exc}; last vLLM log lines: "
+                                 f"{' | '.join(list(self._tail.lines)[-8:]) or '(none)'}"
+                                 ) from exc
             self._checksum = await anyio.to_thread.run_sync(_checkpoint_checksum, self.model)
             task_status.started()
             while True:  # the engine answering is what keeps this worker a member
@@ -147,6 +153,11 @@ class VllmEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if o.in_process else "1"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(o.kv_cache_gib))))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", o.threads_bind)
+        # NOTE: OpenMP threads that sleep when idle instead of spinning 200 ms: the engine
+        # shares its cores with the bus, the worker and often other engines (measured here:
+        # 2 vLLM workers on 2 cores went from 0.24x to 0.78x of one in-process engine)
+        os.environ.setdefault("KMP_BLOCKTIME", "0")
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -236,8 +247,10 @@ class VllmEngine:
                     raise EngineDied(self._why_dead(exc)) from exc
                 raise
             except anyio.get_cancelled_exc_class():
-                with anyio.CancelScope(shield=True):
-                    await self._llm.abort(rid)
+                llm = self._llm  # None once the engine is stopped: nothing left to abort
+                if llm is not None:
+                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                        await llm.abort(rid)
                 raise
             finally:
                 self._active.discard(rid)
@@ -314,16 +327,24 @@ class VllmEngine:
         finally:
             state.clear()
         keep = await anyio.to_thread.run_sync(_copy_to_spill, weights.file(), version)
+        # NOTE: frozen between two steps while the weights and their version name change
+        # together, so every token's version is exact (a command's own pause stays as it is)
+        frozen_here = self._paused is None
+        if frozen_here:
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
             await self._llm.collective_rpc("rlfabric_load",
                                            kwargs={"path": keep, "tensors": weights.tensors})
+            await self._llm.update_weight_version(str(version))
         except Exception as exc:
             with contextlib.suppress(OSError):
                 os.remove(keep)
             await self._recover(f"v{version} failed inside vLLM's loader ({exc})")
             raise WeightLoadError(f"vLLM rejected v{version} partway ({exc}); the engine was "
                                   f"restarted and serves v{self._version} again") from None
-        await self._llm.update_weight_version(str(version))
+        finally:
+            if frozen_here and self._llm is not None and self._paused is None:
+                await self._llm.resume_generation()
         if self._current_file:
             with contextlib.suppress(OSError):
                 os.remove(self._current_file)
@@ -381,7 +402,8 @@ class VllmEngine:
         return None  # never asleep on CPU (see sleep)
 
     async def reset_prefix_cache(self) -> None:
-        await self._llm.reset_prefix_cache()
+        # NOTE: running requests too: blocks they hold were computed with the old weights
+        await self._llm.reset_prefix_cache(reset_running_requests=True)
 
     def describe(self) -> dict[str, str]:
         o = self.options
