@@ -165,7 +165,8 @@ class VllmEngine:
             model=self.model, skip_tokenizer_init=True, dtype=o.dtype,
             enforce_eager=o.enforce_eager, max_model_len=o.max_model_len,
             max_num_seqs=o.max_num_seqs, logprobs_mode="raw_logprobs",
-            worker_extension_cls=EXTENSION, disable_log_stats=True)
+            worker_extension_cls=EXTENSION, disable_log_stats=True,
+            enable_sleep_mode=not _on_cpu())
         # NOTE: off the event loop: building the engine blocks for 10-20 s
         self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
         await self._llm.check_health()
@@ -394,12 +395,17 @@ class VllmEngine:
         raise CommandFailed("unsupported", _NO_COLLECTIVE)
 
     async def sleep(self, level: int) -> None:
-        raise CommandFailed(
-            "unsupported", f"sleep(level={level}): vLLM's CPU build frees no memory in sleep "
-            "mode, so nothing would be released; the engine keeps serving")
+        if _on_cpu():
+            raise CommandFailed(
+                "unsupported", f"sleep(level={level}): vLLM's CPU build frees no memory in "
+                "sleep mode, so nothing would be released; the engine keeps serving")
+        # NOTE: CUDA path, coded to vLLM's API and not run here (no CUDA vLLM could be
+        # installed): level 1 offloads weights and drops the KV cache, level 2 drops both
+        await self._llm.sleep(level=level, mode="abort")
 
     async def wake(self, tags: tuple[str, ...] = ()) -> None:
-        return None  # never asleep on CPU (see sleep)
+        if not _on_cpu():  # never asleep on CPU (see sleep)
+            await self._llm.wake_up(list(tags) or None)
 
     async def reset_prefix_cache(self) -> None:
         # NOTE: running requests too: blocks they hold were computed with the old weights
@@ -466,6 +472,12 @@ def _copy_to_spill(path: str, version: int) -> str:
     os.close(fd)
     shutil.copyfile(path, keep)
     return keep
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _version_of(name: str) -> int:
