@@ -11,20 +11,17 @@ import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import PauseMode, RequestRejected, WeightLoadError
+from rlfabric.engines.protocol import PauseMode, RequestRejected, RuntimeCollective
 from rlfabric.schemas import (
-    InitTransport,
     PackedF32,
     PackedI32,
     RolloutRequest,
     RolloutResult,
-    UpdateWeights,
     VersionSpan,
 )
 
 
-class NullEngine:
-    owns_collective = False
+class NullEngine(RuntimeCollective):
     name = "null"
 
     def __init__(self, model: str = "none", *, vocab_size: int = 1 << 20) -> None:
@@ -79,12 +76,6 @@ class NullEngine:
 
     def state_dict(self) -> Mapping[str, Any]:
         return self._state
-
-    async def init_transport(self, cmd: InitTransport) -> None:
-        raise WeightLoadError("the worker runtime joins collective groups for this engine")
-
-    async def receive_collective(self, cmd: UpdateWeights) -> None:
-        raise WeightLoadError("the worker runtime receives collective updates for this engine")
 
     async def sleep(self, level: int) -> None:
         await self.pause("abort")

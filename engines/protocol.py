@@ -43,6 +43,19 @@ class WeightLoadError(RLFabricError):
     keeps serving the previous version."""
 
 
+class RuntimeCollective:
+    """For engines that load from a state dict: the worker runtime joins collective groups
+    and receives broadcasts for them (`owns_collective = False`)."""
+
+    owns_collective = False
+
+    async def init_transport(self, cmd: InitTransport) -> None:
+        raise WeightLoadError("the worker runtime joins collective groups for this engine")
+
+    async def receive_collective(self, cmd: UpdateWeights) -> None:
+        raise WeightLoadError("the worker runtime receives collective updates for this engine")
+
+
 @runtime_checkable
 class Engine(Protocol):
     """One inference engine replica, driven by the worker runtime."""

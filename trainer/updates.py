@@ -153,10 +153,13 @@ class WeightUpdates:
                     await anyio.to_thread.run_sync(group.wait_joined, refused.is_set)
             except CollectiveTimeout as exc:
                 group.close()
-                if refused.is_set():
-                    rep = fo.report("done")
+                rep = fo.report("done")
+                # refused = answered with an error and never reached the store (a worker that
+                # joined and then failed to connect is waiting on the missing, not refusing)
+                refusers = [w for w in rep.failed if offsets.get(w) in exc.missing]
+                if refusers:
                     why = "; ".join(f"{w} ({rep.acks[w].error_code}: "
-                                    f"{rep.acks[w].error_message})" for w in rep.failed)
+                                    f"{rep.acks[w].error_message})" for w in refusers)
                     raise QuorumNotReached(
                         f"init_transport({backend}) epoch {epoch}: refused by {why}", rep
                     ) from exc

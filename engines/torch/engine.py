@@ -15,21 +15,18 @@ import torch
 from anyio.abc import TaskStatus
 
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import RequestRejected, WeightLoadError
+from rlfabric.engines.protocol import RequestRejected, RuntimeCollective
 from rlfabric.engines.torch.model_runner import ModelRunner, RunnerState
 from rlfabric.engines.torch.scheduler import Scheduler
 from rlfabric.engines.torch.sequence import Sequence
 from rlfabric.schemas import (
-    InitTransport,
     PauseMode,
     RolloutRequest,
     RolloutResult,
-    UpdateWeights,
 )
 
 
-class TorchEngine:
-    owns_collective = False
+class TorchEngine(RuntimeCollective):
     name = "torch"
 
     def __init__(self, model: str = "tiny", *, device: str | None = None,
@@ -160,12 +157,6 @@ class TorchEngine:
 
     def state_dict(self) -> Mapping[str, Any]:
         return self.runner.params
-
-    async def init_transport(self, cmd: InitTransport) -> None:
-        raise WeightLoadError("the worker runtime joins collective groups for this engine")
-
-    async def receive_collective(self, cmd: UpdateWeights) -> None:
-        raise WeightLoadError("the worker runtime receives collective updates for this engine")
 
     async def sleep(self, level: int) -> None:
         await self.pause("abort")
