@@ -4,7 +4,7 @@ token. It takes the model out of a measurement, leaving the fabric's own costs."
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -73,9 +73,6 @@ class NullEngine(RuntimeCollective):
         for k in sorted(self._state):
             h.update(f"{k}|{self._state[k]}".encode())
         return h.hexdigest()
-
-    def state_dict(self) -> Mapping[str, Any]:
-        return self._state
 
     async def sleep(self, level: int) -> None:
         await self.pause("abort")

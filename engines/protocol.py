@@ -6,8 +6,8 @@ no docstrings of their own for these methods.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
 
 import anyio
 from anyio.abc import TaskStatus
@@ -116,10 +116,6 @@ class Engine(Protocol):
     def weights_checksum(self) -> str:
         """A digest of every parameter (name, dtype, shape, bytes): equal weights, equal
         checksums, on any worker."""
-        ...
-
-    def state_dict(self) -> Mapping[str, Any]:
-        """The served weights by name (a view, not a copy)."""
         ...
 
     #: True: collective updates go through the engine's own machinery (vLLM's NCCL weight

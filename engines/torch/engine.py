@@ -7,8 +7,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator
 
 import anyio
 import torch
@@ -154,9 +153,6 @@ class TorchEngine(RuntimeCollective):
 
     def weights_checksum(self) -> str:
         return self.runner.checksum()
-
-    def state_dict(self) -> Mapping[str, Any]:
-        return self.runner.params
 
     async def sleep(self, level: int) -> None:
         await self.pause("abort")

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,9 +121,7 @@ class VllmEngine:
                 await self._start()
             except Exception as exc:
                 raise EngineDied(f"vLLM could not start {self.model}: {type(exc).__name__}: "
-                                 f"{exc}; last vLLM log lines: "
-                                 f"{' | '.join(list(self._tail.lines)[-8:]) or '(none)'}"
-                                 ) from exc
+                                 f"{exc}; last vLLM log lines: {self._log_tail()}") from exc
             self._checksum = await anyio.to_thread.run_sync(_checkpoint_checksum, self.model)
             task_status.started()
             while True:  # the engine answering is what keeps this worker a member
@@ -142,10 +140,12 @@ class VllmEngine:
                     with contextlib.suppress(OSError):
                         os.remove(self._current_file)
 
+    def _log_tail(self) -> str:
+        return " | ".join(list(self._tail.lines)[-8:]) or "(none)"
+
     def _why_dead(self, exc: BaseException) -> str:
-        tail = " | ".join(list(self._tail.lines)[-8:])
         return (f"vLLM engine for {self.model} died ({type(exc).__name__}: {exc}); "
-                f"last vLLM log lines: {tail or '(none)'}")
+                f"last vLLM log lines: {self._log_tail()}")
 
     async def _start(self) -> None:
         o = self.options
@@ -384,9 +384,6 @@ class VllmEngine:
 
     def weights_checksum(self) -> str:
         return self._checksum
-
-    def state_dict(self) -> Mapping[str, Any]:
-        return {}  # vLLM holds repacked weights in another process
 
     async def init_transport(self, cmd: InitTransport) -> None:
         raise CommandFailed("unsupported", _NO_COLLECTIVE)
