@@ -11,7 +11,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client as NATS
 
-from rlfabric.bus.errors import NatsUnavailable
+from rlfabric.bus.errors import NatsAuthFailed, NatsUnavailable
 
 log = logging.getLogger("rlfabric.bus")
 
@@ -61,6 +61,12 @@ class ConnectOptions:
         return ctx
 
 
+def _is_auth_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text \
+        or "authentication" in text
+
+
 async def _log_error(exc: Exception) -> None:
     log.debug("nats: %s", exc)
 
@@ -87,6 +93,12 @@ async def connect(opts: ConnectOptions | str) -> NATS:
     if isinstance(opts, str):
         opts = ConnectOptions.from_url(opts)
     conn_log = _ConnLog(opts.servers)
+    seen: list[Exception] = []  # what the servers said while we tried (auth errors, ...)
+
+    async def on_error(exc: Exception) -> None:
+        seen.append(exc)
+        await _log_error(exc)
+
     attempts = max(1, math.ceil(opts.connect_wait / max(opts.reconnect_wait, 0.01)))
     try:
         nc = await nats.connect(
@@ -104,17 +116,27 @@ async def connect(opts: ConnectOptions | str) -> NATS:
             max_reconnect_attempts=attempts,
             allow_reconnect=True,
             pending_size=opts.pending_size,
-            error_cb=_log_error,
+            error_cb=on_error,
             disconnected_cb=conn_log.disconnected,
             reconnected_cb=conn_log.reconnected,
         )
     except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+        refusal = next((e for e in reversed(seen) if _is_auth_error(e)), None)
+        if refusal is not None:
+            raise NatsAuthFailed(
+                f"NATS at {', '.join(opts.servers)} refused this client: authentication failed "
+                f"(the server said: {refusal}); check --nkey / --creds / --token / --user, "
+                "e.g. the role seed `rlfabric nats --auth DIR` wrote"
+            ) from exc
         raise NatsUnavailable(
             f"no NATS server answered at {', '.join(opts.servers)} within {opts.connect_wait}s "
             f"({type(exc).__name__}: {str(exc) or 'no servers available'}); start one with "
             "`rlfabric nats --port 4222` or pass the right --nats URL"
         ) from exc
     except nats.errors.Error as exc:  # auth and TLS failures
+        if _is_auth_error(exc):
+            raise NatsAuthFailed(f"NATS at {', '.join(opts.servers)} refused this client: "
+                                 f"authentication failed ({exc})") from exc
         raise NatsUnavailable(
             f"NATS at {', '.join(opts.servers)} refused the connection: {exc}; check the "
             "credentials / TLS options"

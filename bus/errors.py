@@ -33,6 +33,11 @@ class NatsUnavailable(BusError):
     """Raised when no NATS server answers at any of the given URLs."""
 
 
+class NatsAuthFailed(NatsUnavailable):
+    """Raised when a server answered but refused this client's credentials (no key, a wrong
+    key, an unknown user): the message says so and quotes the server."""
+
+
 class ProvisioningError(BusError):
     """Raised when a stream or bucket exists with a config rlfabric cannot reconcile."""
 
@@ -40,6 +45,11 @@ class ProvisioningError(BusError):
 class InvalidName(BusError, ValueError):
     """Raised when a name that becomes a NATS subject token or a JetStream name (a job prefix,
     worker id, client id or command id) has characters the bus cannot carry."""
+
+
+class DuplicateWorker(BusError):
+    """Raised when a worker starts with the id of a live worker of the same job (it answers
+    pings); the message says which process holds the id."""
 
 
 class CommandFailed(BusError):

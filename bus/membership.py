@@ -21,10 +21,12 @@ from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
-from rlfabric.bus.errors import MembershipTimeout
+from rlfabric.bus.errors import DuplicateWorker, MembershipTimeout
+from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
 from rlfabric.bus.sync import Signal
@@ -78,7 +80,25 @@ class Registration:
         info = self.refresh(self.info) if self.refresh else self.info
         await msg.respond(encode(info))
 
+    async def refuse_if_taken(self) -> None:
+        """Worker ids are unique while alive: a live holder answers pings on the id's subject
+        (a stale key of a dead one is simply overwritten)."""
+        try:
+            msg = await self.bus.nc.request(self.bus.subjects.ping(self.worker_id), b"",
+                                            timeout=1.0)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return
+        try:
+            other = codec_for(WorkerInfo).decode(msg.data, check_version=False)
+            who = f"pid {other.pid} on {other.host}, {other.engine} engine"
+        except SchemaError:
+            who = "a process whose answer is unreadable"
+        raise DuplicateWorker(f"worker id {self.worker_id!r} is in use in job "
+                              f"{self.bus.subjects.prefix!r} by a live worker ({who}): pick "
+                              "another --worker-id, or stop that worker first")
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        await self.refuse_if_taken()
         sub = await self.bus.nc.subscribe(self.bus.subjects.ping(self.worker_id), cb=self._on_ping)
         try:
             await self.bus.nc.flush(timeout=5)  # the responder is live on the server
@@ -110,6 +130,7 @@ class MembershipWatcher:
         self.epoch = 0
         self._changed = Signal()
         self._codec = codec_for(WorkerInfo)
+        self._flood = RateLimited(log)
 
     def snapshot(self) -> MembershipSnapshot:
         members = tuple(self.members[k] for k in sorted(self.members))
@@ -158,7 +179,7 @@ class MembershipWatcher:
             try:
                 info = self._codec.decode(value, check_version=False)
             except SchemaError as exc:
-                log.warning("ignoring unreadable membership entry %r: %s", key, exc)
+                self._flood.warning("ignoring unreadable membership entry %r: %s", key, exc)
                 return
             joined = key not in self.members
             self.members[key] = info

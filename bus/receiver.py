@@ -32,6 +32,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from rlfabric.bus.errors import BusError, CommandFailed
+from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
 from rlfabric.schemas import (
@@ -93,6 +94,7 @@ class CommandReceiver:
         self.applied_seq = 0
         self.handled = 0
         self.rejected = 0
+        self._flood = RateLimited(log)
 
     # ---- acks ----
     def _make_ack(self, ctx: CommandContext, phase: Literal["ready", "done"],
@@ -213,7 +215,8 @@ class CommandReceiver:
         self.rejected += 1
         cmd_id = (msg.headers or {}).get(CMD_ID_HEADER, "")
         code = "unknown_schema_version" if isinstance(exc, UnknownSchemaVersion) else "malformed"
-        log.warning("%s rejected a command on %s: %s", self.worker_id, msg.subject, exc)
+        # one log line per interval with a count, not one per message; every one an event
+        self._flood.warning("%s rejected a command on %s: %s", self.worker_id, msg.subject, exc)
         await self.bus.emit(ErrorEvent(source=self.worker_id, code=code, message=str(exc),
                                        subject=msg.subject, cmd_id=cmd_id, at=time.time()))
         if cmd_id:

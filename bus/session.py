@@ -11,6 +11,7 @@ receiver or registration runs it in a task group of their own.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
@@ -24,12 +25,22 @@ from opentelemetry import propagate, trace
 from rlfabric.bus.connect import ConnectOptions, connect
 from rlfabric.bus.errors import BusError
 from rlfabric.bus.provision import Buckets, Limits, bind_buckets, provision
+from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.subjects import Subjects
-from rlfabric.schemas import DesiredState, ErrorEvent, StateEvent, WorkerInfo, codec_for, encode
+from rlfabric.schemas import (
+    DesiredState,
+    ErrorEvent,
+    SchemaError,
+    StateEvent,
+    WorkerInfo,
+    codec_for,
+    encode,
+)
 from rlfabric.schemas import headers as schema_headers
 
 PingResult = Literal["alive", "dead", "silent"]
 STATE_KEY = "desired"
+_garbage = RateLimited(logging.getLogger("rlfabric.bus"))
 
 
 class Bus:
@@ -117,8 +128,13 @@ class Bus:
                 entry = await kv.get(key)
             except nats.js.errors.KeyNotFoundError:
                 continue
-            if entry.value:  # an expired key can read back as an empty value
+            if not entry.value:  # an expired key can read back as an empty value
+                continue
+            try:
                 out[key] = codec.decode(entry.value, check_version=False)
+            except SchemaError as exc:  # skipped, said, repairable: `rlfabric ctl drop-member`
+                _garbage.warning("membership key %r is unreadable, skipped (%s); remove it "
+                                 "with `rlfabric ctl drop-member %s`", key, exc, key)
         return out
 
     async def desired_state(self) -> DesiredState:
@@ -130,7 +146,16 @@ class Bus:
             return DesiredState()
         if not entry.value:
             return DesiredState()
-        state: DesiredState = codec_for(DesiredState).decode(entry.value, check_version=False)
+        try:
+            state: DesiredState = codec_for(DesiredState).decode(entry.value,
+                                                                check_version=False)
+        except SchemaError as exc:
+            # read as "nothing desired yet" so every process still starts; the trainer's next
+            # write replaces it, `rlfabric ctl reset-state` repairs it by hand
+            _garbage.warning("the desired state (%s bucket) is unreadable, read as empty "
+                             "(%s); repair it with `rlfabric ctl reset-state`",
+                             self.subjects.state_bucket, exc)
+            return DesiredState()
         return state
 
     async def put_desired_state(self, state: DesiredState) -> None:

@@ -36,6 +36,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "results); keep: freeze it until resume (default %(default)s)")
     csub.add_parser("resume", help="serve again")
     csub.add_parser("describe", help="each worker's engine, model, version, load")
+    csub.add_parser(
+        "reset-state", help="repair: overwrite the job's desired state with an empty one",
+        description="Overwrite the desired state (the <prefix>_state bucket's one key) with an "
+        "empty one: no weight version, not paused. For a value nobody can read (rlfabric reads "
+        "it as empty and says so in a warning); the trainer's next update writes a real one.")
+    drop = csub.add_parser(
+        "drop-member", help="repair: delete one key of the membership bucket",
+        description="Delete a key of the <prefix>_members bucket, e.g. an unreadable one named "
+        "in a warning. A live worker of that id writes its key again at its next heartbeat.")
+    drop.add_argument("key", help="the membership key (a worker id)")
     p.set_defaults(func=run)
 
 
@@ -59,6 +69,18 @@ async def _run(args: argparse.Namespace) -> FanoutReport:
         return await fabric.describe()
 
 
+async def _repair(args: argparse.Namespace) -> str:
+    from rlfabric.bus import Bus
+    from rlfabric.schemas import DesiredState
+
+    async with Bus.connect(connect_options(args, "rlfabric-ctl"), prefix=args.prefix) as bus:
+        if args.op == "reset-state":
+            await bus.put_desired_state(DesiredState())
+            return f"desired state of job {args.prefix!r} reset to empty"
+        await bus.buckets.members.delete(args.key)
+        return f"membership key {args.key!r} of job {args.prefix!r} deleted"
+
+
 def _print(rep: FanoutReport, args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(msgspec.to_builtins(rep), indent=2))
@@ -77,6 +99,13 @@ def _print(rep: FanoutReport, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.op in ("reset-state", "drop-member"):
+        try:
+            print(anyio.run(_repair, args))
+        except NatsUnavailable as exc:
+            print(f"rlfabric ctl: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         rep = anyio.run(_run, args)
     except NatsUnavailable as exc:

@@ -11,7 +11,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import PauseMode, RequestRejected, RuntimeCollective
+from rlfabric.engines.protocol import PauseMode, RuntimeCollective, checked
 from rlfabric.schemas import (
     PackedF32,
     PackedI32,
@@ -41,8 +41,7 @@ class NullEngine(RuntimeCollective):
         return self._version
 
     def check(self, request: RolloutRequest) -> None:
-        if request.sampling.max_tokens <= 0 or request.sampling.n < 1:
-            raise RequestRejected("bad_request", "max_tokens and n must be >= 1")
+        checked(request)
 
     async def generate(self, request: RolloutRequest, *,
                        worker_id: str = "") -> AsyncIterator[RolloutResult]:

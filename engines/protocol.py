@@ -21,6 +21,7 @@ from rlfabric.schemas import (
     RolloutResult,
     UpdateWeights,
 )
+from rlfabric.schemas.validation import InvalidRequest, check_request
 
 
 class RequestRejected(RLFabricError):
@@ -30,6 +31,15 @@ class RequestRejected(RLFabricError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def checked(request: RolloutRequest) -> None:
+    """The engine-independent checks (`rlfabric.schemas.validation`), as `RequestRejected`:
+    every `Engine.check` starts with it."""
+    try:
+        check_request(request)
+    except InvalidRequest as exc:
+        raise RequestRejected(exc.code, str(exc)) from None
 
 
 class EngineDied(RLFabricError):
@@ -49,7 +59,7 @@ class RuntimeCollective:
 
     owns_collective = False
 
-    async def init_transport(self, cmd: InitTransport) -> None:
+    async def init_transport(self, cmd: InitTransport, rank_offset: int) -> None:
         raise WeightLoadError("the worker runtime joins collective groups for this engine")
 
     async def receive_collective(self, cmd: UpdateWeights) -> None:
@@ -77,9 +87,10 @@ class Engine(Protocol):
         ...
 
     def check(self, request: RolloutRequest) -> None:
-        """Raise `RequestRejected` if `request` can never be served: a token id outside the
-        vocabulary, `max_tokens <= 0`, a prompt that does not fit the context, `n < 1`, a
-        sampling parameter out of range. Cheap; the worker calls it before `generate`."""
+        """Raise `RequestRejected` if `request` can never be served: what `checked` refuses
+        for every engine (ids, sizes, non-finite or out-of-range sampling), a token id outside
+        the vocabulary, a prompt that does not fit the context. Cheap; the worker calls it
+        before `generate`, so a bad request never joins a batch."""
         ...
 
     def generate(self, request: RolloutRequest, *, worker_id: str) -> AsyncIterator[RolloutResult]:
@@ -124,10 +135,11 @@ class Engine(Protocol):
     #: `load_weights`.
     owns_collective: bool
 
-    async def init_transport(self, cmd: InitTransport) -> None:
-        """(`owns_collective` engines) Join the weight-broadcast group `cmd` describes, with
-        the rank offset and world size of rlfabric's handshake; raise `CommandFailed` with
-        code `unsupported` at once where the engine cannot."""
+    async def init_transport(self, cmd: InitTransport, rank_offset: int) -> None:
+        """(`owns_collective` engines) Join the weight-broadcast group `cmd` describes as
+        ranks `rank_offset...` (this worker's offset from rlfabric's handshake) of
+        `cmd.world_size`; raise `CommandFailed` with code `unsupported` at once where the
+        engine cannot, never hang."""
         ...
 
     async def receive_collective(self, cmd: UpdateWeights) -> None:

@@ -7,8 +7,11 @@ others where they are raised.
 from rlfabric.bus.errors import (
     BusError,
     CommandFailed,
+    DuplicateWorker,
     InvalidName,
     MembershipChanged,
+    MembershipTimeout,
+    NatsAuthFailed,
     NatsServerError,
     NatsUnavailable,
     ProvisioningError,
@@ -21,6 +24,7 @@ from rlfabric.schemas.errors import (
     SchemaError,
     UnknownSchemaVersion,
 )
+from rlfabric.schemas.validation import InvalidRequest
 from rlfabric.tensors.errors import CollectiveTimeout
 from rlfabric.trainer.errors import RolloutFailed, TransportInitFailed, WeightsMismatch
 
@@ -34,10 +38,15 @@ __all__ = [
     "BusError",
     "CollectiveTimeout",
     "CommandFailed",
+    "DuplicateWorker",
     "EngineDied",
     "InvalidName",
+    "InvalidRequest",
+    "LaunchError",
     "MalformedMessage",
     "MembershipChanged",
+    "MembershipTimeout",
+    "NatsAuthFailed",
     "NatsServerError",
     "NatsUnavailable",
     "ProvisioningError",

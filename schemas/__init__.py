@@ -42,6 +42,7 @@ from rlfabric.schemas.control import (
     TensorMeta,
     Transport,
     UpdateWeights,
+    VllmWire,
     Wake,
     op_of,
 )
@@ -155,6 +156,7 @@ __all__ = [
     "UnknownSchemaVersion",
     "UpdateWeights",
     "VersionSpan",
+    "VllmWire",
     "Wake",
     "WorkerInfo",
     "check_schema_version",

@@ -122,13 +122,28 @@ CollectiveBackend = Literal["gloo", "nccl"]
 COLLECTIVE_BACKENDS: tuple[str, ...] = get_args(CollectiveBackend)
 
 
+class VllmWire(Message, frozen=True, kw_only=True):
+    """vLLM's NCCL weight-transfer wire parameters (its `NCCLWeightTransferInitInfo`): the
+    trainer's choice, shipped to every worker so both sides cut the stream the same way."""
+
+    packed: bool = True
+    packed_buffer_size_bytes: int = 1 << 30
+    packed_num_buffers: int = 2
+
+
 class InitTransport(_Command, tag="init_transport", frozen=True, kw_only=True):
+    """Form collective group `group_epoch`: rank 0 is the trainer, each worker's first rank is
+    `rank_offsets[worker_id]`. `vllm` set: the group speaks vLLM's own NCCL weight-transfer
+    protocol (tensor by tensor into vLLM's loader; `rlfabric.trainer.vllm_sync`), which only
+    vLLM workers join; unset: rlfabric's packed-buffer broadcast."""
+
     backend: CollectiveBackend
     group_epoch: int
     master_addr: str
     master_port: int
     world_size: int
     rank_offsets: dict[str, int]
+    vllm: VllmWire | None = None
 
 
 class Sleep(_Command, tag="sleep", frozen=True, kw_only=True):

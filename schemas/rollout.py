@@ -31,12 +31,15 @@ class SamplingParams(Message, frozen=True, kw_only=True):
 
 class RolloutRequest(Message, frozen=True, kw_only=True):
     """One prompt to complete `sampling.n` times. `deadline` is unix time in seconds (0 = none);
-    a worker never serves weights older than `min_weight_version`."""
+    a worker never serves weights older than `min_weight_version`. `submission_id` is minted
+    by the client at each submit (a reused `request_id` is a new request: results of an older
+    submission never answer it); results carry it back."""
 
     request_id: str
     prompt_token_ids: PackedI32
     sampling: SamplingParams = SamplingParams()
     client_id: str = ""
+    submission_id: str = ""
     group_id: str = ""
     min_weight_version: int = 0
     deadline: float = 0.0
@@ -91,6 +94,7 @@ class RolloutResult(Message, tag_field="kind", tag="result", frozen=True, kw_onl
     #: delivery attempt of the request that produced it (> 1: redelivered after a worker
     #: died, timed out or handed it back)
     attempt: int = 1
+    submission_id: str = ""
 
     def __post_init__(self) -> None:
         coerce_packed(self, completion_token_ids=PackedI32, logprobs=PackedF32)
@@ -108,6 +112,7 @@ class RolloutError(Message, tag_field="kind", tag="error", frozen=True, kw_only=
     sample_index: int | None = None
     group_id: str = ""
     retryable: bool = False
+    submission_id: str = ""
 
 
 RolloutReply = RolloutResult | RolloutError

@@ -12,7 +12,9 @@ from rlfabric.trainer.client import FabricClient
 from rlfabric.trainer.continuation import continuation, merge
 from rlfabric.trainer.errors import RolloutFailed, TransportInitFailed, WeightsMismatch
 
-_LAZY = {"build_model": "rlfabric.tensors.models", "Staged": "rlfabric.trainer.staging"}
+_LAZY = {"build_model": "rlfabric.tensors.models", "Staged": "rlfabric.trainer.staging",
+         "VllmNcclSync": "rlfabric.trainer.vllm_sync",
+         "BusWeightSyncClient": "rlfabric.trainer.vllm_sync"}
 
 
 def __getattr__(name: str) -> Any:
@@ -25,11 +27,13 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "TRANSPORTS",
+    "BusWeightSyncClient",
     "FabricClient",
     "QuorumPolicy",
     "RolloutFailed",
     "Staged",
     "TransportInitFailed",
+    "VllmNcclSync",
     "WeightsMismatch",
     "build_model",
     "continuation",

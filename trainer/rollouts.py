@@ -8,7 +8,9 @@ by (request_id, sample_index) here, at the one place that knows what is still aw
 
 from __future__ import annotations
 
+import itertools
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
@@ -31,6 +33,7 @@ from rlfabric.schemas import (
     codec_for,
     encode,
 )
+from rlfabric.schemas.validation import InvalidRequest, check_request
 from rlfabric.trainer.continuation import continuation, merge
 
 
@@ -54,6 +57,10 @@ class RolloutPlane:
         self.duplicates_dropped = 0
         self._waiting: dict[str, _Waiting] = {}
         self._codec = codec_for(RolloutReply)
+        # NOTE: submission ids never repeat, across calls, clients and restarts: a random
+        # session part and a counter (the streams' dedupe windows key on them)
+        self._session = uuid.uuid4().hex[:16]
+        self._counter = itertools.count()
 
     async def listen(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Receive this client's results; started once the subscription is live."""
@@ -73,7 +80,8 @@ class RolloutPlane:
         except SchemaError:
             return
         w = self._waiting.get(reply.request_id)
-        if w is None:  # late duplicate of a finished request, or not ours any more
+        if w is None or reply.submission_id != w.request.submission_id:
+            # a late duplicate of a finished request, or an earlier submission of a reused id
             self.duplicates_dropped += 1
             return
         if isinstance(reply, RolloutError) and reply.sample_index is None:
@@ -94,7 +102,9 @@ class RolloutPlane:
             self._waiting.pop(reply.request_id, None)
 
     def _prepare(self, req: RolloutRequest, timeout: float | None) -> RolloutRequest:
-        changes: dict[str, object] = {"client_id": self.client_id}
+        check_request(req)
+        changes: dict[str, object] = {"client_id": self.client_id,
+                                      "submission_id": f"{self._session}.{next(self._counter)}"}
         if timeout is not None and not req.deadline:
             changes["deadline"] = time.time() + timeout
         return msgspec.structs.replace(req, **changes)
@@ -105,13 +115,18 @@ class RolloutPlane:
         s = self.bus.subjects
         sent = []
         futures = []
-        for req in requests:
-            req = self._prepare(req, timeout)
-            if req.request_id in self._waiting:
-                raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        # every request checked before any is sent: a bad one refuses the whole call
+        prepared = [self._prepare(req, timeout) for req in requests]
+        ids = [r.request_id for r in prepared]
+        if len(set(ids)) != len(ids) or any(rid in self._waiting for rid in ids):
+            twice = sorted({rid for rid in ids if ids.count(rid) > 1 or rid in self._waiting})
+            raise InvalidRequest(f"request_id {', '.join(map(repr, twice[:5]))} is already in "
+                                 "flight from this client: ids must be unique among the "
+                                 "requests awaiting results")
+        for req in prepared:
             self._waiting[req.request_id] = _Waiting(req, sink)
             hdrs = self.bus.headers({
-                "Nats-Msg-Id": f"{self.client_id}/{req.request_id}",
+                "Nats-Msg-Id": req.submission_id,
                 CLIENT_ID_HEADER: self.client_id, REQUEST_ID_HEADER: req.request_id,
             })
             futures.append(await self.bus.js.publish_async(s.rollout_request, encode(req),
@@ -126,7 +141,12 @@ class RolloutPlane:
         reqs = list(requests)
         total = sum(r.sampling.n for r in reqs)
         send, recv = anyio.create_memory_object_stream[RolloutReply](max(total, 1))
-        sent = await self.submit(reqs, send, timeout=timeout)
+        try:
+            sent = await self.submit(reqs, send, timeout=timeout)
+        except BaseException:  # e.g. InvalidRequest: nothing was sent
+            send.close()
+            recv.close()
+            raise
         ids = [r.request_id for r in sent]
         yielded = 0
         try:
@@ -197,6 +217,7 @@ class RolloutPlane:
                     out.append(RolloutError(
                         request_id=rid, worker_id="", code="deadline_exceeded", sample_index=i,
                         group_id=w.request.group_id, retryable=True,
+                        submission_id=w.request.submission_id,
                         message=f"no result for sample {i} of {rid} by its deadline"))
             self._waiting.pop(rid, None)
         return out

@@ -14,7 +14,7 @@ import torch
 from anyio.abc import TaskStatus
 
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import RequestRejected, RuntimeCollective
+from rlfabric.engines.protocol import RequestRejected, RuntimeCollective, checked
 from rlfabric.engines.torch.model_runner import ModelRunner, RunnerState
 from rlfabric.engines.torch.scheduler import Scheduler
 from rlfabric.engines.torch.sequence import Sequence
@@ -67,35 +67,20 @@ class TorchEngine(RuntimeCollective):
 
     # ---- requests ----
     def check(self, request: RolloutRequest) -> None:
-        sp = request.sampling
+        checked(request)
         ids = request.prompt_token_ids.numpy()
         vocab, context = self.runner.vocab_size, self.runner.context_len
-        if len(ids) == 0:
-            raise RequestRejected("bad_request", "prompt_token_ids is empty")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
+        hi = int(ids.max())
+        if hi >= vocab:
             raise RequestRejected(
                 "bad_request",
-                f"prompt token id {bad} is outside the vocabulary [0, {vocab}) of "
+                f"prompt token id {hi} is outside the vocabulary [0, {vocab}) of "
                 f"model {self.model!r}")
         if len(ids) >= context:
             raise RequestRejected(
                 "prompt_too_long",
                 f"prompt of {len(ids)} tokens leaves no room in the context of "
                 f"{context} tokens of model {self.model!r}")
-        if sp.max_tokens <= 0:
-            raise RequestRejected("bad_request", f"max_tokens={sp.max_tokens}: must be >= 1")
-        if sp.n < 1:
-            raise RequestRejected("bad_request", f"n={sp.n}: must be >= 1")
-        if sp.temperature < 0 or not (0.0 < sp.top_p <= 1.0) or sp.top_k < 0:
-            raise RequestRejected(
-                "bad_request",
-                f"sampling out of range (temperature={sp.temperature}, top_p={sp.top_p}, "
-                f"top_k={sp.top_k}): need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
-        if not 0 <= sp.logprobs <= vocab:
-            raise RequestRejected("bad_request", f"logprobs={sp.logprobs}: must be in "
-                                  f"[0, {vocab}]")
 
     async def generate(self, request: RolloutRequest, *,
                        worker_id: str = "") -> AsyncIterator[RolloutResult]:

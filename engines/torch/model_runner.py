@@ -4,7 +4,7 @@ pings go on).
 
 Between two decode steps the thread checks for an abort, parks while frozen by a `keep`
 pause, and takes the step lock that `load` also takes, so new weights land between steps,
-never inside one.
+never inside one; the first step after they land recomputes the KV cache under them.
 """
 
 from __future__ import annotations
@@ -193,7 +193,16 @@ class ModelRunner:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             pos = pos[:, -1:] + 1
             with self._step_lock:
-                out = self.module(input_ids=torch.tensor(nxt, device=dev)[:, None],
-                                  attention_mask=mask, position_ids=pos,
-                                  past_key_values=out.past_key_values, use_cache=True)
+                if self.version != version:
+                    # new weights landed between two steps (a keep pause and an update): the
+                    # cache holds keys and values of the old ones; recompute it, never reuse it
+                    full = torch.tensor([[self.pad_id] * (width - len(s.prompt)) + s.prompt
+                                         + s.tokens for s in rows], device=dev)
+                    out = self.module(input_ids=full, attention_mask=mask,
+                                      position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                                      past_key_values=DynamicCache(), use_cache=True)
+                else:
+                    out = self.module(input_ids=torch.tensor(nxt, device=dev)[:, None],
+                                      attention_mask=mask, position_ids=pos,
+                                      past_key_values=out.past_key_values, use_cache=True)
                 version = self.version

@@ -35,8 +35,9 @@ from anyio.abc import TaskStatus
 from rlfabric.bus import CommandFailed
 from rlfabric.bus.sync import Signal, beside
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import EngineDied, RequestRejected, WeightLoadError
+from rlfabric.engines.protocol import EngineDied, RequestRejected, WeightLoadError, checked
 from rlfabric.schemas import (
+    Collective,
     InitTransport,
     PackedF32,
     PackedI32,
@@ -81,10 +82,13 @@ class _LogTail(logging.Handler):
         self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
 
 
-_NO_COLLECTIVE = (
+_NO_COLLECTIVE_CPU = (
     "collective weight updates to a vLLM worker go through vLLM's NCCL weight-transfer engine, "
-    "which needs CUDA and is not built in rlfabric yet; use the shm, filesystem or nats "
-    "transport")
+    "which needs CUDA; this is vLLM's CPU build: use the shm, filesystem or nats transport")
+_NOT_VLLM_GROUP = (
+    "this group speaks rlfabric's packed-buffer broadcast (FabricClient.init_transport); a "
+    "vLLM worker joins only vLLM's own NCCL weight-transfer protocol: push to it with "
+    "rlfabric.trainer.VllmNcclSync, or use the shm, filesystem or nats transport")
 
 
 class VllmEngine:
@@ -112,6 +116,7 @@ class VllmEngine:
         self._active: set[str] = set()  # vLLM request ids of ours not finished yet
         self._finished = Signal()  # one of them finished
         self._restarting = anyio.Lock()
+        self._nccl_epoch = 0  # the vLLM NCCL weight-transfer group joined (0: none)
 
     # ---- lifecycle ----
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -166,7 +171,7 @@ class VllmEngine:
             enforce_eager=o.enforce_eager, max_model_len=o.max_model_len,
             max_num_seqs=o.max_num_seqs, logprobs_mode="raw_logprobs",
             worker_extension_cls=EXTENSION, disable_log_stats=True,
-            enable_sleep_mode=not _on_cpu())
+            enable_sleep_mode=not _on_cpu(), **_weight_transfer_args())
         # NOTE: off the event loop: building the engine blocks for 10-20 s
         self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
         await self._llm.check_health()
@@ -182,27 +187,15 @@ class VllmEngine:
 
     # ---- requests ----
     def check(self, request: RolloutRequest) -> None:
-        sp = request.sampling
+        checked(request)
         ids = request.prompt_token_ids.numpy()
-        if len(ids) == 0:
-            raise RequestRejected("bad_request", "prompt_token_ids is empty")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self._vocab:
-            bad = lo if lo < 0 else hi
-            raise RequestRejected("bad_request", f"prompt token id {bad} is outside the "
+        hi = int(ids.max())
+        if hi >= self._vocab:
+            raise RequestRejected("bad_request", f"prompt token id {hi} is outside the "
                                   f"vocabulary [0, {self._vocab}) of {self.model}")
         if len(ids) >= self.options.max_model_len:
             raise RequestRejected("prompt_too_long", f"prompt of {len(ids)} tokens leaves no "
                                   f"room in --max-model-len {self.options.max_model_len}")
-        if sp.max_tokens <= 0 or sp.n < 1:
-            raise RequestRejected("bad_request", f"max_tokens={sp.max_tokens}, n={sp.n}: "
-                                  "both must be >= 1")
-        if sp.temperature < 0 or not (0.0 < sp.top_p <= 1.0) or sp.top_k < 0:
-            raise RequestRejected(
-                "bad_request", f"sampling out of range (temperature={sp.temperature}, "
-                f"top_p={sp.top_p}, top_k={sp.top_k})")
-        if not 0 <= sp.logprobs <= 20:
-            raise RequestRejected("bad_request", f"logprobs={sp.logprobs}: must be in [0, 20]")
 
     async def generate(self, request: RolloutRequest, *,
                        worker_id: str = "") -> AsyncIterator[RolloutResult]:
@@ -334,8 +327,8 @@ class VllmEngine:
         if frozen_here:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await self._llm.collective_rpc("rlfabric_load",
-                                           kwargs={"path": keep, "tensors": weights.tensors})
+            await self._llm.collective_rpc("rlfabric_load", kwargs={
+                "path": keep, "tensors": weights.tensors, "version": version})
             await self._llm.update_weight_version(str(version))
         except Exception as exc:
             with contextlib.suppress(OSError):
@@ -375,9 +368,9 @@ class VllmEngine:
             await self._stop()
             await self._start()
             if self._current_file is not None:
-                await self._llm.collective_rpc(
-                    "rlfabric_load", kwargs={"path": self._current_file,
-                                             "tensors": self._current_layout})
+                await self._llm.collective_rpc("rlfabric_load", kwargs={
+                    "path": self._current_file, "tensors": self._current_layout,
+                    "version": self._version})
                 await self._llm.update_weight_version(str(self._version))
             if self._paused is not None:
                 await self._llm.pause_generation(mode=self._paused, clear_cache=True)
@@ -385,11 +378,73 @@ class VllmEngine:
     def weights_checksum(self) -> str:
         return self._checksum
 
-    async def init_transport(self, cmd: InitTransport) -> None:
-        raise CommandFailed("unsupported", _NO_COLLECTIVE)
+    # NOTE: the two methods below are the CUDA path, coded to vLLM's weight-transfer API
+    # (the same module ships in the CPU build, where it cannot run: NCCL needs CUDA) and not
+    # run here: no CUDA build of vLLM could be installed on a GPU machine for this project
+    async def init_transport(self, cmd: InitTransport, rank_offset: int) -> None:
+        if cmd.vllm is None:
+            raise CommandFailed("unsupported", _NOT_VLLM_GROUP)
+        if _on_cpu():
+            raise CommandFailed("unsupported", _NO_COLLECTIVE_CPU)
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        # NOTE: one rlfabric worker = one vLLM engine; vLLM adds dp_rank * TP * PP +
+        # local_rank to this offset for each of its own ranks (membership `ranks`)
+        info = {"master_address": cmd.master_addr, "master_port": cmd.master_port,
+                "rank_offset": rank_offset,
+                "world_size": cmd.world_size, "packed": cmd.vllm.packed,
+                "packed_buffer_size_bytes": cmd.vllm.packed_buffer_size_bytes,
+                "packed_num_buffers": cmd.vllm.packed_num_buffers}
+        self._nccl_epoch = 0
+        try:
+            await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+        except Exception as exc:
+            raise CommandFailed("group_join_failed", f"vLLM could not join NCCL group epoch "
+                                f"{cmd.group_epoch}: {type(exc).__name__}: {exc}") from exc
+        self._nccl_epoch = cmd.group_epoch
 
     async def receive_collective(self, cmd: UpdateWeights) -> None:
-        raise CommandFailed("unsupported", _NO_COLLECTIVE)
+        if _on_cpu():
+            raise CommandFailed("unsupported", _NO_COLLECTIVE_CPU)
+        t = cmd.transport
+        assert isinstance(t, Collective)  # the worker hands only collective updates here
+        if t.group_epoch != self._nccl_epoch or not self._nccl_epoch:
+            raise CommandFailed("no_group", f"this vLLM engine is in NCCL group epoch "
+                                f"{self._nccl_epoch or None}, not {t.group_epoch}: "
+                                "init_transport first")
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        info = {"names": [m.name for m in t.tensors],
+                "dtype_names": [m.dtype for m in t.tensors],
+                "shapes": [list(m.shape) for m in t.tensors]}
+        frozen_here = self._paused is None
+        if frozen_here:  # as in load_weights: versions stay exact per token
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._llm.start_weight_update()
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            await self._llm.finish_weight_update(weight_version=str(cmd.version))
+        except Exception as exc:
+            self._nccl_epoch = 0  # a broken group is stale
+            # the received weights are gone with the group: a restart serves the last
+            # version this engine holds a copy of (or the checkpoint), and says which
+            await self._recover(f"v{cmd.version} over NCCL failed inside vLLM ({exc})")
+            raise CommandFailed("broadcast_failed", f"vLLM did not take v{cmd.version} over "
+                                f"NCCL ({type(exc).__name__}: {exc}); the engine was restarted "
+                                f"and serves v{self._version}") from None
+        finally:
+            if frozen_here and self._llm is not None and self._paused is None:
+                await self._llm.resume_generation()
+        if self._current_file:  # nothing on disk holds this version
+            with contextlib.suppress(OSError):
+                os.remove(self._current_file)
+        self._current_file, self._current_layout = None, ()
+        self._version = cmd.version
+        # NOTE: no payload bytes pass through rlfabric on this path, so the checksum is what
+        # vLLM computes over its own (fused) parameters: equal across vLLM workers serving
+        # the same weights (verify="workers"), not comparable with the sender's
+        sums = await self._llm.compute_weight_checksums()
+        self._checksum = "vllm:" + _digest_of(sums)
 
     async def sleep(self, level: int) -> None:
         if _on_cpu():
@@ -469,6 +524,22 @@ def _copy_to_spill(path: str, version: int) -> str:
     os.close(fd)
     shutil.copyfile(path, keep)
     return keep
+
+
+def _weight_transfer_args() -> dict[str, Any]:
+    """vLLM's NCCL weight-transfer engine, on CUDA only (the CPU build cannot run NCCL)."""
+    if _on_cpu():
+        return {}
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    return {"weight_transfer_config": WeightTransferConfig(backend="nccl")}
+
+
+def _digest_of(obj: Any) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _on_cpu() -> bool:

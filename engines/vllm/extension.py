@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -24,7 +24,7 @@ from rlfabric.tensors.packing import unpack
 class RLFabricWorkerExtension:
     """Methods on vLLM's worker (`self` is the worker: `model_runner`, `reload_weights`)."""
 
-    def rlfabric_load(self, path: str, tensors: Sequence[Any]) -> int:
+    def rlfabric_load(self, path: str, tensors: Sequence[Any], version: int = -1) -> int:
         """Load every tensor of the packed buffer in `path` into the live model; returns the
         number of tensors loaded. Raises if vLLM's loader rejects any of them. `tensors` are
         `TensorMeta`s (the RPC hands them over as plain dicts)."""
@@ -37,7 +37,8 @@ class RLFabricWorkerExtension:
         try:
             state = unpack(mapped, metas)
             worker: Any = self
-            worker.reload_weights(weights_iterator=iter(list(state.items())),
+            items = list(state.items())
+            worker.reload_weights(weights_iterator=_with_fault(items, version),
                                   is_checkpoint_format=True)
             _refresh_tied_head(worker)
             return len(state)
@@ -51,6 +52,21 @@ class RLFabricWorkerExtension:
     def rlfabric_ping(self) -> str:
         """Answers while the worker process is alive and serving RPCs."""
         return "ok"
+
+
+#: fault injection for tests and chaos runs: a comma-separated list of weight versions whose
+#: load fails inside vLLM's loader after half of the tensors were written (a half-loaded model)
+FAULT_ENV = "RLFABRIC_FAULT_VLLM_LOAD"
+
+
+def _with_fault(items: list[tuple[str, torch.Tensor]], version: int
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    faulty = {v.strip() for v in os.environ.get(FAULT_ENV, "").split(",") if v.strip()}
+    for i, item in enumerate(items):
+        if str(version) in faulty and i == len(items) // 2:
+            raise RuntimeError(f"{FAULT_ENV}: injected failure loading v{version} after "
+                               f"{i} of {len(items)} tensors")
+        yield item
 
 
 def _refresh_tied_head(worker: Any) -> None:

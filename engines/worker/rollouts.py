@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus, Registration
 from rlfabric.bus.pull import Puller
+from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected
 from rlfabric.schemas import (
@@ -60,10 +61,10 @@ class RolloutServer:
         self._slot = Signal()  # a lane finished a request
         self._poke = Signal()  # hold, serve again, drain, a new version: the loop re-checks
         self._load = Signal()  # in-flight count crossed 0 -> 1 or reached capacity
-        self._behind = 0.0  # until then, fetch nothing: requests need a newer version
         self._working: dict[int, tuple[Msg, float]] = {}
         self._result_subjects: dict[str, str] = {}
         self._codec = codec_for(RolloutRequest)
+        self._flood = RateLimited(log)
 
     # ---- what the runtime's commands change ----
     def hold(self) -> None:
@@ -77,8 +78,8 @@ class RolloutServer:
         self._serving.set()
 
     def version_moved(self) -> None:
-        """Requests waiting for a newer version may be servable now."""
-        self._behind = 0.0
+        """Requests waiting for a newer version may be servable now (they come back from the
+        stream within their back-off, at most a second)."""
         self._poke.fire()
 
     async def wait_idle(self) -> None:
@@ -129,9 +130,6 @@ class RolloutServer:
             if self.held:
                 serving = self._serving
                 await serving.wait()
-                continue
-            if self._behind > time.monotonic():
-                await anyio.sleep(self._behind - time.monotonic())
                 continue
             slot, kicked, poke = self._slot.event(), puller.kicked(), self._poke.event()
             try:
@@ -207,16 +205,13 @@ class RolloutServer:
                 await msg.term()
                 return
             self._result_subjects[req.client_id] = subject
-        if req.min_weight_version > self.engine.version:
-            # not servable with our weights yet: back to the stream, and fetch more slowly
-            # until our version moves, so the request waits rather than bounces
-            await msg.nak(delay=0.5)
-            self._behind = time.monotonic() + 0.5
-            return
-        if req.deadline and time.time() > req.deadline:
+        if req.deadline and time.time() > req.deadline:  # nobody waits for it: out of the queue
             await self._reply_error(msg, req, "deadline_exceeded",
                                     f"request {req.request_id} expired before a worker took it")
             await msg.ack()
+            return
+        if req.min_weight_version > self.engine.version:
+            await self._not_yet(msg, req)
             return
         try:
             self.engine.check(req)
@@ -226,29 +221,59 @@ class RolloutServer:
             return
         attempt = msg.metadata.num_delivered or 1
         async for res in self.engine.generate(req, worker_id=self.worker_id):
-            if attempt > 1:
-                res = msgspec.structs.replace(res, attempt=attempt)
+            res = msgspec.structs.replace(res, attempt=attempt, submission_id=req.submission_id)
             await self.bus.js.publish(  # persisted (PubAck) before the request is acked
                 subject, encode(res),
-                headers=self.bus.headers({"Nats-Msg-Id": f"{req.request_id}/{res.sample_index}"}))
+                headers=self.bus.headers({"Nats-Msg-Id": _result_id(req, res.sample_index)}))
         await msg.ack()
         self.served += 1
+
+    async def _not_yet(self, msg: Msg, req: RolloutRequest) -> None:
+        """A request for weights newer than ours. If the fleet's desired version is that new
+        (an update is on its way, or this worker is behind), it goes back to the stream for a
+        while, backing off, so the requests behind it are served meanwhile. If no update to
+        it was ever sent, a request without a deadline fails now (nothing would ever serve
+        it); one with a deadline waits for it until then."""
+        desired = await self.bus.desired_state()
+        want = req.min_weight_version
+        if desired.weight_version < want and not req.deadline:
+            await self._reply_error(
+                msg, req, "version_unavailable",
+                f"request {req.request_id} needs weight version >= {want}, but the fleet's "
+                f"desired version is {desired.weight_version} and no update to {want} was sent:"
+                " push it first, lower min_weight_version, or give the request a deadline to "
+                "wait for it", retryable=True)
+            await msg.ack()
+            return
+        tries = msg.metadata.num_delivered or 1
+        await msg.nak(delay=min(1.0, 0.25 * 2 ** min(tries - 1, 2)))
 
     async def _reply_error(self, msg: Msg, req: RolloutRequest | None, code: str, message: str,
                            *, retryable: bool = False) -> None:
         hdrs = msg.headers or {}
         client_id = req.client_id if req else hdrs.get(CLIENT_ID_HEADER, "")
         request_id = req.request_id if req else hdrs.get(REQUEST_ID_HEADER, "")
+        # one log line per kind and interval with a count, not one per request; every one
+        # an event
+        self._flood.warning(f"%s answered a request with {code}: %s", self.worker_id, message)
         await self.bus.emit(ErrorEvent(source=self.worker_id, code=code, message=message,
                                        subject=msg.subject, at=time.time()))
         if not client_id or not request_id:
             return
         err = RolloutError(request_id=request_id, worker_id=self.worker_id, code=code,
                            message=message, group_id=req.group_id if req else "",
-                           retryable=retryable)
+                           retryable=retryable,
+                           submission_id=req.submission_id if req else "")
         try:
             await self.bus.js.publish(self.bus.subjects.rollout_result(client_id), encode(err),
-                                      headers=self.bus.headers({"Nats-Msg-Id":
-                                                                f"{request_id}/error"}))
+                                      headers=self.bus.headers({
+                                          "Nats-Msg-Id": _result_id(req, "error", request_id)}))
         except Exception as exc:
             log.warning("could not answer %s with %s: %s", request_id, code, exc)
+
+
+def _result_id(req: RolloutRequest | None, sample: int | str, request_id: str = "") -> str:
+    """The results stream's dedupe key: one per submission and sample (a reused request id
+    is a new submission, never a duplicate of the old one's result)."""
+    sub = (req.submission_id or f"{req.client_id}/{req.request_id}") if req else request_id
+    return f"{sub}/{sample}"

@@ -80,6 +80,7 @@ class Worker:
 
     # ---- lifecycle ----
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        await self.reg.refuse_if_taken()  # before anything binds this id's control consumer
         async with beside(cancel_at_exit=True) as tg:  # an engine's death raised as itself
             await tg.start(self._run_engine)
             await tg.start(self.receiver.run)

@@ -27,6 +27,7 @@ from rlfabric.engines.protocol import Engine, WeightLoadError
 from rlfabric.schemas import (
     Collective,
     DesiredState,
+    ErrorEvent,
     Filesystem,
     InitTransport,
     Lora,
@@ -64,7 +65,18 @@ class WeightSync:
             log.info("%s: v%d was pushed over a collective group; waiting for the next push",
                      self.worker_id, cmd.version)
             return
-        await self._apply(cmd)
+        try:
+            await self._apply(cmd)
+        except CommandFailed as exc:
+            # e.g. the shm segment of a trainer that died: join anyway, on the weights we
+            # have, say so, and take the next push (requests for v<N> wait for it)
+            why = (f"{self.worker_id} cannot load the fleet's weight version {cmd.version} "
+                   f"({exc.code}: {exc}); it joins on v{self.engine.version} and waits for "
+                   "the next update")
+            log.error("%s", why)
+            await self.bus.emit(ErrorEvent(source=self.worker_id, code="weights_unavailable",
+                                           message=why, at=time.time()))
+            return
         log.info("%s: joined on weight version %d", self.worker_id, cmd.version)
 
     # ---- commands ----
@@ -84,9 +96,14 @@ class WeightSync:
             raise CommandFailed("not_in_group", f"{self.worker_id} has no rank in group epoch "
                                 f"{cmd.group_epoch}")
         if self.engine.owns_collective:
-            await self.engine.init_transport(cmd)
+            await self.engine.init_transport(cmd, cmd.rank_offsets[self.worker_id])
             return AckFields(detail={"rank": str(cmd.rank_offsets[self.worker_id]),
                                      "group_epoch": str(cmd.group_epoch)})
+        if cmd.vllm is not None:
+            raise CommandFailed("unsupported", f"group epoch {cmd.group_epoch} speaks vLLM's "
+                                f"NCCL weight-transfer protocol, which only vLLM workers "
+                                f"join; {self.worker_id} runs the {self.engine.name} engine: "
+                                "push to it with FabricClient.init_transport/update_weights")
         if self.group is not None:
             self.group.close()  # an old group is torn down, never reused
             self.group = None

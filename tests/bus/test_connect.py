@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rlfabric.bus import ConnectOptions, EmbeddedNats, NatsUnavailable, connect
+from rlfabric.bus import ConnectOptions, EmbeddedNats, NatsAuthFailed, NatsUnavailable, connect
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -41,8 +41,9 @@ async def test_token_auth() -> None:
         nc = await connect(ConnectOptions.from_url(srv.url, token="s3cret", connect_wait=2))
         assert nc.is_connected
         await nc.close()
-        with pytest.raises(NatsUnavailable):
-            await connect(ConnectOptions.from_url(srv.url, token="wrong", connect_wait=0.5))
+        for token in ("wrong", None):  # a wrong token, and none at all
+            with pytest.raises(NatsAuthFailed, match=r"authentication failed.*Authorization"):
+                await connect(ConnectOptions.from_url(srv.url, token=token, connect_wait=0.5))
 
 
 async def test_user_password_auth() -> None:
@@ -51,7 +52,7 @@ async def test_user_password_auth() -> None:
         nc = await connect(ConnectOptions.from_url(srv.url, user="trainer", password="pw"))
         assert nc.is_connected
         await nc.close()
-        with pytest.raises(NatsUnavailable):
+        with pytest.raises(NatsAuthFailed, match="authentication failed"):
             await connect(ConnectOptions.from_url(srv.url, user="trainer", password="no",
                                                   connect_wait=0.5))
 

@@ -74,13 +74,14 @@ class Fleet:
         self.url, self.prefix = url, prefix
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, wid: str, *extra: str, engine: str = "vllm") -> subprocess.Popen[bytes]:
+    def start(self, wid: str, *extra: str, engine: str = "vllm",
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         path = f"{os.environ.get('TMPDIR', '/tmp')}/rlf-{self.prefix}-{wid}.log"
         with open(path, "wb") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
                 [sys.executable, "-m", "rlfabric", "worker", "--nats", self.url, "--prefix",
                  self.prefix, "--worker-id", wid, "--engine", engine, "--model", MODEL, *extra],
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.procs[wid] = proc
         return proc
 
@@ -162,84 +163,8 @@ async def test_update_reaches_both_and_no_stale_prefix_cache(two_vllm: Fleet,
     assert worst_gap(v0, after, got1) > 1e-3
 
 
-async def test_pause_wait_drains_and_abort_returns_partials_that_continue(
-        two_vllm: Fleet) -> None:
-    async with client(two_vllm) as fabric:
-        await fabric.wait_for_workers(2, timeout=240)
-        await fabric.update_weights(0, module=build_model(MODEL))
-        # wait: every in-flight request finishes before the ack
-        reqs = [req(f"w{i}", [256, 30 + i], max_tokens=64, seed=i) for i in range(8)]
-        out: list = []
-        async with anyio.create_task_group() as tg:
-            async def consume(rs: list[RolloutRequest]) -> None:
-                out.extend([r async for r in fabric.generate(rs, timeout=120)])
-
-            tg.start_soon(consume, reqs)
-            await fabric.watcher.wait_until(
-                lambda s: sum(m.in_flight for m in s.members) >= 1, timeout=60)
-            rep = await fabric.pause(mode="wait")
-            assert rep.ok == ("vl0", "vl1")
-            assert len(out) == 8  # acked only after every result was out
-        assert all(r.finish_reason != "abort" for r in out)
-        await fabric.resume()
-        # abort: partial results, continued to the same greedy completion
-        greedy = [req(f"g{i}", [256, 50 + i], max_tokens=300, seed=i, temperature=0.0,
-                      stop_token_ids=(EOS,)) for i in range(4)]
-        parts: list = []
-        async with anyio.create_task_group() as tg:
-            async def consume2() -> None:
-                parts.extend([r async for r in fabric.generate(greedy, timeout=120)])
-
-            tg.start_soon(consume2)
-            await fabric.watcher.wait_until(
-                lambda s: sum(m.in_flight for m in s.members) >= 1, timeout=60)
-            await anyio.sleep(0.3)  # let some tokens come out; there is no event for that
-            await fabric.pause(mode="abort")
-        await fabric.resume()
-        assert any(r.finish_reason == "abort" for r in parts)
-        merged = [r async for r in fabric.continue_aborted(greedy, parts, timeout=120)]
-        whole = [r async for r in fabric.generate(
-            [req(f"x{i}", [256, 50 + i], max_tokens=300, seed=i, temperature=0.0,
-                 stop_token_ids=(EOS,)) for i in range(4)], timeout=120)]
-    by_prompt = {r.request_id[1:]: r.completion_token_ids.tolist() for r in whole}
-    for m in merged:
-        assert m.finish_reason in ("stop", "length")
-        assert m.completion_token_ids.tolist() == by_prompt[m.request_id[1:]]
-
-
-async def test_keep_update_resume_gives_two_spans_each_matching_its_weights(
-        two_vllm: Fleet) -> None:
-    v0, v1 = build_model(MODEL), perturbed(11)
-    async with client(two_vllm) as fabric:
-        await fabric.wait_for_workers(2, timeout=240)
-        await fabric.update_weights(0, module=v0)
-        reqs = [req(f"k{i}", [256, 70 + i], max_tokens=300, seed=i) for i in range(8)]
-        out: list = []
-        async with anyio.create_task_group() as tg:
-            async def consume() -> None:
-                out.extend([r async for r in fabric.generate(reqs, timeout=180)])
-
-            tg.start_soon(consume)
-            await fabric.watcher.wait_until(
-                lambda s: sum(m.in_flight for m in s.members) >= 1, timeout=60)
-            await anyio.sleep(0.3)  # let some tokens come out; there is no event for that
-            t0 = time.monotonic()
-            rep = await fabric.pause(mode="keep")
-            assert rep.ok == ("vl0", "vl1") and time.monotonic() - t0 < 5.0
-            await fabric.update_weights(1, module=v1)
-            await fabric.resume()
-    two = [r for r in out if len(r.version_spans) == 2]
-    assert two, [r.version_spans for r in out]
-    by_id = {r.request_id: r.prompt_token_ids.tolist() for r in reqs}
-    for r in two:
-        a, b = r.version_spans
-        assert (a.version, b.version) == (0, 1) and a.end == b.start
-        comp = r.completion_token_ids.tolist()
-        lp = r.logprobs.numpy()
-        assert np.abs(taken_logprobs(v0, by_id[r.request_id], comp)[:a.end]
-                      - lp[:a.end]).max() <= 1e-4
-        assert np.abs(taken_logprobs(v1, by_id[r.request_id], comp)[b.start:]
-                      - lp[b.start:]).max() <= 1e-4  # recomputed under v1, no stale KV
+# NOTE: the pause-mode tests (wait, abort + continue, keep + update + resume) are the torch
+# engine's, parametrized over both engines: tests/trainer/test_control.py
 
 
 async def test_corrupted_payload_is_refused_and_the_old_weights_keep_serving(
@@ -266,17 +191,85 @@ async def test_corrupted_payload_is_refused_and_the_old_weights_keep_serving(
     assert worst_gap(v0, reqs, out) <= 1e-4
 
 
+async def test_load_failing_inside_vllm_restarts_the_engine_on_the_previous_weights(
+        nats_url: str) -> None:
+    """A load vLLM's loader gives up on halfway (injected: RLFABRIC_FAULT_VLLM_LOAD) leaves a
+    half-written model: the worker acks the error only once a restarted engine serves the
+    previous version again; requests in flight across it complete, and a later update lands."""
+    from rlfabric.engines.vllm.extension import FAULT_ENV
+
+    v1, v2, v3 = perturbed(21), perturbed(22), perturbed(23)
+    with fleet(nats_url) as f:
+        proc = f.start("fl0", env={FAULT_ENV: "2"})
+        async with client(f) as fabric:
+            await fabric.wait_for_workers(1, timeout=240)
+            await fabric.update_weights(1, module=v1)
+            reqs = [req(f"f{i}", [256, 90 + i], max_tokens=200, seed=i) for i in range(6)]
+            out: list = []
+            async with anyio.create_task_group() as tg:
+                async def consume() -> None:
+                    out.extend([r async for r in fabric.generate(reqs, timeout=240)])
+
+                tg.start_soon(consume)
+                await fabric.watcher.wait_until(
+                    lambda s: sum(m.in_flight for m in s.members) >= 1, timeout=60)
+                with pytest.raises(QuorumNotReached,
+                                   match=r"fl0 \(load_failed: .*injected.*restarted and serves v1"):
+                    await fabric.update_weights(2, module=v2, policy=QuorumPolicy(timeout=180))
+            after = [req(f"g{i}", [256, 95 + i], max_tokens=16, seed=i) for i in range(4)]
+            got1 = [r async for r in fabric.generate(after, timeout=120)]
+            rep = await fabric.update_weights(3, module=v3)
+            later = [req(f"h{i}", [256, 95 + i], min_version=3, max_tokens=16, seed=i)
+                     for i in range(4)]
+            got3 = [r async for r in fabric.generate(later, timeout=120)]
+        assert proc.poll() is None  # the worker lived through it
+    assert len(out) == 6 and all(isinstance(r, RolloutResult) for r in out)
+    assert all(isinstance(r, RolloutResult) for r in got1 + got3)
+    assert all([s.version for s in r.version_spans] == [1] for r in got1)
+    assert worst_gap(v1, after, got1) <= 1e-4  # the previous weights, whole
+    assert rep.ok == ("fl0",) and worst_gap(v3, later, got3) <= 1e-4
+
+
 async def test_sleep_and_collective_are_refused_at_once_on_cpu(two_vllm: Fleet) -> None:
     async with client(two_vllm) as fabric:
         await fabric.wait_for_workers(2, timeout=240)
         t0 = time.monotonic()
         with pytest.raises(QuorumNotReached, match=r"vl0 \(unsupported: sleep.*frees no"):
             await fabric.sleep(1, policy=QuorumPolicy(timeout=30))
-        with pytest.raises(QuorumNotReached, match=r"refused by vl0 \(unsupported: .*needs CUDA"):
+        with pytest.raises(QuorumNotReached,
+                           match=r"refused by vl0 \(unsupported: this group speaks rlfabric's"):
             await fabric.init_transport("gloo", timeout=20)
         assert time.monotonic() - t0 < 30
         rep = await fabric.describe()  # still serving, not asleep
         assert {a.detail["paused"] for a in rep.acks.values()} == {"False"}
+
+
+async def test_vllm_nccl_bridge_commands_reach_every_worker_and_cpu_refuses_at_once(
+        two_vllm: Fleet) -> None:
+    """vLLM's trainer engine calls its client's four methods from its own threads; through
+    `BusWeightSyncClient` each is a quorum-acked command. Here (vLLM's CPU build) the workers
+    refuse the NCCL group at once, naming why, and a collective update without a group."""
+    from rlfabric.trainer import BusWeightSyncClient, TransportInitFailed, VllmNcclSync
+
+    async with client(two_vllm) as fabric:
+        await fabric.wait_for_workers(2, timeout=240)
+        bus_client = BusWeightSyncClient(fabric, rank_offsets={"vl0": 1, "vl1": 2}, world_size=3,
+                                         group_epoch=41, policy=QuorumPolicy(timeout=30))
+        payload = {"master_address": "127.0.0.1", "master_port": 29511, "rank_offset": 1,
+                   "world_size": 3, "packed": True, "packed_buffer_size_bytes": 1 << 20,
+                   "packed_num_buffers": 2}  # what vLLM's trainer_init hands its client
+        t0 = time.monotonic()
+        with pytest.raises(QuorumNotReached, match=r"vl0 \(unsupported: .*needs CUDA.*CPU build"):
+            await anyio.to_thread.run_sync(bus_client.init_weight_transfer_engine, payload)
+        bus_client.version = 5
+        info = {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[258, 64]]}
+        with pytest.raises(QuorumNotReached, match=r"vl1 \(unsupported: .*needs CUDA"):
+            await anyio.to_thread.run_sync(bus_client.update_weights, info)
+        assert time.monotonic() - t0 < 30 and bus_client.failed.is_set()
+        # the convenience wrapper refuses before any rendezvous on a trainer without CUDA
+        with pytest.raises(TransportInitFailed, match="needs a CUDA device"):
+            await VllmNcclSync(fabric, build_model(MODEL)).init()
+        assert (await fabric.describe()).ok == ("vl0", "vl1")  # both alive and answering
 
 
 async def test_mixed_fleet_torch_and_vllm_verify_against_the_sender(nats_url: str) -> None:
@@ -293,6 +286,18 @@ async def test_mixed_fleet_torch_and_vllm_verify_against_the_sender(nats_url: st
             reqs = [req(f"m{i}", [256, i, 7], min_version=1, max_tokens=12, seed=i)
                     for i in range(12)]
             out = [r async for r in fabric.generate(reqs, timeout=120)]
+            # vLLM's NCCL protocol reaches vLLM workers only: refused before any rendezvous
+            from rlfabric.trainer import BusWeightSyncClient, TransportInitFailed, VllmNcclSync
+
+            with pytest.raises(TransportInitFailed, match=r"vLLM workers only; not: mt \(torch\)"):
+                await VllmNcclSync(fabric, v1).init()
+            bus_client = BusWeightSyncClient(fabric, rank_offsets={"mt": 1, "mv": 2},
+                                             world_size=3, group_epoch=7,
+                                             policy=QuorumPolicy(timeout=30))
+            with pytest.raises(QuorumNotReached,
+                               match=r"mt \(unsupported: group epoch 7 speaks vLLM's NCCL"):
+                await anyio.to_thread.run_sync(bus_client.init_weight_transfer_engine, {
+                    "master_address": "127.0.0.1", "master_port": 29512, "world_size": 3})
     assert {r.worker_id for r in out} == {"mt", "mv"}
     assert worst_gap(v1, reqs, out) <= 1e-4
 

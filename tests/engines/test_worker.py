@@ -115,20 +115,30 @@ async def test_sigkilled_worker_mid_generation_loses_nothing(client, workers, na
     assert info.num_pending == 0  # nothing left unserved in the stream
 
 
-async def test_bad_requests_get_typed_errors_and_the_worker_goes_on(client, workers) -> None:
+async def test_bad_requests_get_typed_errors_and_the_worker_goes_on(client, workers,
+                                                                   monkeypatch) -> None:
+    from rlfabric.schemas.validation import InvalidRequest
+
     workers(["b0"])
     async with client() as fabric:
         await fabric.wait_for_workers(1, timeout=60)
-        bad = [
-            req("vocab", [256, 5000], max_tokens=4),
+        anyone = [  # wrong for any engine: the client refuses them before sending
             req("negative", [256, -1], max_tokens=4),
             req("zero-tokens", [256, 1], max_tokens=0),
-            req("too-long", [256] * 600, max_tokens=4),
             req("no-samples", [256, 1], max_tokens=4, n=0),
             req("empty", [], max_tokens=4),
         ]
-        out = {r.request_id: r for r in await collect(fabric, [b for b in bad if b.sampling.n])}
-        out.update({r.request_id: r async for r in fabric.generate([bad[4]], timeout=30)})
+        for bad in anyone:
+            with pytest.raises(InvalidRequest):
+                await collect(fabric, [bad])
+        model = [req("vocab", [256, 5000], max_tokens=4),  # wrong for this model only
+                 req("too-long", [256] * 600, max_tokens=4)]
+        out = {r.request_id: r for r in await collect(fabric, model)}
+        # a client that does not check (another language, an old build): the worker does
+        monkeypatch.setattr("rlfabric.trainer.rollouts.check_request", lambda r: None)
+        sent = [b for b in anyone if b.sampling.n]
+        out.update({r.request_id: r for r in await collect(fabric, sent)})
+        out.update({r.request_id: r async for r in fabric.generate([anyone[2]], timeout=30)})
         good = await collect(fabric, [req("good", [256, 1, 2], max_tokens=5, seed=1)])
     assert all(isinstance(r, RolloutError) and r.worker_id == "b0" for r in out.values())
     assert out["vocab"].code == "bad_request" and "5000" in out["vocab"].message
