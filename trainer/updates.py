@@ -32,6 +32,7 @@ from rlfabric.schemas import (
     CollectiveBackend,
     FanoutReport,
     InitTransport,
+    MembershipSnapshot,
     Target,
     UpdateWeights,
 )
@@ -122,17 +123,14 @@ class WeightUpdates:
                              master_port: int | None, timeout: float, policy: QuorumPolicy
                              ) -> FanoutReport:
         snap = self.watcher.snapshot()
-        offsets, rank = {}, 1
-        for m in snap.members:
-            offsets[m.worker_id] = rank
-            rank += max(1, m.ranks)
+        offsets, rank = rank_offsets(snap)
         # fresh after a failure too: an epoch is never reused
         epoch = max(self.desired.state.group_epoch, self._last_epoch) + 1
         self._last_epoch = epoch
         if self._group is not None:
             self._group.close()  # torn down, never reused
             self._group = None
-        port = master_port or _free_port(master_addr)
+        port = master_port or free_port(master_addr)
         group = CollectiveGroup(backend=backend, master_addr=master_addr, master_port=port,
                                 rank=0, world_size=rank, group_epoch=epoch, timeout=timeout)
         await anyio.to_thread.run_sync(group.open_store)
@@ -187,7 +185,17 @@ class WeightUpdates:
         return self._group
 
 
-def _free_port(host: str) -> int:
+def rank_offsets(snap: MembershipSnapshot) -> tuple[dict[str, int], int]:
+    """Rank 0 is the trainer; each worker's first rank follows the ranks (TP x PP) of the
+    workers before it. Returns the offsets and the group's world size."""
+    offsets, rank = {}, 1
+    for m in snap.members:
+        offsets[m.worker_id] = rank
+        rank += max(1, m.ranks)
+    return offsets, rank
+
+
+def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         port: int = s.getsockname()[1]

@@ -21,7 +21,6 @@ which the tests check through this client.
 from __future__ import annotations
 
 import functools
-import socket
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -129,6 +128,8 @@ class VllmNcclSync:
             NCCLTrainerWeightTransferEngine,
         )
 
+        from rlfabric.trainer.updates import free_port, rank_offsets
+
         snap = self.fabric.watcher.snapshot()
         others = [f"{m.worker_id} ({m.engine})" for m in snap.members if m.engine != "vllm"]
         if others or not snap.members:
@@ -142,15 +143,12 @@ class VllmNcclSync:
             raise TransportInitFailed(
                 "vLLM's NCCL weight transfer needs a CUDA device in the trainer process",
                 missing_workers=(), missing_ranks=(0,), group_epoch=0)
-        offsets, rank = {}, 1
-        for m in snap.members:
-            offsets[m.worker_id] = rank
-            rank += max(1, m.ranks)
+        offsets, rank = rank_offsets(snap)
         epoch = self.fabric.desired.state.group_epoch + 1
         client = BusWeightSyncClient(self.fabric, rank_offsets=offsets, world_size=rank,
                                      group_epoch=epoch, policy=self.policy)
         info = NCCLTrainerInitInfo(master_address=self.master_addr,
-                                   master_port=self.master_port or _free_port(self.master_addr),
+                                   master_port=self.master_port or free_port(self.master_addr),
                                    world_size=rank, packed=self.packed)
         self._engine = await self._beside_failure(
             client, NCCLTrainerWeightTransferEngine.trainer_init, info, client=client,
@@ -190,10 +188,3 @@ class VllmNcclSync:
             tg.start_soon(call)
             tg.start_soon(watch)
         return result[0]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
