@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import ssl
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ import nats
 from nats.aio.client import Client as NATS
 
 from rlfabric.bus.errors import NatsAuthFailed, NatsUnavailable
+from rlfabric.bus.sync import Signal
 
 log = logging.getLogger("rlfabric.bus")
 
@@ -71,28 +73,55 @@ async def _log_error(exc: Exception) -> None:
     log.debug("nats: %s", exc)
 
 
+class Link:
+    """What a connection's holders need to know of its ups and downs: whether it is up, since
+    when, and a `reconnected` signal. Server-side state bound to the old connection (pull
+    requests, ephemeral consumers of a restarted server) is gone after a reconnect; whoever
+    keeps such state re-creates it when `reconnected` fires instead of waiting for a timeout.
+    """
+
+    def __init__(self) -> None:
+        self.up = False
+        self.since = time.monotonic()  # of the current state
+        self.reconnected = Signal()
+        self.reconnects = 0
+
+    def settled(self, seconds: float) -> bool:
+        """Up for at least `seconds`: long enough for peers that lost the same server to have
+        reconnected too (their reconnect wait plus a margin)."""
+        return self.up and time.monotonic() - self.since >= seconds
+
+
 class _ConnLog:
     """Connection-state logging that stays quiet until the first connection is up."""
 
-    def __init__(self, servers: list[str]) -> None:
+    def __init__(self, servers: list[str], link: Link) -> None:
         self.up = False
         self.nc: NATS | None = None
+        self.link = link
         self.servers = ", ".join(servers)
 
     async def disconnected(self) -> None:
+        if self.link.up:
+            self.link.up, self.link.since = False, time.monotonic()
         if self.up and self.nc is not None and not (self.nc.is_closed or self.nc.is_draining):
             log.warning("nats: lost the connection to %s; reconnecting", self.servers)
 
     async def reconnected(self) -> None:
+        self.link.up, self.link.since = True, time.monotonic()
+        self.link.reconnects += 1
+        self.link.reconnected.fire()
         if self.up:
             log.info("nats: reconnected to %s", self.servers)
 
 
-async def connect(opts: ConnectOptions | str) -> NATS:
-    """Open a NATS connection, or raise `NatsUnavailable` naming the URLs tried."""
+async def connect(opts: ConnectOptions | str, *, link: Link | None = None) -> NATS:
+    """Open a NATS connection, or raise `NatsUnavailable` naming the URLs tried. `link` (if
+    given) follows the connection's state from then on."""
     if isinstance(opts, str):
         opts = ConnectOptions.from_url(opts)
-    conn_log = _ConnLog(opts.servers)
+    link = link or Link()
+    conn_log = _ConnLog(opts.servers, link)
     seen: list[Exception] = []  # what the servers said while we tried (auth errors, ...)
 
     async def on_error(exc: Exception) -> None:
@@ -145,4 +174,5 @@ async def connect(opts: ConnectOptions | str) -> NATS:
     # the user's reconnect policy applies.
     nc.options["max_reconnect_attempts"] = opts.max_reconnect_attempts
     conn_log.up, conn_log.nc = True, nc
+    link.up, link.since = True, time.monotonic()
     return nc

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import nats.errors
+import nats.js.errors
+
 from rlfabric.schemas import RLFabricError
 
 if TYPE_CHECKING:
@@ -15,6 +18,18 @@ JS_STREAM_NAME_IN_USE = 10058  # a stream of this name exists with another confi
 JS_CONSUMER_NAME_IN_USE = 10013  # a consumer of this name exists with another config
 JS_CONSUMER_ALREADY_EXISTS = 10148  # a create-only call found the consumer already there
 JS_WRONG_LAST_SEQUENCE = 10071  # Nats-Expected-Last-Sequence did not hold
+
+#: what a publish or request raises while the connection or the server is coming back (a
+#: reconnect, a restarted server whose JetStream is not up yet): worth retrying
+TRANSIENT: tuple[type[Exception], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
 
 
 class BusError(RLFabricError):

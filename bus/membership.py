@@ -7,6 +7,12 @@ its key expires after the TTL.
 
 Trainer side, `MembershipWatcher`: a KV watch folded into `MembershipSnapshot`s. The epoch moves
 on every join or leave it observes; heartbeats do not move it.
+
+A broker restart is not a leave: a worker whose key expired (its heartbeats could not reach the
+server) stays a member while it answers pings, and "no responders" counts as death only once
+the connection has been up for `RECONNECT_SETTLE` seconds (peers need that long to come back).
+After a reconnect the watch is re-opened and the member set re-read, instead of waiting for
+the old watch's consumer to be found dead.
 """
 
 from __future__ import annotations
@@ -22,17 +28,23 @@ from typing import Any
 import anyio
 import msgspec
 import nats.errors
-from anyio.abc import TaskStatus
+import nats.js.errors
+from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.msg import Msg
 
-from rlfabric.bus.errors import DuplicateWorker, MembershipTimeout
+from rlfabric.bus.errors import TRANSIENT, DuplicateWorker, MembershipTimeout
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
-from rlfabric.bus.sync import Signal
+from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.schemas import MembershipSnapshot, SchemaError, WorkerInfo, codec_for, encode
 
 log = logging.getLogger("rlfabric.bus.membership")
+
+#: seconds after a (re)connect during which a worker that does not answer may still be
+#: reconnecting itself (its reconnect wait, 0.5 s by default, plus a margin)
+RECONNECT_SETTLE = 2.0
+_REWATCH: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
 
 
 def fingerprint(worker_ids: Iterable[str]) -> str:
@@ -104,12 +116,19 @@ class Registration:
             await self.bus.nc.flush(timeout=5)  # the responder is live on the server
             await self.flush()
             task_status.started()
+            link = self.bus.link
             while True:
-                await anyio.sleep(self.heartbeat)
+                # a beat every `heartbeat` s, and one at once after a reconnect (a restarted
+                # server may have expired the key meanwhile)
+                await wait_any(link.reconnected.event(), timeout=self.heartbeat)
+                if not self.bus.nc.is_connected:
+                    continue  # nothing to write to; the reconnect wakes us
                 try:
-                    await self.flush()
-                except Exception as exc:  # a reconnect in progress: the next beat retries
-                    log.warning("heartbeat of %s failed: %s", self.worker_id, exc)
+                    with anyio.fail_after(max(1.0, 2 * self.heartbeat)):
+                        await self.flush()
+                except Exception as exc:  # the server went meanwhile: the next beat retries
+                    log.warning("heartbeat of %s failed: %s", self.worker_id,
+                                str(exc) or type(exc).__name__)
         finally:
             with anyio.CancelScope(shield=True):
                 await sub.unsubscribe()
@@ -190,25 +209,74 @@ class MembershipWatcher:
         elif self.members.pop(key, None) is not None:
             self._set_changed()
 
+    async def _verify_gone(self, key: str) -> None:
+        """A key expired (no heartbeat reached the server for a TTL): drop the member unless
+        it answers a ping (a broker restart, not a death; its next heartbeat re-puts it)."""
+        link = self.bus.link
+        while key in self.members:
+            answer = await self.bus.ping(key, timeout=1.0)
+            if answer == "alive":
+                return
+            if answer == "silent" or link.settled(RECONNECT_SETTLE):
+                break
+            await anyio.sleep(0.25)  # "no responders" just after a reconnect: ask again
+        if self.members.pop(key, None) is not None:
+            log.info("member %s left: its key expired and it does not answer", key)
+            self._set_changed()
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        watcher = await self.bus.buckets.members.watch(">")
+        link = self.bus.link
         started = False
-        try:
+        async with anyio.create_task_group() as tg:
             while True:
+                reconnects = link.reconnects
                 try:
-                    entry = await watcher.updates(timeout=5.0)
-                except TimeoutError:
+                    watcher = await self.bus.buckets.members.watch(">")
+                except _REWATCH as exc:
+                    if not started:
+                        raise
+                    log.debug("membership watch not re-opened yet: %s", exc)
+                    await wait_any(link.reconnected.event(), timeout=0.5)
                     continue
-                if entry is None:  # end of the initial values
+                def ready() -> None:
+                    nonlocal started
                     if not started:
                         started = True
                         task_status.started()
-                    continue
-                self._apply(entry.key, entry.operation, entry.value)
-        finally:
-            with anyio.CancelScope(shield=True):
+
                 try:
-                    with anyio.fail_after(5):
-                        await watcher.stop()
-                except Exception:
-                    pass
+                    await self._follow(watcher, tg, reconnects, ready)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            with anyio.fail_after(5):
+                                await watcher.stop()
+                        except Exception:
+                            pass
+
+    async def _follow(self, watcher: Any, tg: TaskGroup, reconnects: int,
+                      started: Callable[[], None]) -> None:
+        """Fold one watch's entries in until the connection is re-established. Its initial
+        values are the whole member set: a member we hold that it does not list left while we
+        were away (verified by ping, as an expiry)."""
+        link = self.bus.link
+        listed: set[str] | None = set()  # keys of the initial values; None once they are in
+        while link.reconnects == reconnects:
+            try:
+                entry = await watcher.updates(timeout=0.5)
+            except TimeoutError:
+                continue
+            if entry is None:  # end of the initial values
+                if listed is not None:
+                    for key in set(self.members) - listed:
+                        tg.start_soon(self._verify_gone, key)
+                    listed = None
+                    started()
+                continue
+            if listed is not None and entry.operation is None and entry.value:
+                listed.add(entry.key)
+            if entry.operation == "PURGE":  # the TTL's marker: verify before dropping
+                if entry.key in self.members:
+                    tg.start_soon(self._verify_gone, entry.key)
+                continue
+            self._apply(entry.key, entry.operation, entry.value)

@@ -5,6 +5,11 @@ turns a trickle of requests into waits. `Puller` keeps pull requests outstanding
 the credits it is given (a worker's free capacity) and hands each message over the moment it
 lands. Every pull request expires after `expires` seconds; the server's 408 (or our own clock,
 should the status be lost in a reconnect) returns its unused credits.
+
+Reconnects: no pull request is sent while the connection is down (nats-py would buffer it and
+send them all at once on reconnect: the server would then deliver several times the credits
+given). After a reconnect every outstanding pull request counts as gone (a restarted server
+lost them) and the credits are requested again at once, not at the old requests' expiry.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import anyio
 from nats.aio.msg import Msg
 
 from rlfabric.bus.session import Bus
-from rlfabric.bus.sync import Signal
+from rlfabric.bus.sync import Signal, wait_any
 
 log = logging.getLogger("rlfabric.bus.pull")
 
@@ -61,9 +66,10 @@ class Puller:
             self._pulls.popleft()  # its 408 never came (a reconnect): its credits are back
 
     async def want(self, n: int) -> None:
-        """Request more messages so that `n` are outstanding (never fewer than now)."""
+        """Request more messages so that `n` are outstanding (never fewer than now). While the
+        connection is down nothing is sent; `kicked()` fires once it is back."""
         more = n - self.outstanding
-        if more <= 0:
+        if more <= 0 or not self.bus.nc.is_connected:
             return
         req = {"batch": more, "expires": int(self.expires * 1e9)}
         self._pulls.append(_Pull(more, time.monotonic() + self.expires))
@@ -92,10 +98,19 @@ class Puller:
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
         sub = await self.bus.nc.subscribe(self._inbox, cb=self._on_raw)
+        link = self.bus.link
         try:
             task_status.started()
-            while True:  # our clock, in case a server status was lost
-                await anyio.sleep(self.expires)
+            while True:  # our clock, in case a server status was lost; and reconnects
+                reconnected = link.reconnected.event()
+                await wait_any(reconnected, timeout=self.expires)
+                if reconnected.is_set():
+                    # pull requests died with the old connection (or the server): ask again
+                    # now. Should the server have kept some, what they bring beyond the
+                    # credits is handed back by the owner (see `RolloutServer`)
+                    self._pulls.clear()
+                    self._kick.fire()
+                    continue
                 before = len(self._pulls)
                 self._expire()
                 if len(self._pulls) != before:

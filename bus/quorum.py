@@ -28,11 +28,12 @@ from nats.js.errors import BadRequestError
 
 from rlfabric.bus.errors import (
     JS_WRONG_LAST_SEQUENCE,
+    TRANSIENT,
     BusError,
     MembershipChanged,
     QuorumNotReached,
 )
-from rlfabric.bus.membership import MembershipWatcher, fingerprint
+from rlfabric.bus.membership import RECONNECT_SETTLE, MembershipWatcher, fingerprint
 from rlfabric.bus.session import Bus
 from rlfabric.bus.sync import Signal, beside, wait_any
 from rlfabric.schemas import (
@@ -156,8 +157,12 @@ class Fanout:
         return MembershipSnapshot(epoch=snap.epoch, fingerprint=fingerprint(ids), members=alive)
 
     async def _probe(self, phase: str, required: set[str], policy: QuorumPolicy) -> None:
+        link = self.b.bus.link
+
         async def one(wid: str) -> None:
-            if await self.b.bus.ping(wid, timeout=policy.ping_timeout) == "dead":
+            answer = await self.b.bus.ping(wid, timeout=policy.ping_timeout)
+            # "no responders" right after a reconnect may be a worker still reconnecting
+            if answer == "dead" and link.settled(RECONNECT_SETTLE):
                 self.dead.add(wid)
                 await self.b.watcher.mark_dead(wid)
                 self._news.fire()
@@ -261,9 +266,11 @@ class Broadcaster:
         sequence header makes concurrent senders retry rather than interleave out of order."""
         s = self.bus.subjects
         subject = s.control(op_of(cmd))
+        until = cmd.deadline or None
+        retried: list[Exception] = []  # transient failures: a duplicate after one is ours
         for _ in range(50):
             if self._last_seq is None:
-                self._last_seq = (await self.bus.js.stream_info(s.control_stream)).state.last_seq
+                self._last_seq = await self._stream_last_seq(until)
             stamped = msgspec.structs.replace(cmd, seq=self._last_seq + 1)
             hdrs = self.bus.headers({
                 CMD_ID_HEADER: cmd.cmd_id,
@@ -271,25 +278,39 @@ class Broadcaster:
                 "Nats-Expected-Last-Sequence": str(self._last_seq),
             })
             try:
-                ack = await self.bus.js.publish(subject, encode(stamped), headers=hdrs)
+                ack = await self.bus.persist(subject, encode(stamped), hdrs, until=until,
+                                             on_retry=retried.append)
             except BadRequestError as exc:
                 if exc.err_code == JS_WRONG_LAST_SEQUENCE:
                     self._last_seq = None  # another sender got there first; re-read and retry
                     continue
                 raise
-            if ack.duplicate:
+            if ack.duplicate and not retried:
                 self._last_seq = None
                 raise BusError(
                     f"{op_of(cmd)} {cmd.cmd_id}: this cmd_id was already published (control "
                     f"stream seq {ack.seq}); its acks went to whoever sent it then. Send the "
                     "command again with a new cmd_id (`new_cmd_id()`)"
                 )
+            if ack.duplicate:  # stored by an attempt whose PubAck was lost: that seq is ours
+                self._last_seq = None
+                return msgspec.structs.replace(cmd, seq=ack.seq)
             self._last_seq = ack.seq
             return stamped
         raise QuorumNotReached(
             f"{op_of(cmd)} {cmd.cmd_id}: could not publish after 50 sequence conflicts",
             FanoutReport(cmd_id=cmd.cmd_id, op=op_of(cmd)),
         )
+
+    async def _stream_last_seq(self, until: float | None) -> int:
+        name = self.bus.subjects.control_stream
+        while True:
+            try:
+                return (await self.bus.js.stream_info(name)).state.last_seq
+            except TRANSIENT:  # a broker coming back: as long as the command may wait
+                if until is not None and time.time() >= until:
+                    raise
+                await anyio.sleep(0.1)
 
     @contextlib.asynccontextmanager
     async def open(self, cmd: Command) -> AsyncIterator[Fanout]:

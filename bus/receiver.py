@@ -17,6 +17,7 @@ Per delivered message:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -32,9 +33,11 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from rlfabric.bus.errors import BusError, CommandFailed
+from rlfabric.bus.pull import Puller
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
+from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     Ack,
@@ -136,27 +139,42 @@ class CommandReceiver:
             max_ack_pending=1, ack_wait=self.ack_wait, inactive_threshold=3600.0,
             filter_subject=s.control_all,
         ))
-        psub = await self.bus.js.pull_subscribe_bind(durable=durable, stream=s.control_stream)
-        try:
+        # one command at a time (max_ack_pending=1), through a `Puller`: its pull request is
+        # renewed the moment a reconnect or a broker restart drops it
+        send, recv = anyio.create_memory_object_stream[Msg](16)
+        delivered = Signal()
+
+        async def on_message(msg: Msg) -> None:
+            delivered.fire()
+            try:
+                send.send_nowait(msg)
+            except anyio.WouldBlock:  # cannot happen with one pending; if it does: later
+                await msg.nak(delay=0.5)
+
+        puller = Puller(self.bus, s.control_stream, durable, on_message)
+        async with anyio.create_task_group() as tg, send, recv:
+            await tg.start(puller.run)
+            tg.start_soon(self._keep_pulling, puller, delivered)
             task_status.started()
-            while True:
+            async for msg in recv:
                 try:
-                    msgs = await psub.fetch(1, timeout=5.0)
-                except TimeoutError:  # nothing queued (nats-py raises both kinds)
-                    continue
-                except nats.errors.Error as exc:  # a reconnect, a server restart: retry
-                    log.warning("%s: fetching commands failed (%s); retrying", self.worker_id,
-                                exc)
-                    await anyio.sleep(0.5)
-                    continue
-                for msg in msgs:
                     await self._handle(msg)
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await psub.unsubscribe()
-                except Exception:
-                    pass
+                except nats.errors.Error as exc:
+                    # the connection went mid-way (an ack not sent): the command comes back
+                    # and is answered from `_sent` if it was handled
+                    log.warning("%s: command on %s not finished (%s); it is redelivered",
+                                self.worker_id, msg.subject, exc)
+                    with contextlib.suppress(nats.errors.Error):
+                        await msg.nak()
+
+    async def _keep_pulling(self, puller: Puller, delivered: Signal) -> None:
+        while True:
+            kicked, got = puller.kicked(), delivered.event()
+            try:
+                await puller.want(1)
+            except nats.errors.Error as exc:  # the connection went in between: kicked later
+                log.debug("%s: pull for commands not sent: %s", self.worker_id, exc)
+            await wait_any(kicked, got)
 
     async def close(self) -> None:
         """Delete this worker's control consumer (on a clean exit)."""
@@ -193,7 +211,8 @@ class CommandReceiver:
         async def keep_alive() -> None:
             while True:
                 await anyio.sleep(self.ack_wait / 3)
-                await msg.in_progress()
+                with contextlib.suppress(nats.errors.Error):  # a reconnect: next round
+                    await msg.in_progress()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(keep_alive)

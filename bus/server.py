@@ -114,7 +114,8 @@ class EmbeddedNats:
         if self._proc is not None:
             raise NatsServerError("EmbeddedNats already started")
         binary = self._binary or find_nats_server()
-        self._workdir = tempfile.mkdtemp(prefix="rlfabric-nats-")
+        if self._workdir is None:  # else: after kill(), the same config dir and store
+            self._workdir = tempfile.mkdtemp(prefix="rlfabric-nats-")
         if self._given_store is None:
             self.store_dir = os.path.join(self._workdir, "jetstream")
         else:
@@ -188,6 +189,16 @@ class EmbeddedNats:
             self._reap(proc, kill=False, timeout=timeout)
         self.port = None
         self._cleanup()
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would. Its store stays: `start()` brings it back on
+        the same port with the same store (what a supervisor restarting it would do)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            self._reap(proc, kill=True, timeout=10.0)
+        if self.port is not None:
+            self.requested_port = self.port
+        self.port = None
 
     def wait(self) -> int:
         """Block until the server exits by itself (used by `rlfabric nats`)."""

@@ -12,21 +12,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Literal
 
 import anyio
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 from nats.js.errors import NotFoundError
 from opentelemetry import propagate, trace
 
-from rlfabric.bus.connect import ConnectOptions, connect
-from rlfabric.bus.errors import BusError
+from rlfabric.bus.connect import ConnectOptions, Link, connect
+from rlfabric.bus.errors import TRANSIENT, BusError
 from rlfabric.bus.provision import Buckets, Limits, bind_buckets, provision
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.subjects import Subjects
+from rlfabric.bus.sync import wait_any
 from rlfabric.schemas import (
     DesiredState,
     ErrorEvent,
@@ -40,17 +43,21 @@ from rlfabric.schemas import headers as schema_headers
 
 PingResult = Literal["alive", "dead", "silent"]
 STATE_KEY = "desired"
-_garbage = RateLimited(logging.getLogger("rlfabric.bus"))
+log = logging.getLogger("rlfabric.bus")
+_garbage = RateLimited(log)
+_retrying = RateLimited(log)
 
 
 class Bus:
     def __init__(self, nc: NATS, js: JetStreamContext, subjects: Subjects,
-                 buckets: Buckets | None, limits: Limits) -> None:
+                 buckets: Buckets | None, limits: Limits, link: Link | None = None) -> None:
         self.nc = nc
         self.js = js
         self.subjects = subjects
         self.limits = limits
         self._buckets = buckets
+        #: the connection's ups and downs (`link.reconnected` fires after each reconnect)
+        self.link = link or Link()
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -59,14 +66,15 @@ class Bus:
                       ) -> AsyncIterator[Bus]:
         subjects = Subjects(prefix)
         limits = limits or Limits()
-        nc = await connect(opts)
+        link = Link()
+        nc = await connect(opts, link=link)
         try:
             js = nc.jetstream(timeout=10.0, publish_async_max_pending=256)
             if provision_streams:
                 buckets: Buckets | None = await provision(js, subjects, limits)
             else:
                 buckets = await bind_buckets(js, subjects)
-            yield cls(nc, js, subjects, buckets, limits)
+            yield cls(nc, js, subjects, buckets, limits, link)
         finally:
             with anyio.CancelScope(shield=True):
                 await _close(nc)
@@ -94,6 +102,38 @@ class Bus:
                       ) -> None:
         """Core-NATS publish of an rlfabric message (buffered; no round trip)."""
         await self.nc.publish(subject, encode(msg), headers=self.headers(extra))
+
+    async def persist(self, subject: str, data: bytes, headers: dict[str, str], *,
+                      until: float | None = None, attempt_timeout: float = 5.0,
+                      on_retry: Callable[[Exception], None] | None = None) -> PubAck:
+        """A JetStream publish that rides through a reconnect or a broker restart: a
+        transient failure (no connection, no PubAck in `attempt_timeout`, JetStream not up
+        yet) is retried, at once after a reconnect, else backing off up to 1 s, until
+        `until` (a `time.time()`; None: until it is stored). Give the message a
+        `Nats-Msg-Id` header: a retry of one that was stored but whose PubAck was lost is
+        then dropped by the stream as a duplicate (`PubAck.duplicate`). `on_retry` is called
+        with each transient error before its retry."""
+        delay = 0.05
+        last: Exception = nats.errors.ConnectionReconnectingError()
+        while True:
+            reconnected = self.link.reconnected.event()
+            if self.nc.is_closed:
+                raise nats.errors.ConnectionClosedError
+            if self.nc.is_connected:
+                try:
+                    return await self.js.publish(subject, data, timeout=attempt_timeout,
+                                                 headers=headers)
+                except TRANSIENT as exc:
+                    last = exc
+                    if on_retry is not None:
+                        on_retry(exc)
+                    _retrying.warning("publish to %s did not reach JetStream (%s: %s); "
+                                      "retrying until it does", subject, type(exc).__name__,
+                                      exc)
+            if until is not None and time.time() >= until:
+                raise last
+            await wait_any(reconnected, timeout=delay)
+            delay = min(2 * delay, 1.0)
 
     async def emit(self, event: ErrorEvent | StateEvent) -> None:
         kind = "error" if isinstance(event, ErrorEvent) else "state"

@@ -57,7 +57,9 @@ class NullEngine(RuntimeCollective):
                 group_id=request.group_id, prompt_len=len(request.prompt_token_ids))
 
     async def pause(self, mode: PauseMode) -> None:
-        self._resumed = anyio.Event()
+        # wait / abort: what is in flight finishes at once anyway; keep: it freezes
+        if mode == "keep":
+            self._resumed = anyio.Event()
 
     async def resume(self) -> None:
         self._resumed.set()

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 
 import anyio
 import msgspec
+import nats.errors
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from rlfabric.bus import Bus
+from rlfabric.bus.errors import TRANSIENT
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     REQUEST_ID_HEADER,
@@ -64,9 +66,11 @@ class RolloutPlane:
 
     async def listen(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Receive this client's results; started once the subscription is live."""
+        # NOTE: an ordered consumer re-creates itself from the last result it saw once two
+        # idle heartbeats are missed: after a broker restart, within a second
         sub = await self.bus.js.subscribe(
             self.bus.subjects.rollout_result(self.client_id), cb=self._on_result,
-            ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
+            ordered_consumer=True, deliver_policy=DeliverPolicy.NEW, idle_heartbeat=0.5)
         try:
             task_status.started()
             await anyio.sleep_forever()
@@ -129,11 +133,23 @@ class RolloutPlane:
                 "Nats-Msg-Id": req.submission_id,
                 CLIENT_ID_HEADER: self.client_id, REQUEST_ID_HEADER: req.request_id,
             })
-            futures.append(await self.bus.js.publish_async(s.rollout_request, encode(req),
-                                                           headers=hdrs))
+            data = encode(req)
+            try:
+                fut = await self.bus.js.publish_async(s.rollout_request, data, headers=hdrs)
+            except TRANSIENT:  # the connection is down: sent (and retried) below
+                fut = None
+            futures.append((fut, data, hdrs, req))
             sent.append(req)
-        for fut in futures:
-            await fut  # every request persisted in the stream
+        for fut, data, hdrs, req in futures:
+            try:
+                if fut is None:
+                    raise nats.errors.ConnectionReconnectingError
+                await fut  # persisted in the stream
+            except TRANSIENT:
+                # a reconnect or a broker restart: again until stored, as long as anyone
+                # waits for it (the submission id makes a repeat a duplicate)
+                await self.bus.persist(s.rollout_request, data, hdrs,
+                                       until=req.deadline or None)
         return sent
 
     async def generate(self, requests: Iterable[RolloutRequest], *,

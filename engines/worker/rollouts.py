@@ -6,7 +6,10 @@ serve them on a fixed set of lanes, publish each result before acking its reques
 - `capacity` serving lanes take the messages (no task per request); one sweeper sends
   in-progress acks for requests generating longer than a third of `ack_wait`.
 - Every result is persisted (PubAck) before its request is acked, so a worker that dies
-  mid-request loses nothing: the request is redelivered to another.
+  mid-request loses nothing: the request is redelivered to another. A broker restart is
+  ridden through: results are published again until stored (their `Nats-Msg-Id` makes a
+  repeat a duplicate), pull requests are renewed on reconnect, and a message beyond the free
+  capacity (pull requests the server kept across a reconnect) goes straight back.
 - Bad requests are answered with a typed `RolloutError` and never reach the engine.
 """
 
@@ -23,6 +26,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus, Registration
+from rlfabric.bus.errors import TRANSIENT
 from rlfabric.bus.pull import Puller
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.sync import Signal, wait_any
@@ -39,6 +43,8 @@ from rlfabric.schemas import (
 )
 
 log = logging.getLogger("rlfabric.worker.rollouts")
+#: failures that are not the request's: it goes back to the stream for another try
+_HAND_BACK: tuple[type[Exception], ...] = (EngineDied, *TRANSIENT)
 
 
 class RolloutServer:
@@ -60,7 +66,7 @@ class RolloutServer:
         self._idle.set()
         self._slot = Signal()  # a lane finished a request
         self._poke = Signal()  # hold, serve again, drain, a new version: the loop re-checks
-        self._load = Signal()  # in-flight count crossed 0 -> 1 or reached capacity
+        self._load = Signal()  # in-flight count crossed 0 <-> 1 or reached capacity
         self._working: dict[int, tuple[Msg, float]] = {}
         self._result_subjects: dict[str, str] = {}
         self._codec = codec_for(RolloutRequest)
@@ -105,6 +111,9 @@ class RolloutServer:
         async def on_message(msg: Msg) -> None:
             if self.held or self.draining:
                 await msg.nak(delay=0.5)  # landed as a pause did: back to the stream
+                return
+            if self.in_flight >= self.capacity:  # more than asked for: back, for anyone
+                await msg.nak()
                 return
             self.in_flight += 1
             self._idle = anyio.Event()
@@ -158,7 +167,10 @@ class RolloutServer:
             cutoff = time.monotonic() - self.ack_wait / 3
             for msg, t0 in list(self._working.values()):
                 if t0 < cutoff:
-                    await msg.in_progress()
+                    try:
+                        await msg.in_progress()
+                    except nats.errors.Error as exc:  # a reconnect: the next round sends it
+                        log.debug("in-progress ack not sent: %s", exc)
 
     async def _lane(self, recv: MemoryObjectReceiveStream[Msg]) -> None:
         async with recv:
@@ -172,9 +184,12 @@ class RolloutServer:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                         await msg.nak()
                     raise
-                except EngineDied:  # not the request's fault: another worker serves it
+                except _HAND_BACK as exc:
+                    # not the request's fault (the engine died, the bus hiccuped): it goes
+                    # back to the stream for another try
+                    log.debug("request on %s handed back: %r", msg.subject, exc)
                     with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                        await msg.nak()
+                        await msg.nak(delay=0.25)
                 except Exception as exc:  # never let one request take the worker down
                     log.exception("request on %s failed", msg.subject)
                     await self._reply_error(msg, None, "engine_error",
@@ -186,6 +201,7 @@ class RolloutServer:
                     self._slot.fire()
                     if self.in_flight == 0:
                         self._idle.set()
+                        self._load.fire()  # idle: said at once too
 
     # ---- one request ----
     async def _serve_one(self, msg: Msg) -> None:
@@ -220,11 +236,14 @@ class RolloutServer:
             await msg.ack()
             return
         attempt = msg.metadata.num_delivered or 1
+        # past its deadline + a margin nobody waits for a result: stop retrying the publish
+        until = req.deadline + 10.0 if req.deadline else None
         async for res in self.engine.generate(req, worker_id=self.worker_id):
             res = msgspec.structs.replace(res, attempt=attempt, submission_id=req.submission_id)
-            await self.bus.js.publish(  # persisted (PubAck) before the request is acked
+            await self.bus.persist(  # persisted (PubAck) before the request is acked
                 subject, encode(res),
-                headers=self.bus.headers({"Nats-Msg-Id": _result_id(req, res.sample_index)}))
+                self.bus.headers({"Nats-Msg-Id": _result_id(req, res.sample_index)}),
+                until=until)
         await msg.ack()
         self.served += 1
 
@@ -265,9 +284,10 @@ class RolloutServer:
                            retryable=retryable,
                            submission_id=req.submission_id if req else "")
         try:
-            await self.bus.js.publish(self.bus.subjects.rollout_result(client_id), encode(err),
-                                      headers=self.bus.headers({
-                                          "Nats-Msg-Id": _result_id(req, "error", request_id)}))
+            await self.bus.persist(self.bus.subjects.rollout_result(client_id), encode(err),
+                                   self.bus.headers({
+                                       "Nats-Msg-Id": _result_id(req, "error", request_id)}),
+                                   until=time.time() + 30.0)
         except Exception as exc:
             log.warning("could not answer %s with %s: %s", request_id, code, exc)
 

@@ -202,8 +202,10 @@ class WeightSync:
             if got >= t.chunks:
                 done.set()
 
+        # an ordered consumer re-creates itself from the last chunk it got after two missed
+        # idle heartbeats: a broker restart mid-read costs about a second, not the timeout
         sub = await self.bus.js.subscribe(f"{t.subject}.>", stream=t.stream, cb=on_chunk,
-                                          ordered_consumer=True,
+                                          ordered_consumer=True, idle_heartbeat=0.5,
                                           deliver_policy=DeliverPolicy.ALL)
         try:
             with anyio.fail_after(self.fetch_timeout):
