@@ -11,6 +11,7 @@ from rlfabric.bus.errors import (
     NatsAuthFailed,
     NatsServerError,
     NatsUnavailable,
+    PermissionDenied,
     ProvisioningError,
     QuorumNotReached,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "NatsAuthFailed",
     "NatsServerError",
     "NatsUnavailable",
+    "PermissionDenied",
     "ProvisioningError",
     "QuorumNotReached",
     "QuorumPolicy",

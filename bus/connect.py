@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -69,8 +70,25 @@ def _is_auth_error(exc: BaseException) -> bool:
         or "authentication" in text
 
 
+_VIOLATION = re.compile(r'Permissions Violation for (\w+) to "([^"]+)"', re.IGNORECASE)
+
+
 async def _log_error(exc: Exception) -> None:
     log.debug("nats: %s", exc)
+
+
+def _note_refusal(link: Link, exc: Exception) -> None:
+    m = _VIOLATION.search(str(exc))
+    if m is None:
+        return
+    kind, subject = m.group(1).lower(), m.group(2).lower()
+    first = subject not in link.refused
+    link.refused[subject] = (time.monotonic(), str(exc))
+    link.refusals.fire()
+    if first:
+        log.error("nats: the server refused this client %s %s (its role's permissions); "
+                  "connect with the key of a role that may (rlfabric nats --auth)",
+                  "publishing to" if kind == "publish" else "subscribing to", subject)
 
 
 class Link:
@@ -85,11 +103,20 @@ class Link:
         self.since = time.monotonic()  # of the current state
         self.reconnected = Signal()
         self.reconnects = 0
+        #: subjects (lowercased) the server refused this client, with when and its words
+        self.refused: dict[str, tuple[float, str]] = {}
+        self.refusals = Signal()
+
+    def refusal(self, subject: str, since: float = 0.0) -> str | None:
+        """The server's words if it refused `subject` to this client at or after `since`
+        (a `time.monotonic()`)."""
+        got = self.refused.get(subject.lower())  # nats-py hands the server's words lowercased
+        return got[1] if got and got[0] >= since else None
 
     def settled(self, seconds: float) -> bool:
-        """Up for at least `seconds`: long enough for peers that lost the same server to have
-        reconnected too (their reconnect wait plus a margin)."""
-        return self.up and time.monotonic() - self.since >= seconds
+        """Up, and if this is a reconnect, for at least `seconds`: long enough for peers that
+        lost the same server to have reconnected too (their reconnect wait plus a margin)."""
+        return self.up and (self.reconnects == 0 or time.monotonic() - self.since >= seconds)
 
 
 class _ConnLog:
@@ -126,6 +153,7 @@ async def connect(opts: ConnectOptions | str, *, link: Link | None = None) -> NA
 
     async def on_error(exc: Exception) -> None:
         seen.append(exc)
+        _note_refusal(link, exc)
         await _log_error(exc)
 
     attempts = max(1, math.ceil(opts.connect_wait / max(opts.reconnect_wait, 0.01)))

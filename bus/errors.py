@@ -53,6 +53,15 @@ class NatsAuthFailed(NatsUnavailable):
     key, an unknown user): the message says so and quotes the server."""
 
 
+class PermissionDenied(BusError):
+    """Raised when the server refused this client a subject (its role may not publish there,
+    see `rlfabric nats --auth`); the message names the subject and quotes the server."""
+
+    def __init__(self, message: str, *, subject: str) -> None:
+        super().__init__(message)
+        self.subject = subject
+
+
 class ProvisioningError(BusError):
     """Raised when a stream or bucket exists with a config rlfabric cannot reconcile."""
 

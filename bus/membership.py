@@ -200,6 +200,10 @@ class MembershipWatcher:
             except SchemaError as exc:
                 self._flood.warning("ignoring unreadable membership entry %r: %s", key, exc)
                 return
+            if info.worker_id != key:  # not written by that worker's Registration
+                self._flood.warning("ignoring membership entry %r: it describes worker %r",
+                                    key, info.worker_id)
+                return
             joined = key not in self.members
             self.members[key] = info
             if joined:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Literal, TypeVar
 
 import anyio
 import nats.errors
@@ -25,11 +25,11 @@ from nats.js.errors import NotFoundError
 from opentelemetry import propagate, trace
 
 from rlfabric.bus.connect import ConnectOptions, Link, connect
-from rlfabric.bus.errors import TRANSIENT, BusError
+from rlfabric.bus.errors import TRANSIENT, BusError, PermissionDenied
 from rlfabric.bus.provision import Buckets, Limits, bind_buckets, provision
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.subjects import Subjects
-from rlfabric.bus.sync import wait_any
+from rlfabric.bus.sync import beside, wait_any
 from rlfabric.schemas import (
     DesiredState,
     ErrorEvent,
@@ -41,6 +41,7 @@ from rlfabric.schemas import (
 )
 from rlfabric.schemas import headers as schema_headers
 
+T = TypeVar("T")
 PingResult = Literal["alive", "dead", "silent"]
 STATE_KEY = "desired"
 log = logging.getLogger("rlfabric.bus")
@@ -121,8 +122,8 @@ class Bus:
                 raise nats.errors.ConnectionClosedError
             if self.nc.is_connected:
                 try:
-                    return await self.js.publish(subject, data, timeout=attempt_timeout,
-                                                 headers=headers)
+                    return await self.refused_or(subject, lambda: self.js.publish(
+                        subject, data, timeout=attempt_timeout, headers=headers))
                 except TRANSIENT as exc:
                     last = exc
                     if on_retry is not None:
@@ -134,6 +135,27 @@ class Bus:
                 raise last
             await wait_any(reconnected, timeout=delay)
             delay = min(2 * delay, 1.0)
+
+    async def refused_or(self, subject: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`await call()`, unless the server refuses this client `subject` meanwhile (a
+        permissions violation comes back as an asynchronous error, and the call would wait
+        for its timeout): then `PermissionDenied` at once."""
+        since = time.monotonic()
+
+        async def watch() -> None:
+            while True:
+                refusals = self.link.refusals.event()
+                why = self.link.refusal(subject, since)
+                if why is not None:
+                    raise PermissionDenied(f"the NATS server refused this client publishing to "
+                                           f"{subject!r} ({why}): its role may not; use the "
+                                           "key of a role that may (rlfabric nats --auth)",
+                                           subject=subject)
+                await refusals.wait()
+
+        async with beside(cancel_at_exit=True) as tg:
+            tg.start_soon(watch)
+            return await call()
 
     async def emit(self, event: ErrorEvent | StateEvent) -> None:
         kind = "error" if isinstance(event, ErrorEvent) else "state"
@@ -171,10 +193,16 @@ class Bus:
             if not entry.value:  # an expired key can read back as an empty value
                 continue
             try:
-                out[key] = codec.decode(entry.value, check_version=False)
+                info = codec.decode(entry.value, check_version=False)
             except SchemaError as exc:  # skipped, said, repairable: `rlfabric ctl drop-member`
                 _garbage.warning("membership key %r is unreadable, skipped (%s); remove it "
                                  "with `rlfabric ctl drop-member %s`", key, exc, key)
+                continue
+            if info.worker_id != key:
+                _garbage.warning("membership key %r describes worker %r, skipped; remove it "
+                                 "with `rlfabric ctl drop-member %s`", key, info.worker_id, key)
+                continue
+            out[key] = info
         return out
 
     async def desired_state(self) -> DesiredState:
@@ -199,7 +227,9 @@ class Bus:
         return state
 
     async def put_desired_state(self, state: DesiredState) -> None:
-        await self.buckets.state.put(STATE_KEY, encode(state))
+        kv = self.buckets.state
+        await self.refused_or(f"$KV.{self.subjects.state_bucket}.{STATE_KEY}",
+                              lambda: kv.put(STATE_KEY, encode(state)))
 
     async def stream_depths(self) -> dict[str, int | None]:
         """Messages held per stream (None if the stream does not exist), and the rollout

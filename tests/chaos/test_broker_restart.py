@@ -67,9 +67,12 @@ async def _one_restart(fabric: FabricClient, srv: EmbeddedNats, rnd: int,
     reqs = [rollout(rnd, i) for i in range(300)]
     dropped_before = fabric.duplicates_dropped
 
+    serving = anyio.Event()
+
     async def consume() -> None:
         async for res in fabric.generate(reqs, timeout=120):
             arrivals.append(time.monotonic())
+            serving.set()
             got[res.request_id] += 1
             if isinstance(res, RolloutError):
                 errors.append(res)
@@ -78,8 +81,7 @@ async def _one_restart(fabric: FabricClient, srv: EmbeddedNats, rnd: int,
     async with anyio.create_task_group() as tg:
         tg.start_soon(consume)
         with anyio.fail_after(10):  # the requests are in the stream and being served
-            while not arrivals:
-                await anyio.sleep(0.01)
+            await serving.wait()
         await anyio.to_thread.run_sync(srv.kill)
         await anyio.sleep(outage)
         await anyio.to_thread.run_sync(srv.start)

@@ -14,7 +14,7 @@ import time
 import anyio
 import pytest
 
-from rlfabric.bus import Bus
+from rlfabric.bus import Bus, new_cmd_id
 from rlfabric.bus.session import STATE_KEY
 from rlfabric.schemas import (
     ErrorEvent,
@@ -22,6 +22,7 @@ from rlfabric.schemas import (
     RolloutRequest,
     RolloutResult,
     SamplingParams,
+    Shutdown,
     codec_for,
 )
 from rlfabric.schemas.validation import InvalidRequest
@@ -211,3 +212,14 @@ async def test_8_a_garbage_command_flood_is_counted_not_logged_per_message(
     assert pause_s < 15, pause_s
     assert 1 <= len(rejected) <= 10, len(rejected)
     assert any("more like this" in ln for ln in rejected) or len(rejected) == 1
+
+
+async def test_8_a_shutdown_command_ends_the_worker_processes(client, workers) -> None:
+    procs = workers(["d0", "d1"], engine="null")
+    async with client() as fabric:
+        await fabric.wait_for_workers(2, timeout=60)
+        rep = await fabric.broadcast(Shutdown(cmd_id=new_cmd_id()))
+        assert rep.ok == ("d0", "d1")
+        for proc in procs:  # drained (nothing in flight), left, exited cleanly
+            assert proc.wait(timeout=30) == 0
+        await fabric.watcher.wait_until(lambda s: not s.members, timeout=10)

@@ -1,0 +1,148 @@
+"""Per-role access for one job: an nkey per role and a nats-server `authorization` block
+whose subject permissions let each role do its part and nothing else.
+
+    setup = write_auth("/etc/rlfabric/job1", prefix="rl")   # DIR/<role>.nk, DIR/auth.conf
+    EmbeddedNats(extra_config=setup.config)                  # or include auth.conf yourself
+
+Roles:
+- `trainer`: the job's operator: control commands, the desired state (`<prefix>_state`),
+  weights, rollout requests and results, membership repair, JetStream management.
+- `worker`: creates the job's streams if it comes first, pulls rollout requests and its own
+  control consumer, publishes results, acks, events and membership keys, answers pings,
+  reads weights and the desired state. Never publishes `<prefix>.control.*`, never writes
+  `<prefix>_state`, never updates, purges or deletes a stream or the workers' consumer.
+- `observer` (`rlfabric status`): reads stream and consumer info, both buckets and events;
+  publishes nothing but read-only JetStream API requests.
+
+All workers share the worker key, so the server cannot tell one worker's membership key or
+control consumer from another's; give each worker a user of its own (the same permissions
+with its id in place of the wildcards) where that matters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nkeys
+
+from rlfabric.bus.subjects import Subjects
+
+ROLES: tuple[str, ...] = ("trainer", "worker", "observer")
+
+
+@dataclass(frozen=True, slots=True)
+class Permissions:
+    publish_allow: tuple[str, ...]
+    subscribe_allow: tuple[str, ...]
+    publish_deny: tuple[str, ...] = ()
+    allow_responses: bool = False
+
+    def as_config(self) -> dict[str, object]:
+        publish: dict[str, object] = {"allow": list(self.publish_allow)}
+        if self.publish_deny:
+            publish["deny"] = list(self.publish_deny)
+        out: dict[str, object] = {"publish": publish,
+                                  "subscribe": {"allow": list(self.subscribe_allow)}}
+        if self.allow_responses:
+            out["allow_responses"] = True
+        return out
+
+
+def permissions(role: str, s: Subjects) -> Permissions:
+    """What `role` may publish and subscribe to in job `s.prefix`."""
+    p = s.prefix
+    members, state = f"KV_{s.members_bucket}", f"KV_{s.state_bucket}"
+    streams = (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
+               members, state)
+    api = "$JS.API"
+    read = [
+        f"{api}.INFO", f"{api}.STREAM.NAMES",
+        *(f"{api}.STREAM.INFO.{x}" for x in streams),
+        *(f"{api}.CONSUMER.INFO.{x}.>" for x in streams),
+        *(f"{api}.DIRECT.GET.{b}.>" for b in (members, state)),
+        *(f"{api}.DIRECT.GET.{b}" for b in (members, state)),
+        *(f"{api}.STREAM.MSG.GET.{b}" for b in (members, state)),
+        # ordered consumers: bucket watches and key listings
+        *(f"{api}.CONSUMER.CREATE.{b}{t}" for b in (members, state) for t in ("", ".>")),
+        "$JS.FC.>",
+    ]
+    if role == "trainer":
+        return Permissions(
+            publish_allow=(f"{p}.>", f"{api}.>", f"$KV.{s.members_bucket}.>",
+                           f"$KV.{s.state_bucket}.>", "$JS.ACK.>", "$JS.FC.>", "_INBOX.>"),
+            subscribe_allow=(f"{p}.>", "_INBOX.>"),
+        )
+    if role == "worker":
+        ctl, roll, w = s.control_stream, s.rollout_stream, s.weights_stream
+        return Permissions(
+            publish_allow=(
+                *read,
+                *(f"{api}.STREAM.CREATE.{x}" for x in streams),  # whoever comes first
+                f"{api}.CONSUMER.CREATE.{ctl}.>", f"{api}.CONSUMER.DURABLE.CREATE.{ctl}.>",
+                f"{api}.CONSUMER.DELETE.{ctl}.>", f"{api}.CONSUMER.MSG.NEXT.{ctl}.>",
+                f"{api}.CONSUMER.CREATE.{roll}.{s.rollout_consumer}.>",
+                f"{api}.CONSUMER.DURABLE.CREATE.{roll}.{s.rollout_consumer}",
+                f"{api}.CONSUMER.MSG.NEXT.{roll}.{s.rollout_consumer}",
+                f"{api}.CONSUMER.CREATE.{w}", f"{api}.CONSUMER.CREATE.{w}.>",
+                f"$JS.ACK.{ctl}.>", f"$JS.ACK.{roll}.>",
+                f"{p}.rollout.result.>", f"{p}.ack.>", f"{p}.events.>",
+                f"{p}.worker.*.ping",  # a new worker asks whether its id is taken
+                f"$KV.{s.members_bucket}.>",
+            ),
+            publish_deny=(f"{p}.control.>", f"$KV.{s.state_bucket}.>",
+                          f"{api}.STREAM.UPDATE.>", f"{api}.STREAM.DELETE.>",
+                          f"{api}.STREAM.PURGE.>", f"{api}.STREAM.MSG.DELETE.>",
+                          f"{api}.CONSUMER.DELETE.{roll}.>"),
+            subscribe_allow=("_INBOX.>", f"{p}.worker.*.ping"),
+            allow_responses=True,  # ping answers
+        )
+    if role == "observer":
+        return Permissions(publish_allow=tuple(read),
+                           subscribe_allow=("_INBOX.>", f"{p}.events.>"))
+    raise ValueError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+
+
+@dataclass(slots=True)
+class AuthSetup:
+    """What `write_auth` wrote: each role's seed file and public key, and the server config
+    text (also written as `auth.conf` beside the seeds)."""
+
+    directory: Path
+    seed_files: dict[str, Path] = field(default_factory=dict)
+    public_keys: dict[str, str] = field(default_factory=dict)
+    config: str = ""
+
+
+def write_auth(directory: str | os.PathLike[str], *, prefix: str = "rl") -> AuthSetup:
+    """Write `DIR/<role>.nk` (a user nkey seed, mode 0600; an existing one is kept, so a
+    restarted server keeps its clients) and `DIR/auth.conf` for job `prefix`."""
+    s = Subjects(prefix)
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    setup = AuthSetup(directory=d)
+    users = []
+    for role in ROLES:
+        path = d / f"{role}.nk"
+        if path.exists():
+            seed = path.read_bytes().strip()
+        else:
+            seed = nkeys.encode_seed(os.urandom(32),  # type: ignore[no-untyped-call]  # untyped lib
+                                     nkeys.PREFIX_BYTE_USER)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(seed + b"\n")
+        pair = nkeys.from_seed(seed)  # type: ignore[no-untyped-call]  # untyped lib
+        public = pair.public_key.decode()
+        setup.seed_files[role], setup.public_keys[role] = path, public
+        perms = json.dumps(permissions(role, s).as_config(), indent=2)
+        users.append(f"    # {role}\n    {{ nkey: {json.dumps(public)}, permissions: "
+                     + perms.replace("\n", "\n    ") + " }")
+    setup.config = ("# rlfabric job " + json.dumps(prefix) + ": one nkey per role "
+                    "(rlfabric nats --auth)\nauthorization {\n  users = [\n"
+                    + ",\n".join(users) + "\n  ]\n}\n")
+    (d / "auth.conf").write_text(setup.config)
+    return setup
