@@ -27,7 +27,14 @@ from rlfabric.bus import (
     connect,
 )
 from rlfabric.bus.auth import ROLES, write_auth
-from rlfabric.schemas import DesiredState, Pause, RolloutResult, encode
+from rlfabric.schemas import (
+    DesiredState,
+    Pause,
+    RolloutRequest,
+    RolloutResult,
+    SamplingParams,
+    encode,
+)
 from rlfabric.tensors.models import build_model
 from rlfabric.trainer import FabricClient
 
@@ -82,7 +89,9 @@ async def test_role_permissions_as_the_server_enforces_them(auth_server, prefix,
         rep = await fabric.update_weights(0, module=build_model("tiny"), transport="nats")
         assert rep.ok == ("a0",) and rep.acks["a0"].weight_version == 0
         got = [r async for r in fabric.generate(
-            [small_request(f"r{i}") for i in range(4)], timeout=60)]
+            [RolloutRequest(request_id=f"r{i}", prompt_token_ids=[256, 3, 4],
+                            sampling=SamplingParams(max_tokens=4)) for i in range(4)],
+            timeout=60)]
         assert all(isinstance(r, RolloutResult) and r.version_spans[0].version == 0
                    for r in got), got
         assert (await fabric.pause()).ok == ("a0",)
@@ -122,9 +131,3 @@ async def test_role_permissions_as_the_server_enforces_them(auth_server, prefix,
          "--wait", "1"], capture_output=True, text=True, timeout=60)
     assert cli.returncode != 0 and "authentication failed" in cli.stderr, cli.stderr
 
-
-def small_request(rid: str):  # a request with a small prompt
-    from rlfabric.schemas import RolloutRequest, SamplingParams
-
-    return RolloutRequest(request_id=rid, prompt_token_ids=[256, 3, 4],
-                          sampling=SamplingParams(max_tokens=4))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import subprocess
 import time
 from collections import Counter
 
@@ -33,7 +34,7 @@ async def test_chaos_10000_rollouts_6_worker_kills_2_broker_restarts(
     srv = EmbeddedNats(store_dir=str(tmp_path / "store"))
     await anyio.to_thread.run_sync(srv.start)
     names = (f"k{i}" for i in itertools.count())
-    live: dict[str, object] = {}
+    live: dict[str, subprocess.Popen[str]] = {}
 
     def start_worker() -> None:
         wid = next(names)
@@ -78,7 +79,7 @@ async def test_chaos_10000_rollouts_6_worker_kills_2_broker_restarts(
                     if event == "kill":
                         wid = sorted(live)[0]
                         proc = live.pop(wid)
-                        proc.send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
+                        proc.send_signal(signal.SIGKILL)
                         counts["worker kills"] += 1
                         start_worker()  # a replacement joins mid-run
                     else:
