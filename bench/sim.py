@@ -57,8 +57,7 @@ class SimWorker:
             isinstance(cmd, UpdateWeights) and isinstance(cmd.transport, Collective))
         if two_phase:
             await ctx.ready()
-        if op in self.delays:
-            await anyio.sleep(self.delays[op])
+        await anyio.sleep(self.delays.get(op, 0.0))
         if isinstance(cmd, UpdateWeights):
             self.version = cmd.version
         return AckFields()

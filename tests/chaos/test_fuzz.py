@@ -42,7 +42,7 @@ from rlfabric.tensors.models import build_model
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.anyio, pytest.mark.timeout(400)]
 
 TARGETS = ("control.pause", "control.update_weights", "control.shutdown", "control.zzz",
-           "live.pause", "rollout.request", "ack", "ping", "events", "result", "weights",
+           "rollout.request", "ack", "ping", "events", "result", "weights",
            "kv:members", "kv:state")
 PERSISTED = {"control.pause", "control.update_weights", "control.shutdown", "control.zzz",
              "rollout.request", "result", "weights"}
@@ -129,8 +129,7 @@ async def test_fuzz_every_subject_and_bucket_then_serve(nats_url, prefix, worker
                 "rollout.request": s.rollout_request, "ack": f"{prefix}.ack.{token or 'a'}",
                 "ping": s.ping("z0"), "events": s.events("error", token or "x"),
                 "result": s.rollout_result(fabric.client_id), "weights": f"{s.weights(0)}.{i}",
-            }.get(target) or (f"{prefix}.{target}" if target.startswith(("control.", "live."))
-                              else "")
+            }.get(target) or (f"{prefix}.{target}" if target.startswith("control.") else "")
             if subject.startswith(f"{prefix}.control.") and _stops_workers(body, headers):
                 sent["skipped: a well-formed shutdown/sleep"] += 1  # obeying it is right
                 continue
