@@ -5,7 +5,11 @@
   command, quorum of N acks, missing members pinged.
 - `aiohttp` / `httpx`: N aiohttp servers in the same number of processes; the trainer POSTs
   `/pause` to every URL concurrently and waits for every answer (what RL stacks do today).
-Each round alternates pause and resume; latency is one call until all N answered.
+- `nats-py floor`: the same message pattern with nats-py alone, in the same process layout:
+  one JetStream publish to a file stream, then one core publish that N subscribers receive,
+  each answering to the address in a header; the caller counts N answers.
+Each round alternates pause and resume; latency is one call until all N answered; `cpu us` is
+the calling process's CPU time per call (the trainer's cost).
 
     rlfabric bench control [--sizes 1,8,32,128] [--rounds 200] [--json]
 """
@@ -33,11 +37,59 @@ async def timed(rounds: int, call: Callable[[int], Awaitable[None]]) -> dict[str
     for i in range(10):  # warm-up
         await call(i)
     lat = []
+    cpu0 = time.process_time()
     for i in range(rounds):
         t0 = time.perf_counter()
         await call(i)
         lat.append((time.perf_counter() - t0) * 1e3)
-    return {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "mean_ms": sum(lat) / len(lat)}
+    cpu = (time.process_time() - cpu0) / rounds
+    return {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "mean_ms": sum(lat) / len(lat),
+            "cpu_us": cpu * 1e6}
+
+
+async def bench_floor(url: str, n: int, rounds: int, processes: int) -> dict[str, float]:
+    import nats
+    from nats.aio.msg import Msg
+    from nats.js.api import StorageType, StreamConfig
+
+    from rlfabric.bench.floor import ACK_TO
+
+    tag = f"floor{n}"
+    cmds = [["rlfabric.bench.floor", "control", "--nats", url, "--subject", f"{tag}.live",
+             "--count", str(len(part))] for part in split(list(range(n)), processes)]
+    nc = await nats.connect(url, name="rlfabric-floor-caller")
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=tag.upper(), subjects=[f"{tag}.ctl.>"],
+                                         storage=StorageType.FILE))
+        counts: dict[str, int] = {}
+        done: dict[str, anyio.Event] = {}
+
+        async def on_ack(msg: Msg) -> None:
+            call_id = msg.subject.rpartition(".")[2]
+            counts[call_id] = counts.get(call_id, 0) + 1
+            if counts[call_id] == n:
+                done[call_id].set()
+
+        sub = await nc.subscribe(f"{tag}.ack.*", cb=on_ack)
+        async with children(cmds, ready="floor: control ready"):
+            async def call(i: int) -> None:
+                call_id = f"c{i}-{time.perf_counter_ns()}"
+                done[call_id] = anyio.Event()
+                body = b"pause" if i % 2 == 0 else b"resume"
+                ack = await js.publish(f"{tag}.ctl.x", body, headers={"Nats-Msg-Id": call_id})
+                await nc.publish(f"{tag}.live.x", body,
+                                 headers={ACK_TO: f"{tag}.ack.{call_id}", "seq": str(ack.seq)})
+                with anyio.fail_after(30):
+                    await done[call_id].wait()
+                del done[call_id], counts[call_id]
+
+            out = await timed(rounds, call)
+        await sub.unsubscribe()
+        await js.delete_stream(tag.upper())
+        return out
+    finally:
+        await nc.close()
 
 
 async def bench_fabric(url: str, n: int, rounds: int, processes: int) -> dict[str, float]:
@@ -101,9 +153,11 @@ async def run(sizes: list[int], rounds: int, processes: int) -> list[dict]:
             procs = min(processes, n)
             r = max(20, rounds if n < 128 else rounds // 2)
             fab = await bench_fabric(nats.url, n, r, procs)
+            flo = await bench_floor(nats.url, n, r, procs)
             aio = await bench_http(n, r, procs, "aiohttp")
             htx = await bench_http(n, max(10, r // (4 if n >= 32 else 1)), procs, "httpx")
-            for path, res in (("rlfabric", fab), ("aiohttp", aio), ("httpx", htx)):
+            for path, res in (("rlfabric", fab), ("nats-py floor", flo), ("aiohttp", aio),
+                              ("httpx", htx)):
                 rows.append({"responders": n, "processes": procs, "path": path, "rounds": r,
                              **res, "x_vs_fabric": res["p50_ms"] / fab["p50_ms"]})
     return rows
@@ -124,6 +178,6 @@ def main(args: argparse.Namespace) -> int:
     print(table(rows, [("responders", "responders", ""), ("processes", "procs", ""),
                        ("path", "path", ""), ("rounds", "rounds", ""),
                        ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
-                       ("mean_ms", "mean ms", ".2f"),
+                       ("mean_ms", "mean ms", ".2f"), ("cpu_us", "cpu us/call", ".0f"),
                        ("x_vs_fabric", "p50 / rlfabric p50", ".2f")]))
     return 0

@@ -6,7 +6,11 @@ fleet size, the same requests go through
   for vllm that is `AsyncLLM` in this process, no bus);
 - `http` (null, torch): N `aiohttp` servers, one engine each, a client round-robining JSON
   POSTs (token ids and logprobs as JSON lists, the way RL stacks call inference servers today);
-- `rlfabric`: N `rlfabric worker` processes on an embedded nats-server, `FabricClient.generate`.
+- `rlfabric`: N `rlfabric worker` processes on an embedded nats-server, `FabricClient.generate`;
+- `nats-py floor` (null only): the same message pattern with nats-py alone: requests queued by
+  the lanes go out together as one persisted message, N processes pull them from one durable
+  consumer, echo the prompt (what the null engine does) and persist each message's results as
+  one message before acking; the client reads them through an ordered consumer.
 Every path runs `--concurrency` lanes, each sending one request at a time, so latency is one
 request's round trip and throughput is what the fleet sustains.
 
@@ -25,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from rlfabric.bench._util import children, free_ports, pct, table
 from rlfabric.bus import EmbeddedNats
@@ -136,6 +141,80 @@ async def bench_fabric(engine_kind: str, workers: int, n: int, conc: int,
             return await run_lanes(requests(n, max_tokens, "r"), conc, one)
 
 
+async def bench_floor(workers: int, n: int, conc: int, max_tokens: int) -> dict:
+    import msgspec
+    import nats
+    from nats.aio.msg import Msg
+    from nats.js.api import (
+        AckPolicy,
+        ConsumerConfig,
+        DeliverPolicy,
+        StorageType,
+        StreamConfig,
+    )
+
+    from rlfabric.bench.floor import REPLY_TO, FloorRequest, FloorResult
+
+    enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(list[FloorResult])
+    async with EmbeddedNats() as srv:
+        nc = await nats.connect(srv.url, name="rlfabric-floor-client")
+        try:
+            js = nc.jetstream(publish_async_max_pending=4096)
+            for name, subj in (("FLOORREQ", "floor.req"), ("FLOORRES", "floor.res.>")):
+                await js.add_stream(StreamConfig(name=name, subjects=[subj],
+                                                 storage=StorageType.FILE))
+            await js.add_consumer("FLOORREQ", ConsumerConfig(
+                durable_name="FLOOR", ack_policy=AckPolicy.EXPLICIT, max_ack_pending=4096))
+            waiting: dict[str, anyio.Event] = {}
+
+            async def on_results(msg: Msg) -> None:
+                for r in dec.decode(msg.data):
+                    ev = waiting.pop(r.request_id, None)
+                    if ev is not None:
+                        ev.set()
+
+            sub = await js.subscribe("floor.res.c", cb=on_results, ordered_consumer=True,
+                                     deliver_policy=DeliverPolicy.NEW)
+            queue: list[FloorRequest] = []
+            queued = [anyio.Event()]
+
+            async def sender() -> None:
+                while True:
+                    if not queue:
+                        await queued[0].wait()
+                        queued[0] = anyio.Event()
+                        continue
+                    batch = queue[:64]
+                    del queue[:64]
+                    await js.publish_async("floor.req", enc.encode(batch),
+                                           headers={REPLY_TO: "floor.res.c"})
+                    await anyio.lowlevel.checkpoint()
+
+            async def one(req: RolloutRequest) -> int:
+                ev = anyio.Event()
+                waiting[req.request_id] = ev
+                queue.append(FloorRequest(request_id=req.request_id,
+                                          prompt=req.prompt_token_ids.tobytes(),
+                                          max_tokens=req.sampling.max_tokens))
+                queued[0].set()
+                await ev.wait()
+                return req.sampling.max_tokens
+
+            cmds = [["rlfabric.bench.floor", "rollout", "--nats", srv.url, "--subject",
+                     "floor.req"] for _ in range(workers)]
+            async with children(cmds, ready="floor: rollout ready"), \
+                    anyio.create_task_group() as tg:
+                tg.start_soon(sender)
+                await run_lanes(requests(50, max_tokens, "w"), conc, one)
+                out = await run_lanes(requests(n, max_tokens, "r"), conc, one)
+                tg.cancel_scope.cancel()
+            await sub.unsubscribe()
+            return out
+        finally:
+            await nc.close()
+
+
 async def run(engines: list[str], sizes: list[int], scale: float) -> list[dict[str, Any]]:
     rows = []
     for eng in engines:
@@ -149,6 +228,9 @@ async def run(engines: list[str], sizes: list[int], scale: float) -> list[dict[s
                                    **await bench_http(eng, k, n, conc, max_tokens)})
             fleet_rows.append({**base, "path": "rlfabric", "workers": k,
                                **await bench_fabric(eng, k, n, conc, max_tokens)})
+            if eng == "null":  # the transport alone: nothing to compare a model with
+                fleet_rows.append({**base, "path": "nats-py floor", "workers": k,
+                                   **await bench_floor(k, n, conc, max_tokens)})
         # NOTE: measured last: an in-process vLLM sets environment variables (LD_PRELOAD, ...)
         # that processes started after it would inherit
         rows += [{**base, "path": "direct", "workers": 1,

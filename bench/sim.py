@@ -57,7 +57,8 @@ class SimWorker:
             isinstance(cmd, UpdateWeights) and isinstance(cmd.transport, Collective))
         if two_phase:
             await ctx.ready()
-        await anyio.sleep(self.delays.get(op, 0.0))
+        if op in self.delays:
+            await anyio.sleep(self.delays[op])
         if isinstance(cmd, UpdateWeights):
             self.version = cmd.version
         return AckFields()

@@ -3,8 +3,11 @@
 For each size, a state dict of 16 MiB fp32 tensors goes to one worker (the null engine: it
 verifies the digest and takes the tensors, so the transport is what is measured) through
 `FabricClient.update_weights(..., verify="off")`: pack + digest on the sender, the transport,
-digest on the worker, ack. Floors in the same run: a torch memcpy of the same bytes, and a
-/dev/shm file write + read.
+digest on the worker, ack. Floors in the same run: a torch memcpy of the same bytes, a
+/dev/shm file write + read, and `nats-py floor`: the same bytes in the same 4 MiB chunks
+published to a file stream with nats-py (`publish_async`, the same window) and read by another
+process through an ordered consumer into one buffer (what the `nats` transport does, without
+rlfabric's packing, digests and command).
 
     rlfabric bench weights [--sizes 256,1024] [--transports shm,filesystem,nats,collective]
 """
@@ -65,6 +68,54 @@ def floors(sd: dict[str, torch.Tensor], nbytes: int, rounds: int) -> list[dict]:
     return out
 
 
+async def nats_floor(url: str, sd: dict[str, torch.Tensor], nbytes: int, rounds: int
+                     ) -> dict:
+    import json as _json
+
+    import nats
+    from nats.js.api import StorageType, StreamConfig
+
+    from rlfabric.trainer.staging import NATS_CHUNK, NATS_WINDOW
+
+    buf = bytearray(nbytes)
+    off = 0
+    for v in sd.values():  # the bytes to send, packed once (not timed: rlfabric's is)
+        b = v.numpy().tobytes()
+        buf[off:off + len(b)] = b
+        off += len(b)
+    view = memoryview(buf)
+    nc = await nats.connect(url, name="rlfabric-floor-weights")
+    js = nc.jetstream(publish_async_max_pending=NATS_WINDOW * 2)
+    stream, subject = "FLOORW", "floorw.v"
+    await js.add_stream(StreamConfig(name=stream, subjects=["floorw.v.>"],
+                                     storage=StorageType.FILE))
+    best = float("inf")
+    try:
+        async with children([["rlfabric.bench.floor", "weights", "--nats", url,
+                              "--subject", "floorw.go"]], ready="floor: weights ready"):
+            for _ in range(rounds):
+                await js.purge_stream(stream)
+                t0 = time.perf_counter()
+                pending = []
+                chunks = 0
+                for o in range(0, nbytes, NATS_CHUNK):
+                    pending.append(await js.publish_async(f"{subject}.{chunks}",
+                                                          view[o:o + NATS_CHUNK]))  # type: ignore[arg-type]  # any buffer goes, as in the transport
+                    chunks += 1
+                    if len(pending) >= NATS_WINDOW:
+                        await pending.pop(0)
+                for fut in pending:
+                    await fut
+                job = {"stream": stream, "subject": subject, "chunks": chunks,
+                       "chunk_bytes": NATS_CHUNK, "size": nbytes}
+                await nc.request("floorw.go", _json.dumps(job).encode(), timeout=600)
+                best = min(best, time.perf_counter() - t0)
+        await js.delete_stream(stream)
+    finally:
+        await nc.close()
+    return {"path": "nats-py floor (publish+read)", "seconds": best}
+
+
 async def bench(sizes: list[int], transports: list[str], rounds: int) -> list[dict]:
     rows = []
     async with EmbeddedNats() as nats:
@@ -74,6 +125,8 @@ async def bench(sizes: list[int], transports: list[str], rounds: int) -> list[di
             nbytes = sum(v.numel() * v.element_size() for v in sd.values())
             for row in floors(sd, nbytes, rounds):
                 rows.append({"size_mib": mib, **row})
+            if any(t.startswith("nats") for t in transports):
+                rows.append({"size_mib": mib, **await nats_floor(nats.url, sd, nbytes, rounds)})
             for tr in transports:
                 storage = "memory" if tr == "nats-memory" else "file"
                 prefix = f"wb{mib}{tr.replace('-', '')}"

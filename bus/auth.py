@@ -7,15 +7,16 @@ whose subject permissions let each role do its part and nothing else.
 Roles:
 - `trainer`: the job's operator: control commands, the desired state (`<prefix>_state`),
   weights, rollout requests and results, membership repair, JetStream management.
-- `worker`: creates the job's streams if it comes first, pulls rollout requests and its own
-  control consumer, publishes results, acks, events and membership keys, answers pings,
-  reads weights and the desired state. Never publishes `<prefix>.control.*`, never writes
+- `worker`: creates the job's streams if it comes first, pulls rollout requests, receives the
+  live copies of commands (`<prefix>.live.>`) and reads the control stream by sequence,
+  publishes results, acks, events and membership keys, answers pings, reads weights and the
+  desired state. Never publishes `<prefix>.control.*` or `<prefix>.live.*`, never writes
   `<prefix>_state`, never updates, purges or deletes a stream or the workers' consumer.
 - `observer` (`rlfabric status`): reads stream and consumer info, both buckets and events;
   publishes nothing but read-only JetStream API requests.
 
-All workers share the worker key, so the server cannot tell one worker's membership key or
-control consumer from another's; give each worker a user of its own (the same permissions
+All workers share the worker key, so the server cannot tell one worker's membership key from
+another's; give each worker a user of its own (the same permissions
 with its id in place of the wildcards) where that matters.
 """
 
@@ -81,22 +82,21 @@ def permissions(role: str, s: Subjects) -> Permissions:
             publish_allow=(
                 *read,
                 *(f"{api}.STREAM.CREATE.{x}" for x in streams),  # whoever comes first
-                f"{api}.CONSUMER.CREATE.{ctl}.>", f"{api}.CONSUMER.DURABLE.CREATE.{ctl}.>",
-                f"{api}.CONSUMER.DELETE.{ctl}.>", f"{api}.CONSUMER.MSG.NEXT.{ctl}.>",
+                f"{api}.STREAM.MSG.GET.{ctl}",  # a gap in the live commands, from the log
                 f"{api}.CONSUMER.CREATE.{roll}.{s.rollout_consumer}.>",
                 f"{api}.CONSUMER.DURABLE.CREATE.{roll}.{s.rollout_consumer}",
                 f"{api}.CONSUMER.MSG.NEXT.{roll}.{s.rollout_consumer}",
                 f"{api}.CONSUMER.CREATE.{w}", f"{api}.CONSUMER.CREATE.{w}.>",
-                f"$JS.ACK.{ctl}.>", f"$JS.ACK.{roll}.>",
+                f"$JS.ACK.{roll}.>",
                 f"{p}.rollout.result.>", f"{p}.ack.>", f"{p}.events.>",
                 f"{p}.worker.*.ping",  # a new worker asks whether its id is taken
                 f"$KV.{s.members_bucket}.>",
             ),
-            publish_deny=(f"{p}.control.>", f"$KV.{s.state_bucket}.>",
+            publish_deny=(f"{p}.control.>", f"{p}.live.>", f"$KV.{s.state_bucket}.>",
                           f"{api}.STREAM.UPDATE.>", f"{api}.STREAM.DELETE.>",
                           f"{api}.STREAM.PURGE.>", f"{api}.STREAM.MSG.DELETE.>",
                           f"{api}.CONSUMER.DELETE.{roll}.>"),
-            subscribe_allow=("_INBOX.>", f"{p}.worker.*.ping"),
+            subscribe_allow=("_INBOX.>", f"{p}.worker.*.ping", f"{p}.live.>"),
             allow_responses=True,  # ping answers
         )
     if role == "observer":

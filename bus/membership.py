@@ -17,12 +17,13 @@ the old watch's consumer to be found dead.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import anyio
@@ -148,6 +149,7 @@ class MembershipWatcher:
         self.members: dict[str, WorkerInfo] = {}
         self.epoch = 0
         self._changed = Signal()
+        self._joins_leaves: set[Signal] = set()
         self._codec = codec_for(WorkerInfo)
         self._flood = RateLimited(log)
 
@@ -164,6 +166,18 @@ class MembershipWatcher:
     def _set_changed(self) -> None:
         self.epoch += 1
         self._changed.fire()
+        for sig in tuple(self._joins_leaves):
+            sig.fire()
+
+    @contextlib.contextmanager
+    def firing_on_join_or_leave(self, signal: Signal) -> Iterator[None]:
+        """Fire `signal` at every join or leave while the block runs (a waiter then waits on
+        one event, not two)."""
+        self._joins_leaves.add(signal)
+        try:
+            yield
+        finally:
+            self._joins_leaves.discard(signal)
 
     async def wait_until(self, predicate: Callable[[MembershipSnapshot], bool], *,
                          timeout: float) -> MembershipSnapshot:

@@ -3,9 +3,11 @@
     fanout = Broadcaster(bus, watcher)
     report = await fanout.broadcast(Pause(cmd_id=new_cmd_id(), mode="wait"), QuorumPolicy())
 
-The command is persisted in the control stream (its PubAck returns its `seq`); acks arrive on
-`<prefix>.ack.<cmd_id>`. While it waits, members that have not acked are pinged every
-`probe_interval`: "no responders" means the process is gone, which ends the wait at once under
+The command is persisted in the control stream (its PubAck returns its `seq`), then its live
+copy goes to every worker on core NATS; acks arrive on `<prefix>.ack.<cmd_id>`. While it
+waits, members that have not acked are pinged every `probe_interval` with the command's `seq`
+(a worker that missed the live copy reads it from the stream; one that applied it sends its
+acks again): "no responders" means the process is gone, which ends the wait at once under
 `fail` (`MembershipChanged`) or drops that member from the required set under `shrink`.
 Two-phase commands wait twice on one `Fanout`: `await fo.wait("ready")`, then
 `await fo.wait("done")`.
@@ -23,21 +25,21 @@ from typing import Literal
 
 import anyio
 import msgspec
+from anyio.abc import TaskGroup
 from nats.aio.msg import Msg
-from nats.js.errors import BadRequestError
+from nats.aio.subscription import Subscription
 
 from rlfabric.bus.errors import (
-    JS_WRONG_LAST_SEQUENCE,
-    TRANSIENT,
     BusError,
     MembershipChanged,
     QuorumNotReached,
 )
 from rlfabric.bus.membership import RECONNECT_SETTLE, MembershipWatcher, fingerprint
 from rlfabric.bus.session import Bus
-from rlfabric.bus.sync import Signal, beside, wait_any
+from rlfabric.bus.sync import Signal, beside
 from rlfabric.schemas import (
     CMD_ID_HEADER,
+    SEQ_HEADER,
     Ack,
     Command,
     FanoutReport,
@@ -108,15 +110,21 @@ class Fanout:
         self.dead: set[str] = set()
         self.t0 = time.monotonic()
         self._news = Signal()
+        self._wake_at = 0
         self._codec = codec_for(Ack)
 
-    async def _on_ack(self, msg: Msg) -> None:
+    def _on_ack(self, msg: Msg) -> None:
         try:
             ack = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
         except SchemaError:
             return  # not an ack of ours; the sender's log would only be noise here
-        self.acks.setdefault(ack.phase, {}).setdefault(ack.worker_id, ack)
-        self._news.fire()
+        got = self.acks.setdefault(ack.phase, {})
+        if ack.worker_id in got:
+            return
+        got[ack.worker_id] = ack
+        # the waiter re-counts only when the count could meet its quorum, or on an error
+        if ack.status != "ok" or len(got) >= self._wake_at:
+            self._news.fire()
 
     def _got(self, phase: str) -> dict[str, Ack]:
         """Acks of `phase`. For `ready`, a worker that acked `done` with an error (it failed
@@ -160,7 +168,9 @@ class Fanout:
         link = self.b.bus.link
 
         async def one(wid: str) -> None:
-            answer = await self.b.bus.ping(wid, timeout=policy.ping_timeout)
+            # the seq tells a worker that missed the live copy to read it from the stream
+            answer = await self.b.bus.ping(wid, timeout=policy.ping_timeout,
+                                           payload=str(self.cmd.seq).encode())
             # "no responders" right after a reconnect may be a worker still reconnecting
             if answer == "dead" and link.settled(RECONNECT_SETTLE):
                 self.dead.add(wid)
@@ -168,11 +178,11 @@ class Fanout:
                 self._news.fire()
 
         while True:
-            await anyio.sleep(policy.probe_interval)
             pending = required - set(self.acks.get(phase, {})) - self.dead
             async with anyio.create_task_group() as tg:
                 for wid in pending:
                     tg.start_soon(one, wid)
+            await anyio.sleep(policy.probe_interval)
 
     async def wait(self, phase: Literal["ready", "done"] = "done",
                    policy: QuorumPolicy | None = None) -> FanoutReport:
@@ -182,27 +192,33 @@ class Fanout:
         required = set(self.before.worker_ids)
         op = op_of(self.cmd)
         deadline = self.t0 + policy.timeout
-        async with beside(cancel_at_exit=True) as tg:
-            tg.start_soon(self._probe, phase, required, policy)
-            return await self._wait(phase, policy, required, op, deadline)
+        with self.b.watcher.firing_on_join_or_leave(self._news):
+            async with beside(cancel_at_exit=True) as tg:
+                return await self._wait(phase, policy, required, op, deadline, tg)
 
     async def _wait(self, phase: str, policy: QuorumPolicy, required: set[str], op: str,
-                    deadline: float) -> FanoutReport:
+                    deadline: float, tg: TaskGroup) -> FanoutReport:
+        # members that have not acked are probed from `probe_interval` on (a task only then:
+        # the common case never needs one)
+        probe_at: float | None = time.monotonic() + policy.probe_interval
         while True:
-            news, changed = self._news.event(), self.b.watcher.changed()
-            now = self._current(self.b.watcher)
-            if now.fingerprint != self.before.fingerprint:
-                if policy.on_membership_change == "fail":
-                    rep = self.report(phase)
-                    exc = MembershipChanged("", before=self.before, after=now, report=rep)
-                    exc.args = (
-                        f"{op} {self.cmd.cmd_id}: membership changed while waiting for "
-                        f"{phase} acks (left: {list(exc.left)}, joined: {list(exc.joined)}, "
-                        f"found dead by ping: {sorted(self.dead)}); retry, or use "
-                        "on_membership_change='shrink' to go on without them",
-                    )
-                    raise exc
-                required &= set(now.worker_ids)
+            news = self._news.event()
+            if self.dead or self.b.watcher.epoch != self.before.epoch:
+                now = self._current(self.b.watcher)
+                # a member that answered this phase and then left (a `Shutdown`) is no change
+                kept = set(now.worker_ids) | (required & set(self._got(phase)))
+                if kept != set(self.before.worker_ids):
+                    if policy.on_membership_change == "fail":
+                        rep = self.report(phase)
+                        exc = MembershipChanged("", before=self.before, after=now, report=rep)
+                        exc.args = (
+                            f"{op} {self.cmd.cmd_id}: membership changed while waiting for "
+                            f"{phase} acks (left: {list(exc.left)}, joined: {list(exc.joined)}, "
+                            f"found dead by ping: {sorted(self.dead)}); retry, or use "
+                            "on_membership_change='shrink' to go on without them",
+                        )
+                        raise exc
+                    required &= kept
             got = self._got(phase)
             ok = sum(1 for w in required if w in got and got[w].status == "ok")
             failed = sum(1 for w in required if w in got and got[w].status != "ok")
@@ -212,7 +228,8 @@ class Fanout:
                 raise QuorumNotReached(self._why(op, phase, rep, needed, "cannot be met"), rep)
             if ok >= needed:
                 return self.report(phase)
-            if ok + (len(required) - ok - failed) < needed:
+            lost = ok + (len(required) - ok - failed) < needed
+            if lost:
                 # lost already; still hear out the rest (up to the timeout) so the report says
                 # what happened on every worker, not just on the first that failed
                 unheard = required - set(got) - self.dead
@@ -220,13 +237,21 @@ class Fanout:
                     rep = self.report(phase)
                     raise QuorumNotReached(self._why(op, phase, rep, needed, "cannot be met"),
                                            rep)
-            remaining = deadline - time.monotonic()
+            # wake at the ack that could complete the quorum; once lost, at every ack
+            self._wake_at = 0 if lost else needed
+            now_t = time.monotonic()
+            remaining = deadline - now_t
             if remaining <= 0:
                 rep = self.report(phase)
                 raise QuorumNotReached(
                     self._why(op, phase, rep, needed, f"timed out after {policy.timeout}s"), rep
                 )
-            await wait_any(news, changed, timeout=remaining)
+            if probe_at is not None and now_t >= probe_at:
+                tg.start_soon(self._probe, phase, required, policy)
+                probe_at = None
+            wait = remaining if probe_at is None else min(remaining, probe_at - now_t)
+            with anyio.move_on_after(wait):
+                await news.wait()
 
     @staticmethod
     def policy_needed(policy: QuorumPolicy, n: int) -> int:
@@ -254,77 +279,68 @@ class Fanout:
 
 
 class Broadcaster:
-    """Publishes commands to the control stream and opens their `Fanout`s."""
+    """Publishes commands and opens their `Fanout`s. A command is persisted in the control
+    stream (its PubAck gives its `seq`), then sent on core NATS to every worker with that
+    `seq` (the live copy, see `CommandReceiver`). Acks come in on one standing subscription
+    (`<prefix>.ack.*`) and are routed to the open `Fanout` by cmd_id."""
 
     def __init__(self, bus: Bus, watcher: MembershipWatcher) -> None:
         self.bus = bus
         self.watcher = watcher
-        self._last_seq: int | None = None
+        self._open: dict[str, Fanout] = {}
+        self._acks: Subscription | None = None
+        self._subscribing = anyio.Lock()
+
+    async def _route(self, msg: Msg) -> None:
+        fo = self._open.get(msg.subject.rpartition(".")[2])
+        if fo is not None:
+            fo._on_ack(msg)
+
+    async def _listen(self) -> None:
+        if self._acks is None:
+            async with self._subscribing:
+                if self._acks is None:  # one standing subscription; SUB precedes our PUB
+                    self._acks = await self.bus.nc.subscribe(self.bus.subjects.ack_all,
+                                                             cb=self._route)
 
     async def _publish(self, cmd: Command) -> Command:
-        """Persist `cmd` with `seq` = its sequence in the control stream. The expected-last-
-        sequence header makes concurrent senders retry rather than interleave out of order."""
+        """Persist `cmd`, then send its live copy; return it with `seq` = its sequence in the
+        control stream."""
         s = self.bus.subjects
-        subject = s.control(op_of(cmd))
-        until = cmd.deadline or None
+        op = op_of(cmd)
         retried: list[Exception] = []  # transient failures: a duplicate after one is ours
-        for _ in range(50):
-            if self._last_seq is None:
-                self._last_seq = await self._stream_last_seq(until)
-            stamped = msgspec.structs.replace(cmd, seq=self._last_seq + 1)
-            hdrs = self.bus.headers({
-                CMD_ID_HEADER: cmd.cmd_id,
-                "Nats-Msg-Id": cmd.cmd_id,
-                "Nats-Expected-Last-Sequence": str(self._last_seq),
-            })
-            try:
-                ack = await self.bus.persist(subject, encode(stamped), hdrs, until=until,
-                                             on_retry=retried.append)
-            except BadRequestError as exc:
-                if exc.err_code == JS_WRONG_LAST_SEQUENCE:
-                    self._last_seq = None  # another sender got there first; re-read and retry
-                    continue
-                raise
-            if ack.duplicate and not retried:
-                self._last_seq = None
-                raise BusError(
-                    f"{op_of(cmd)} {cmd.cmd_id}: this cmd_id was already published (control "
-                    f"stream seq {ack.seq}); its acks went to whoever sent it then. Send the "
-                    "command again with a new cmd_id (`new_cmd_id()`)"
-                )
-            if ack.duplicate:  # stored by an attempt whose PubAck was lost: that seq is ours
-                self._last_seq = None
-                return msgspec.structs.replace(cmd, seq=ack.seq)
-            self._last_seq = ack.seq
-            return stamped
-        raise QuorumNotReached(
-            f"{op_of(cmd)} {cmd.cmd_id}: could not publish after 50 sequence conflicts",
-            FanoutReport(cmd_id=cmd.cmd_id, op=op_of(cmd)),
-        )
-
-    async def _stream_last_seq(self, until: float | None) -> int:
-        name = self.bus.subjects.control_stream
-        while True:
-            try:
-                return (await self.bus.js.stream_info(name)).state.last_seq
-            except TRANSIENT:  # a broker coming back: as long as the command may wait
-                if until is not None and time.time() >= until:
-                    raise
-                await anyio.sleep(0.1)
+        data = encode(cmd)
+        hdrs = self.bus.headers({CMD_ID_HEADER: cmd.cmd_id})
+        ack = await self.bus.persist(s.control(op), data, {**hdrs, "Nats-Msg-Id": cmd.cmd_id},
+                                     until=cmd.deadline or None, on_retry=retried.append)
+        if ack.duplicate and not retried:
+            raise BusError(
+                f"{op} {cmd.cmd_id}: this cmd_id was already published (control stream seq "
+                f"{ack.seq}); its acks went to whoever sent it then. Send the command again "
+                "with a new cmd_id (`new_cmd_id()`)"
+            )
+        # a duplicate after a retry: stored by an attempt whose PubAck was lost; that seq is ours
+        hdrs[SEQ_HEADER] = str(ack.seq)
+        await self.bus.nc.publish(s.live(op), data, headers=hdrs)
+        return msgspec.structs.replace(cmd, seq=ack.seq)
 
     @contextlib.asynccontextmanager
     async def open(self, cmd: Command) -> AsyncIterator[Fanout]:
-        """Subscribe to the command's acks, publish it, and yield its `Fanout`."""
+        """Publish the command and yield its `Fanout`; its acks are counted from before the
+        publish."""
+        await self._listen()
         before = self.watcher.snapshot()
         cmd = msgspec.structs.replace(cmd, epoch=before.epoch)
         fo = Fanout(self, cmd, before)
-        sub = await self.bus.nc.subscribe(self.bus.subjects.ack(cmd.cmd_id), cb=fo._on_ack)
+        if cmd.cmd_id in self._open:
+            raise BusError(f"{op_of(cmd)} {cmd.cmd_id}: a command with this cmd_id is already "
+                           "waiting for acks; use a new cmd_id (`new_cmd_id()`)")
+        self._open[cmd.cmd_id] = fo
         try:
             fo.cmd = await self._publish(cmd)
             yield fo
         finally:
-            with anyio.CancelScope(shield=True):
-                await sub.unsubscribe()
+            self._open.pop(cmd.cmd_id, None)
 
     async def broadcast(self, cmd: Command, policy: QuorumPolicy | None = None,
                         phase: Literal["ready", "done"] = "done") -> FanoutReport:

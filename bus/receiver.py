@@ -1,24 +1,36 @@
 """The receiving side of broadcasts: a worker's ordered, idempotent command loop.
 
-Each worker owns one durable pull consumer on the control stream, created fresh (deliver
-policy "new") when it starts: what it missed while away is in the desired state it reads at
-join, not in stale commands. `max_ack_pending=1` makes the server deliver commands one at a
-time in stream order, so they are applied in `seq` order.
+The control stream is the durable, ordered log of commands; a command's sequence there is
+its place in the order. The sender persists a command, then publishes a copy of it on core
+NATS (`<prefix>.live.<op>`, the stream sequence in the `rlf-seq` header): that copy reaches
+every worker in one hop, so the common case costs no JetStream round trip on the worker.
 
-Per delivered message:
+Each worker keeps `next_seq`, the stream sequence it applies next (at start: the stream's end,
+so it begins from the desired state it read at join, not from stale commands).
+- a live copy with `seq == next_seq` is applied at once;
+- `seq > next_seq` is a gap (a live copy lost or overtaken: a slow consumer, a reconnect, two
+  senders): the missing commands are read from the stream in order (`catch-up`), then this one;
+- `seq < next_seq` was applied already: ignored;
+- a catch-up also runs after every reconnect, every `poll` seconds (a command stored by
+  something other than a `Broadcaster`, or whose live copy never came), and when the sender
+  pings this worker with the sequence it waits for (`Fanout`'s probe). A ping for a command
+  already applied re-sends its acks (they may have been lost).
+
+Per command, in stream order:
 - not an rlfabric command (garbage, another schema, an unknown major version): an
   `ErrorEvent` on `<prefix>.events.error.<worker>` and, if the sender's `rlf-cmd-id` header is
-  there, an error `Ack` (code `malformed`); the message is terminated, the loop goes on;
-- a `cmd_id` already handled: the Acks it produced are sent again; the handler does not run;
+  there, an error `Ack` (code `malformed`); the loop goes on;
+- a `cmd_id` already handled (stored twice): the Acks it produced are sent again; the handler
+  does not run;
 - past its deadline: an error Ack (code `deadline_exceeded`); the handler does not run;
-- otherwise the handler runs (in-progress acks keep the message while it does), its Ack is
-  published, then the message is acked.
+- otherwise the handler runs and its Ack is published.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -26,20 +38,23 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
+import msgspec
 import nats.errors
+import nats.js.errors
 from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 
-from rlfabric.bus.errors import BusError, CommandFailed
-from rlfabric.bus.pull import Puller
+from rlfabric.bus.errors import TRANSIENT, BusError, CommandFailed
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
-from rlfabric.bus.sync import Signal, wait_any
+from rlfabric.bus.sync import wait_any
 from rlfabric.schemas import (
     CMD_ID_HEADER,
+    SEQ_HEADER,
     Ack,
     Command,
     ErrorEvent,
@@ -64,40 +79,60 @@ class AckFields:
 
 class CommandContext:
     """Given to a handler with its command: `await ctx.ready()` sends the `ready` Ack of a
-    two-phase command."""
+    two-phase command; `ctx.after_done(fn)` runs `fn` once the `done` Ack is sent (what must
+    not start before the sender has heard back, e.g. leaving on `Shutdown`)."""
 
     def __init__(self, receiver: CommandReceiver, cmd: Command) -> None:
         self._r = receiver
         self.cmd = cmd
         self.t0 = time.monotonic()
+        self.then: list[Callable[[], None]] = []
 
     async def ready(self, **fields: Any) -> None:
         await self._r._send_ack(self.cmd.cmd_id, self._r._make_ack(self, "ready", "ok", fields))
 
+    def after_done(self, fn: Callable[[], None]) -> None:
+        self.then.append(fn)
+
 
 Handler = Callable[[Command, CommandContext], Awaitable[AckFields | None]]
 StateFn = Callable[[], tuple[int, str]]
+#: queued for the loop: (seq, live copy), or (0, None) for a catch-up from the stream
+_Item = tuple[int, Msg | None]
+_READ_FAILED: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
 
 
 class CommandReceiver:
-    """Run with `await tg.start(receiver.run)`: started means the consumer exists and the
-    subscription is bound, so any command published afterwards reaches this worker."""
+    """Run with `await tg.start(receiver.run)`: started means the live subscription is bound
+    and `next_seq` read, so any command persisted afterwards reaches this worker."""
 
     def __init__(self, bus: Bus, worker_id: str, handler: Handler, *,
-                 state: StateFn = lambda: (-1, ""), ack_wait: float = 30.0,
-                 remember: int = 4096) -> None:
+                 state: StateFn = lambda: (-1, ""), poll: float = 1.0,
+                 remember: int = 4096, buffer: int = 4096) -> None:
         self.bus = bus
         self.worker_id = check_token(worker_id, "worker id")
         self.handler = handler
         self.state = state
-        self.ack_wait = ack_wait
+        self.poll = poll
         self._sent: OrderedDict[str, list[Ack]] = OrderedDict()
+        self._seq_ids: OrderedDict[int, str] = OrderedDict()  # seq -> cmd_id, for re-sends
         self._remember = remember
+        self._buffer = buffer
         self._codec = codec_for(Command)
+        #: the control-stream sequence applied next
+        self.next_seq = 0
+        #: the sequence of the last command applied (0: none yet)
         self.applied_seq = 0
         self.handled = 0
         self.rejected = 0
+        #: commands applied from their live copy / read from the stream to fill a gap
+        self.applied_live = 0
+        self.caught_up = 0
         self._flood = RateLimited(log)
+        #: the core subscription to live copies (while running)
+        self.live_sub: Subscription | None = None
+        self._sync_queued = False
+        self._send: MemoryObjectSendStream[_Item] | None = None
 
     # ---- acks ----
     def _make_ack(self, ctx: CommandContext, phase: Literal["ready", "done"],
@@ -124,76 +159,148 @@ class CommandReceiver:
         self._sent.move_to_end(cmd_id)
         while len(self._sent) > self._remember:
             self._sent.popitem(last=False)
-        await self.bus.publish(self.bus.subjects.ack(cmd_id), ack)
+        await self._publish_ack(cmd_id, ack)
+
+    async def _publish_ack(self, cmd_id: str, ack: Ack) -> None:
+        try:
+            await self.bus.publish(self.bus.subjects.ack(cmd_id), ack)
+        except nats.errors.Error as exc:  # the sender's probe asks again (see `_on_ping`)
+            log.warning("%s: ack of %s not sent (%s); sent again when asked", self.worker_id,
+                        cmd_id, exc)
+
+    async def _resend(self, cmd_id: str) -> None:
+        for ack in self._sent.get(cmd_id, ()):
+            await self._publish_ack(cmd_id, ack)
 
     # ---- the loop ----
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         s = self.bus.subjects
-        durable = s.control_consumer(self.worker_id)
+        # the subscription callbacks only queue; one loop applies live copies and runs
+        # catch-ups, in this task group (a handler is cancelled with the worker)
+        send, recv = anyio.create_memory_object_stream[_Item](self._buffer)
+        self._send = send
+        self.live_sub = live = await self.bus.nc.subscribe(s.live_all, cb=self._on_live)
+        pings = await self.bus.nc.subscribe(s.ping(self.worker_id), cb=self._on_ping)
         try:
-            await self.bus.js.delete_consumer(s.control_stream, durable)
-        except NotFoundError:
-            pass
-        await self.bus.js.add_consumer(s.control_stream, ConsumerConfig(
-            durable_name=durable, deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT,
-            max_ack_pending=1, ack_wait=self.ack_wait, inactive_threshold=3600.0,
-            filter_subject=s.control_all,
-        ))
-        # one command at a time (max_ack_pending=1), through a `Puller`: its pull request is
-        # renewed the moment a reconnect or a broker restart drops it
-        send, recv = anyio.create_memory_object_stream[Msg](16)
-        delivered = Signal()
-
-        async def on_message(msg: Msg) -> None:
-            delivered.fire()
-            try:
-                send.send_nowait(msg)
-            except anyio.WouldBlock:  # cannot happen with one pending; if it does: later
-                await msg.nak(delay=0.5)
-
-        puller = Puller(self.bus, s.control_stream, durable, on_message)
-        async with anyio.create_task_group() as tg, send, recv:
-            await tg.start(puller.run)
-            tg.start_soon(self._keep_pulling, puller, delivered)
-            task_status.started()
-            async for msg in recv:
-                try:
-                    await self._handle(msg)
-                except nats.errors.Error as exc:
-                    # the connection went mid-way (an ack not sent): the command comes back
-                    # and is answered from `_sent` if it was handled
-                    log.warning("%s: command on %s not finished (%s); it is redelivered",
-                                self.worker_id, msg.subject, exc)
-                    with contextlib.suppress(nats.errors.Error):
-                        await msg.nak()
-
-    async def _keep_pulling(self, puller: Puller, delivered: Signal) -> None:
-        while True:
-            kicked, got = puller.kicked(), delivered.event()
-            try:
-                await puller.want(1)
-            except nats.errors.Error as exc:  # the connection went in between: kicked later
-                log.debug("%s: pull for commands not sent: %s", self.worker_id, exc)
-            await wait_any(kicked, got)
+            await self.bus.nc.flush(timeout=10)  # both subscriptions are live on the server
+            self.next_seq = await self._stream_end() + 1
+            async with anyio.create_task_group() as tg, send, recv:
+                tg.start_soon(self._keep_in_sync)
+                task_status.started()
+                async for seq, msg in recv:
+                    if msg is None:
+                        self._sync_queued = False
+                        await self._catch_up()
+                    elif seq > self.next_seq:
+                        await self._catch_up()  # reads up to the stream's end, this one too
+                    elif seq == self.next_seq:
+                        self.applied_live += 1
+                        await self._apply(seq, msg.subject, msg.data, msg.headers)
+                    # seq < next_seq: applied already (read from the stream first)
+        finally:
+            self._send = None
+            with anyio.CancelScope(shield=True):
+                for sub in (live, pings):
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
 
     async def close(self) -> None:
-        """Delete this worker's control consumer (on a clean exit)."""
-        s = self.bus.subjects
-        try:
-            await self.bus.js.delete_consumer(s.control_stream, s.control_consumer(self.worker_id))
-        except Exception as exc:
-            log.debug("control consumer of %s not deleted: %s", self.worker_id, exc)
+        """Nothing to remove on the server (kept for callers that close what they run)."""
 
-    async def _handle(self, msg: Msg) -> None:
+    def _enqueue(self, item: _Item) -> bool:
+        if self._send is None:
+            return False
         try:
-            cmd = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
-        except SchemaError as exc:
-            await self._reject(msg, exc)
+            self._send.send_nowait(item)
+        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return False
+        return True
+
+    def _sync(self) -> None:
+        """Ask the loop for a catch-up from the stream (one queued at a time)."""
+        if not self._sync_queued:
+            self._sync_queued = self._enqueue((0, None))
+
+    async def _on_live(self, msg: Msg) -> None:
+        try:
+            seq = int((msg.headers or {})[SEQ_HEADER])
+        except (KeyError, ValueError):
+            self._flood.warning("%s: a live command on %s without a valid %s header; reading "
+                                "the stream instead", self.worker_id, msg.subject, SEQ_HEADER)
+            self._sync()
             return
-        if cmd.cmd_id in self._sent:  # delivered again: answer as the first time
-            for ack in self._sent[cmd.cmd_id]:
-                await self.bus.publish(self.bus.subjects.ack(cmd.cmd_id), ack)
-            await msg.ack()
+        if seq >= self.next_seq and not self._enqueue((seq, msg)):
+            self._sync()  # we are slow (the queue is full): the stream has it
+
+    async def _on_ping(self, msg: Msg) -> None:
+        """A sender's probe carries the sequence it waits for (`Fanout`); a plain liveness
+        ping carries nothing. Answering pings is `Registration`'s part."""
+        if not msg.data:
+            return
+        try:
+            seq = int(msg.data)
+        except ValueError:
+            return
+        if seq >= self.next_seq:
+            self._sync()  # its live copy never came, or is queued behind a long handler
+        elif (cmd_id := self._seq_ids.get(seq)) is not None:
+            await self._resend(cmd_id)  # applied: the acks may have been lost
+
+    async def _keep_in_sync(self) -> None:
+        """A catch-up after every reconnect, and every `poll` seconds."""
+        link = self.bus.link
+        while True:
+            await wait_any(link.reconnected.event(),
+                           timeout=self.poll * random.uniform(0.5, 1.5))
+            self._sync()
+
+    async def _stream_end(self) -> int:
+        delay = 0.05
+        while True:
+            try:
+                return (await self.bus.js.stream_info(self.bus.subjects.control_stream)
+                        ).state.last_seq
+            except TRANSIENT as exc:  # a broker coming back
+                log.debug("%s: control stream not readable yet: %s", self.worker_id, exc)
+                await anyio.sleep(delay)
+                delay = min(2 * delay, 1.0)
+
+    async def _catch_up(self) -> None:
+        """Apply every command stored from `next_seq` on, in order."""
+        s = self.bus.subjects
+        while True:
+            try:
+                raw = await self.bus.js.get_msg(s.control_stream, seq=self.next_seq,
+                                                subject=s.control_all, next=True)
+            except NotFoundError:
+                return  # up to date
+            except _READ_FAILED as exc:
+                # the next poll, reconnect or probe tries again; nothing applied out of order
+                log.warning("%s: reading commands from seq %d failed (%s); retried shortly",
+                            self.worker_id, self.next_seq, exc)
+                return
+            if raw.seq is None or raw.seq < self.next_seq:
+                return
+            self.caught_up += 1
+            # nats-py parses a stored message's headers with `email`: a value that is not
+            # ASCII comes back as an `email.header.Header`, not a str
+            headers = {str(k): str(v) for k, v in raw.headers.items()} if raw.headers else None
+            await self._apply(raw.seq, raw.subject or "", raw.data or b"", headers)
+
+    async def _apply(self, seq: int, subject: str, data: bytes,
+                     headers: dict[str, str] | None) -> None:
+        self.next_seq = seq + 1
+        try:
+            cmd = self._codec.decode(data, headers, subject=subject)
+        except SchemaError as exc:
+            await self._reject(subject, headers, exc)
+            return
+        cmd = msgspec.structs.replace(cmd, seq=seq)
+        self._seq_ids[seq] = cmd.cmd_id
+        while len(self._seq_ids) > self._remember:
+            self._seq_ids.popitem(last=False)
+        if cmd.cmd_id in self._sent:  # stored twice: answer as the first time
+            await self._resend(cmd.cmd_id)
             return
         ctx = CommandContext(self, cmd)
         if cmd.deadline and time.time() > cmd.deadline:
@@ -201,43 +308,35 @@ class CommandReceiver:
                                  message=f"{op_of(cmd)} arrived {time.time() - cmd.deadline:.3f}s "
                                  "after its deadline; not applied")
         else:
-            ack = await self._run_handler(msg, cmd, ctx)
-        await self._send_ack(cmd.cmd_id, ack)
-        self.applied_seq = max(self.applied_seq, cmd.seq)
+            ack = await self._run_handler(cmd, ctx)
+        self.applied_seq = seq
         self.handled += 1
-        await msg.ack()
+        await self._send_ack(cmd.cmd_id, ack)
+        for fn in ctx.then:
+            fn()
 
-    async def _run_handler(self, msg: Msg, cmd: Command, ctx: CommandContext) -> Ack:
-        async def keep_alive() -> None:
-            while True:
-                await anyio.sleep(self.ack_wait / 3)
-                with contextlib.suppress(nats.errors.Error):  # a reconnect: next round
-                    await msg.in_progress()
+    async def _run_handler(self, cmd: Command, ctx: CommandContext) -> Ack:
+        try:
+            fields = await self.handler(cmd, ctx)
+        except CommandFailed as exc:
+            return self._make_ack(ctx, "done", "error", None, code=exc.code, message=str(exc))
+        except Exception as exc:
+            log.exception("handler of %s %s failed on %s", op_of(cmd), cmd.cmd_id,
+                          self.worker_id)
+            return self._make_ack(ctx, "done", "error", None, code="handler_error",
+                                  message=f"{type(exc).__name__}: {exc}")
+        return self._make_ack(ctx, "done", "ok", fields)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(keep_alive)
-            try:
-                fields = await self.handler(cmd, ctx)
-            except CommandFailed as exc:
-                ack = self._make_ack(ctx, "done", "error", None, code=exc.code, message=str(exc))
-            except Exception as exc:
-                log.exception("handler of %s %s failed on %s", op_of(cmd), cmd.cmd_id,
-                              self.worker_id)
-                ack = self._make_ack(ctx, "done", "error", None, code="handler_error",
-                                     message=f"{type(exc).__name__}: {exc}")
-            else:
-                ack = self._make_ack(ctx, "done", "ok", fields)
-            tg.cancel_scope.cancel()
-        return ack
-
-    async def _reject(self, msg: Msg, exc: SchemaError) -> None:
+    async def _reject(self, subject: str, headers: dict[str, str] | None,
+                      exc: SchemaError) -> None:
         self.rejected += 1
-        cmd_id = (msg.headers or {}).get(CMD_ID_HEADER, "")
+        cmd_id = (headers or {}).get(CMD_ID_HEADER, "")
         code = "unknown_schema_version" if isinstance(exc, UnknownSchemaVersion) else "malformed"
         # one log line per interval with a count, not one per message; every one an event
-        self._flood.warning("%s rejected a command on %s: %s", self.worker_id, msg.subject, exc)
-        await self.bus.emit(ErrorEvent(source=self.worker_id, code=code, message=str(exc),
-                                       subject=msg.subject, cmd_id=cmd_id, at=time.time()))
+        self._flood.warning("%s rejected a command on %s: %s", self.worker_id, subject, exc)
+        with contextlib.suppress(nats.errors.Error):
+            await self.bus.emit(ErrorEvent(source=self.worker_id, code=code, message=str(exc),
+                                           subject=subject, cmd_id=cmd_id, at=time.time()))
         if cmd_id:
             try:
                 check_token(cmd_id, "command id")
@@ -246,6 +345,4 @@ class CommandReceiver:
         if cmd_id:
             ack = Ack(cmd_id=cmd_id, worker_id=self.worker_id, status="error", error_code=code,
                       error_message=str(exc))
-            await self.bus.publish(self.bus.subjects.ack(cmd_id), ack)
-        await msg.term()
-
+            await self._publish_ack(cmd_id, ack)

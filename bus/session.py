@@ -59,6 +59,7 @@ class Bus:
         self._buckets = buckets
         #: the connection's ups and downs (`link.reconnected` fires after each reconnect)
         self.link = link or Link()
+        self._cleared: set[str] = set()  # subjects a publish to went through
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -139,34 +140,51 @@ class Bus:
     async def refused_or(self, subject: str, call: Callable[[], Awaitable[T]]) -> T:
         """`await call()`, unless the server refuses this client `subject` meanwhile (a
         permissions violation comes back as an asynchronous error, and the call would wait
-        for its timeout): then `PermissionDenied` at once."""
+        for its timeout): then `PermissionDenied` at once. Once a call to `subject` went
+        through, later calls run bare (permissions hold for the connection's life) and a
+        refusal is looked for only when one fails."""
         since = time.monotonic()
+        if subject in self._cleared:
+            try:
+                return await call()
+            except TRANSIENT:
+                if (why := self.link.refusal(subject, since)) is not None:
+                    raise self._denied(subject, why) from None
+                raise
 
         async def watch() -> None:
             while True:
                 refusals = self.link.refusals.event()
                 why = self.link.refusal(subject, since)
                 if why is not None:
-                    raise PermissionDenied(f"the NATS server refused this client publishing to "
-                                           f"{subject!r} ({why}): its role may not; use the "
-                                           "key of a role that may (rlfabric nats --auth)",
-                                           subject=subject)
+                    raise self._denied(subject, why)
                 await refusals.wait()
 
         async with beside(cancel_at_exit=True) as tg:
             tg.start_soon(watch)
-            return await call()
+            out = await call()
+        if len(self._cleared) < 1024:
+            self._cleared.add(subject)
+        return out
+
+    @staticmethod
+    def _denied(subject: str, why: str) -> PermissionDenied:
+        return PermissionDenied(f"the NATS server refused this client publishing to "
+                                f"{subject!r} ({why}): its role may not; use the key of a "
+                                "role that may (rlfabric nats --auth)", subject=subject)
 
     async def emit(self, event: ErrorEvent | StateEvent) -> None:
         kind = "error" if isinstance(event, ErrorEvent) else "state"
         await self.publish(self.subjects.events(kind, event.source), event)
 
     # ---- liveness ----
-    async def ping(self, worker_id: str, timeout: float = 0.5) -> PingResult:
+    async def ping(self, worker_id: str, timeout: float = 0.5, payload: bytes = b"",
+                   ) -> PingResult:
         """`alive` if the worker answered, `dead` if nobody subscribes to its ping subject
-        (the process is gone: known in one round trip), `silent` if it did not answer in time."""
+        (the process is gone: known in one round trip), `silent` if it did not answer in time.
+        `payload`: a sender's probe puts the control seq it waits for (see `CommandReceiver`)."""
         try:
-            await self.nc.request(self.subjects.ping(worker_id), b"", timeout=timeout)
+            await self.nc.request(self.subjects.ping(worker_id), payload, timeout=timeout)
         except nats.errors.NoRespondersError:
             return "dead"
         except nats.errors.TimeoutError:

@@ -64,9 +64,6 @@ class Subjects:
     def state_bucket(self) -> str:
         return f"{self.prefix}_state"
 
-    def control_consumer(self, worker_id: str) -> str:
-        return f"{self._upper}_CTL_{check_token(worker_id, 'worker id')}"
-
     # ---- subjects ----
     @property
     def rollout_request(self) -> str:
@@ -86,8 +83,21 @@ class Subjects:
     def control_all(self) -> str:
         return f"{self.prefix}.control.>"
 
+    def live(self, op: str) -> str:
+        """Core NATS: the copy of a persisted command sent straight to every worker, with
+        its control-stream sequence in the `rlf-seq` header."""
+        return f"{self.prefix}.live.{op}"
+
+    @property
+    def live_all(self) -> str:
+        return f"{self.prefix}.live.>"
+
     def ack(self, cmd_id: str) -> str:
         return f"{self.prefix}.ack.{check_token(cmd_id, 'command id')}"
+
+    @property
+    def ack_all(self) -> str:
+        return f"{self.prefix}.ack.*"
 
     def ping(self, worker_id: str) -> str:
         return f"{self.prefix}.worker.{check_token(worker_id, 'worker id')}.ping"

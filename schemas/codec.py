@@ -22,6 +22,10 @@ SCHEMA_HEADER = "rlf-schema"
 CMD_ID_HEADER = "rlf-cmd-id"
 CLIENT_ID_HEADER = "rlf-client-id"
 REQUEST_ID_HEADER = "rlf-request-id"
+#: on a `RolloutRequests` message: how many requests it holds
+COUNT_HEADER = "rlf-count"
+#: on the live copy of a command: its sequence in the control stream
+SEQ_HEADER = "rlf-seq"
 SCHEMA_VERSION = "1.0"
 SCHEMA_MAJOR = 1
 

@@ -4,6 +4,9 @@ Who sends what:
 - the trainer's `FabricClient` publishes `RolloutRequest` to `<prefix>.rollout.request`;
 - a worker answers each sample with `RolloutResult`, or the whole request with
   `RolloutError`, on `<prefix>.rollout.result.<client_id>`.
+Both sides batch: several requests submitted together travel as one `RolloutRequests` (header
+`rlf-count`), and the replies a worker finished together for one client as one
+`RolloutReplies`.
 """
 
 from __future__ import annotations
@@ -116,3 +119,17 @@ class RolloutError(Message, tag_field="kind", tag="error", frozen=True, kw_only=
 
 
 RolloutReply = RolloutResult | RolloutError
+
+
+class RolloutRequests(Message, frozen=True, kw_only=True):
+    """Several requests in one persisted message: a `generate` call's batch, or requests
+    submitted together by concurrent calls. Redelivered as a whole; the client drops what it
+    already has."""
+
+    requests: list[RolloutRequest]
+
+
+class RolloutReplies(Message, tag_field="kind", tag="replies", frozen=True, kw_only=True):
+    """The replies a worker finished together for one client, in one persisted message."""
+
+    replies: list[RolloutResult | RolloutError]

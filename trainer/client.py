@@ -65,8 +65,14 @@ class FabricClient:
         self.watcher = MembershipWatcher(bus)
         self.broadcaster = Broadcaster(bus, self.watcher)
         self.desired = DesiredStateWriter(bus)
-        self.rollouts = RolloutPlane(bus, self.client_id)
+        self.rollouts = RolloutPlane(bus, self.client_id, max_batch=self._batch_limit)
         self._updates: WeightUpdates | None = None
+
+    def _batch_limit(self) -> int:
+        """Requests per persisted message: at most half the smallest worker's capacity (a
+        message goes to one worker: larger ones would leave the others idle), at most 64."""
+        caps = [m.capacity for m in self.watcher.members.values()]
+        return max(1, min(64, *caps) // 2) if caps else 8
 
     @classmethod
     @contextlib.asynccontextmanager

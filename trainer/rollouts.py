@@ -1,9 +1,15 @@
 """The trainer's data plane: requests into the workers' queue, each sample's result back
 exactly once, samples still missing at their deadline as typed errors.
 
+Requests submitted together (one call's batch, or concurrent calls: whatever is queued while
+the previous message is being stored) are persisted as one `RolloutRequests` message of up to
+`max_batch` requests; several such messages are in flight at once (PubAcks pipelined), and a
+call returns once every one of its requests is stored.
+
 Results arrive on `<prefix>.rollout.result.<client_id>` through an ordered consumer on the
-results stream; a redelivered request can produce a result twice, so results are deduplicated
-by (request_id, sample_index) here, at the one place that knows what is still awaited.
+results stream, singly or coalesced (`RolloutReplies`); a redelivered request can produce a
+result twice, so results are deduplicated by (request_id, sample_index) here, at the one
+place that knows what is still awaited.
 """
 
 from __future__ import annotations
@@ -11,29 +17,31 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.lowlevel
 import msgspec
-import nats.errors
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from rlfabric.bus import Bus
-from rlfabric.bus.errors import TRANSIENT
+from rlfabric.bus.outbox import Outbox
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
+    COUNT_HEADER,
     REQUEST_ID_HEADER,
     RolloutError,
+    RolloutReplies,
     RolloutReply,
     RolloutRequest,
+    RolloutRequests,
     RolloutResult,
     SchemaError,
     codec_for,
-    encode,
 )
 from rlfabric.schemas.validation import InvalidRequest, check_request
 from rlfabric.trainer.continuation import continuation, merge
@@ -53,27 +61,33 @@ class _Waiting:
 
 
 class RolloutPlane:
-    def __init__(self, bus: Bus, client_id: str) -> None:
+    def __init__(self, bus: Bus, client_id: str, *,
+                 max_batch: int | Callable[[], int] = 64) -> None:
         self.bus = bus
         self.client_id = client_id
         self.duplicates_dropped = 0
         self._waiting: dict[str, _Waiting] = {}
-        self._codec = codec_for(RolloutReply)
+        self._codec = codec_for(RolloutReply | RolloutReplies)
+        #: request messages go out through it (`outbox.messages`, `.items`: how they packed)
+        self.outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs),
+                             headers=self._request_headers, max_items=max_batch)
         # NOTE: submission ids never repeat, across calls, clients and restarts: a random
         # session part and a counter (the streams' dedupe windows key on them)
         self._session = uuid.uuid4().hex[:16]
         self._counter = itertools.count()
 
     async def listen(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Receive this client's results; started once the subscription is live."""
+        """Receive this client's results and send its requests; started once the results
+        subscription is live."""
         # NOTE: an ordered consumer re-creates itself from the last result it saw once two
         # idle heartbeats are missed: after a broker restart, within a second
         sub = await self.bus.js.subscribe(
             self.bus.subjects.rollout_result(self.client_id), cb=self._on_result,
             ordered_consumer=True, deliver_policy=DeliverPolicy.NEW, idle_heartbeat=0.5)
         try:
-            task_status.started()
-            await anyio.sleep_forever()
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.outbox.run)
+                task_status.started()
         finally:
             with anyio.CancelScope(shield=True):
                 await sub.unsubscribe()
@@ -83,6 +97,13 @@ class RolloutPlane:
             reply = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
         except SchemaError:
             return
+        if isinstance(reply, RolloutReplies):
+            for one in reply.replies:
+                self._take(one)
+        else:
+            self._take(reply)
+
+    def _take(self, reply: RolloutReply) -> None:
         w = self._waiting.get(reply.request_id)
         if w is None or reply.submission_id != w.request.submission_id:
             # a late duplicate of a finished request, or an earlier submission of a reused id
@@ -116,9 +137,6 @@ class RolloutPlane:
     async def submit(self, requests: Iterable[RolloutRequest],
                      sink: MemoryObjectSendStream[RolloutReply], *,
                      timeout: float | None = None) -> list[RolloutRequest]:
-        s = self.bus.subjects
-        sent = []
-        futures = []
         # every request checked before any is sent: a bad one refuses the whole call
         prepared = [self._prepare(req, timeout) for req in requests]
         ids = [r.request_id for r in prepared]
@@ -129,28 +147,17 @@ class RolloutPlane:
                                  "requests awaiting results")
         for req in prepared:
             self._waiting[req.request_id] = _Waiting(req, sink)
-            hdrs = self.bus.headers({
-                "Nats-Msg-Id": req.submission_id,
-                CLIENT_ID_HEADER: self.client_id, REQUEST_ID_HEADER: req.request_id,
-            })
-            data = encode(req)
-            try:
-                fut = await self.bus.js.publish_async(s.rollout_request, data, headers=hdrs)
-            except TRANSIENT:  # the connection is down: sent (and retried) below
-                fut = None
-            futures.append((fut, data, hdrs, req))
-            sent.append(req)
-        for fut, data, hdrs, req in futures:
-            try:
-                if fut is None:
-                    raise nats.errors.ConnectionReconnectingError
-                await fut  # persisted in the stream
-            except TRANSIENT:
-                # a reconnect or a broker restart: again until stored, as long as anyone
-                # waits for it (the submission id makes a repeat a duplicate)
-                await self.bus.persist(s.rollout_request, data, hdrs,
-                                       until=req.deadline or None)
-        return sent
+        until = (None if any(not r.deadline for r in prepared)
+                 else max(r.deadline for r in prepared))
+        # persisted (and retried through a reconnect) before this returns
+        await self.outbox.send(self.bus.subjects.rollout_request,
+                               [(r, r.submission_id) for r in prepared], until=until)
+        return prepared
+
+    def _request_headers(self, reqs: list[RolloutRequest]) -> dict[str, str]:
+        if len(reqs) == 1:
+            return {CLIENT_ID_HEADER: self.client_id, REQUEST_ID_HEADER: reqs[0].request_id}
+        return {CLIENT_ID_HEADER: self.client_id, COUNT_HEADER: str(len(reqs))}
 
     async def generate(self, requests: Iterable[RolloutRequest], *,
                        timeout: float | None = None) -> AsyncIterator[RolloutReply]:

@@ -3,10 +3,16 @@ serve them on a fixed set of lanes, publish each result before acking its reques
 
 - Pull requests are kept out for exactly the free capacity (`Puller`), none while held
   (paused, asleep) or draining; a request that lands as a pause does goes back (`nak`).
-- `capacity` serving lanes take the messages (no task per request); one sweeper sends
-  in-progress acks for requests generating longer than a third of `ack_wait`.
-- Every result is persisted (PubAck) before its request is acked, so a worker that dies
-  mid-request loses nothing: the request is redelivered to another. A broker restart is
+- A message holds one request or several (`RolloutRequests`, header `rlf-count`); credits
+  are messages, sized by the average number of requests a message brought.
+- `capacity` serving lanes take the requests (no task per request); one sweeper sends
+  in-progress acks for messages generating longer than a third of `ack_wait`.
+- Every result is persisted (PubAck) before its message is acked, so a worker that dies
+  mid-request loses nothing: the message is redelivered to another (and the client drops
+  results it already has). Results that finish together go out as one `RolloutReplies` per
+  client (`Outbox`): one PubAck for a burst, not one per result. A message with a request
+  that must be served again (handed back, waiting for a weight version) is naked once all
+  its requests are answered. A broker restart is
   ridden through: results are published again until stored (their `Nats-Msg-Id` makes a
   repeat a duplicate), pull requests are renewed on reconnect, and a message beyond the free
   capacity (pull requests the server kept across a reconnect) goes straight back.
@@ -16,7 +22,9 @@ serve them on a fixed set of lanes, publish each result before acking its reques
 from __future__ import annotations
 
 import logging
+import math
 import time
+from dataclasses import dataclass
 
 import anyio
 import msgspec
@@ -27,16 +35,21 @@ from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus, Registration
 from rlfabric.bus.errors import TRANSIENT
+from rlfabric.bus.outbox import Outbox
 from rlfabric.bus.pull import Puller
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
+    COUNT_HEADER,
     REQUEST_ID_HEADER,
     ErrorEvent,
+    MalformedMessage,
     RolloutError,
+    RolloutReplies,
     RolloutRequest,
+    RolloutRequests,
     SchemaError,
     codec_for,
     encode,
@@ -45,6 +58,16 @@ from rlfabric.schemas import (
 log = logging.getLogger("rlfabric.worker.rollouts")
 #: failures that are not the request's: it goes back to the stream for another try
 _HAND_BACK: tuple[type[Exception], ...] = (EngineDied, *TRANSIENT)
+
+
+@dataclass(eq=False)
+class _Delivery:
+    """One delivered message and its requests still being served."""
+
+    msg: Msg
+    left: int
+    t0: float
+    back: float | None = None  # set: nak with this delay once all are done (serve again)
 
 
 class RolloutServer:
@@ -66,17 +89,22 @@ class RolloutServer:
         self._idle.set()
         self._slot = Signal()  # a lane finished a request
         self._poke = Signal()  # hold, serve again, drain, a new version: the loop re-checks
-        self._load = Signal()  # in-flight count crossed 0 <-> 1 or reached capacity
-        self._working: dict[int, tuple[Msg, float]] = {}
+        self._load = Signal()  # a message taken, or nothing in flight any more
+        self._working: dict[int, _Delivery] = {}
         self._result_subjects: dict[str, str] = {}
         self._codec = codec_for(RolloutRequest)
+        self._batch_codec = codec_for(RolloutRequests)
+        self._per_msg = 1.0  # requests per delivered message, a moving average
+        #: results go out through it, coalesced per client (`outbox.messages`, `.items`)
+        self.outbox = Outbox(bus, combine=lambda replies: RolloutReplies(replies=replies))
         self._flood = RateLimited(log)
 
     # ---- what the runtime's commands change ----
     def hold(self) -> None:
         """Take no more requests (pause, sleep): the loop stops pulling."""
-        self.held = True
-        self._serving = anyio.Event()
+        if not self.held:  # held twice (pause, pause): the loop waits on the first event
+            self.held = True
+            self._serving = anyio.Event()
         self._poke.fire()
 
     def serve_again(self) -> None:
@@ -106,22 +134,35 @@ class RolloutServer:
         s = self.bus.subjects
         info = await self.bus.js.consumer_info(s.rollout_stream, s.rollout_consumer)
         self.ack_wait = info.config.ack_wait or self.ack_wait  # as the job's creator set it
-        send, recv = anyio.create_memory_object_stream[Msg](self.capacity)
+        # a message may hold several requests: the lanes' queue takes whatever came
+        send, recv = anyio.create_memory_object_stream[tuple[_Delivery, RolloutRequest]](
+            math.inf)
 
         async def on_message(msg: Msg) -> None:
             if self.held or self.draining:
                 await msg.nak(delay=0.5)  # landed as a pause did: back to the stream
                 return
-            if self.in_flight >= self.capacity:  # more than asked for: back, for anyone
-                await msg.nak()
+            try:
+                reqs = self._decode(msg)
+            except SchemaError as exc:
+                await self._reply_error(msg, None, "malformed", str(exc))
+                await msg.term()
+                self._slot.fire()  # its credit is spent and no lane will say so: pull again
                 return
-            self.in_flight += 1
+            if self.in_flight and self.in_flight + len(reqs) > self.capacity:
+                await msg.nak()  # more than we have room for: back, for anyone
+                return
+            d = _Delivery(msg, len(reqs), time.monotonic())
+            self._working[id(d)] = d
+            self._per_msg += 0.2 * (len(reqs) - self._per_msg)
+            self.in_flight += len(reqs)
             self._idle = anyio.Event()
-            if self.in_flight == 1 or self.in_flight == self.capacity:
-                self._load.fire()
-            send.send_nowait(msg)
+            self._load.fire()  # a message at a time: the fleet sees the load it took
+            for req in reqs:
+                send.send_nowait((d, req))
 
         async with anyio.create_task_group() as tg:
+            await tg.start(self.outbox.run)
             for _ in range(self.capacity):
                 tg.start_soon(self._lane, recv.clone())
             recv.close()
@@ -133,6 +174,15 @@ class RolloutServer:
             with send:  # closed once draining: lanes finish what they hold, then end
                 await self._pull(puller)
 
+    def _decode(self, msg: Msg) -> list[RolloutRequest]:
+        if COUNT_HEADER in (msg.headers or {}):
+            batch: RolloutRequests = self._batch_codec.decode(msg.data, msg.headers,
+                                                              subject=msg.subject)
+            if not batch.requests:
+                raise MalformedMessage(f"an empty request batch on {msg.subject!r}")
+            return batch.requests
+        return [self._codec.decode(msg.data, msg.headers, subject=msg.subject)]
+
     async def _pull(self, puller: Puller) -> None:
         """Keep pull requests out for exactly our free capacity, until draining."""
         while not self.draining:
@@ -142,7 +192,11 @@ class RolloutServer:
                 continue
             slot, kicked, poke = self._slot.event(), puller.kicked(), self._poke.event()
             try:
-                await puller.want(self.capacity - self.in_flight)
+                free = self.capacity - self.in_flight
+                # credits are messages; a message brings `_per_msg` requests on average: ask
+                # for as many as fit (one, whatever its size, when idle)
+                fit = int(free // max(1.0, self._per_msg))
+                await puller.want(max(fit, 1) if self.in_flight == 0 else fit)
             except nats.errors.Error as exc:  # a reconnect: try again shortly
                 log.warning("%s: pull request failed (%s); retrying", self.worker_id, exc)
                 await anyio.sleep(0.5)
@@ -161,56 +215,63 @@ class RolloutServer:
                 log.debug("in-flight count not published: %s", exc)
 
     async def _keep_alive(self) -> None:
-        """In-progress acks for every request generating longer than a third of ack_wait."""
+        """In-progress acks for every message generating longer than a third of ack_wait."""
         while True:
             await anyio.sleep(self.ack_wait / 3)
             cutoff = time.monotonic() - self.ack_wait / 3
-            for msg, t0 in list(self._working.values()):
-                if t0 < cutoff:
+            for d in list(self._working.values()):
+                if d.t0 < cutoff:
                     try:
-                        await msg.in_progress()
+                        await d.msg.in_progress()
                     except nats.errors.Error as exc:  # a reconnect: the next round sends it
                         log.debug("in-progress ack not sent: %s", exc)
 
-    async def _lane(self, recv: MemoryObjectReceiveStream[Msg]) -> None:
+    async def _lane(self, recv: MemoryObjectReceiveStream[tuple[_Delivery, RolloutRequest]]
+                    ) -> None:
         async with recv:
-            async for msg in recv:
-                self._working[id(msg)] = (msg, time.monotonic())
+            async for d, req in recv:
                 try:
-                    await self._serve_one(msg)
+                    await self._serve_one(d, req)
                 except anyio.get_cancelled_exc_class():
                     # stopped (an engine died, a drain ran out of grace): hand it back now
                     # rather than at ack_wait
                     with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                        await msg.nak()
+                        await d.msg.nak()
                     raise
                 except _HAND_BACK as exc:
-                    # not the request's fault (the engine died, the bus hiccuped): it goes
-                    # back to the stream for another try
-                    log.debug("request on %s handed back: %r", msg.subject, exc)
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                        await msg.nak(delay=0.25)
+                    # not the request's fault (the engine died, the bus hiccuped): its message
+                    # goes back to the stream for another try
+                    log.debug("request %s handed back: %r", req.request_id, exc)
+                    d.back = max(d.back or 0.0, 0.25)
                 except Exception as exc:  # never let one request take the worker down
-                    log.exception("request on %s failed", msg.subject)
-                    await self._reply_error(msg, None, "engine_error",
+                    log.exception("request %s failed", req.request_id)
+                    await self._reply_error(d.msg, req, "engine_error",
                                             f"{type(exc).__name__}: {exc}", retryable=True)
-                    await msg.ack()
                 finally:
-                    del self._working[id(msg)]
                     self.in_flight -= 1
                     self._slot.fire()
                     if self.in_flight == 0:
                         self._idle.set()
                         self._load.fire()  # idle: said at once too
+                d.left -= 1
+                if d.left == 0:
+                    await self._finish(d)
+
+    async def _finish(self, d: _Delivery) -> None:
+        """Every request of the message answered: ack it; or, if one must be served again
+        (handed back, waiting for a version), nak it: the client drops what it already has."""
+        del self._working[id(d)]
+        try:
+            if d.back is None:
+                await d.msg.ack()
+            else:
+                await d.msg.nak(delay=d.back)
+        except nats.errors.Error as exc:  # redelivered after ack_wait; duplicates dropped
+            log.debug("message not acked (%s): redelivered", exc)
 
     # ---- one request ----
-    async def _serve_one(self, msg: Msg) -> None:
-        try:
-            req = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
-        except SchemaError as exc:
-            await self._reply_error(msg, None, "malformed", str(exc))
-            await msg.term()
-            return
+    async def _serve_one(self, d: _Delivery, req: RolloutRequest) -> None:
+        msg = d.msg
         subject = self._result_subjects.get(req.client_id)
         if subject is None:
             try:
@@ -218,36 +279,32 @@ class RolloutServer:
             except ValueError:
                 await self._reply_error(msg, req, "bad_request", "request has no usable "
                                         f"client_id ({req.client_id!r})")
-                await msg.term()
                 return
             self._result_subjects[req.client_id] = subject
         if req.deadline and time.time() > req.deadline:  # nobody waits for it: out of the queue
             await self._reply_error(msg, req, "deadline_exceeded",
                                     f"request {req.request_id} expired before a worker took it")
-            await msg.ack()
             return
         if req.min_weight_version > self.engine.version:
-            await self._not_yet(msg, req)
+            await self._not_yet(d, req)
             return
         try:
             self.engine.check(req)
         except RequestRejected as exc:
             await self._reply_error(msg, req, exc.code, str(exc))
-            await msg.ack()
             return
         attempt = msg.metadata.num_delivered or 1
         # past its deadline + a margin nobody waits for a result: stop retrying the publish
         until = req.deadline + 10.0 if req.deadline else None
         async for res in self.engine.generate(req, worker_id=self.worker_id):
             res = msgspec.structs.replace(res, attempt=attempt, submission_id=req.submission_id)
-            await self.bus.persist(  # persisted (PubAck) before the request is acked
-                subject, encode(res),
-                self.bus.headers({"Nats-Msg-Id": _result_id(req, res.sample_index)}),
-                until=until)
-        await msg.ack()
+            # persisted (PubAck), coalesced with what finished meanwhile, before the request's
+            # message is acked
+            await self.outbox.send(subject, [(res, _result_id(req, res.sample_index))],
+                                   until=until)
         self.served += 1
 
-    async def _not_yet(self, msg: Msg, req: RolloutRequest) -> None:
+    async def _not_yet(self, d: _Delivery, req: RolloutRequest) -> None:
         """A request for weights newer than ours. If the fleet's desired version is that new
         (an update is on its way, or this worker is behind), it goes back to the stream for a
         while, backing off, so the requests behind it are served meanwhile. If no update to
@@ -257,15 +314,14 @@ class RolloutServer:
         want = req.min_weight_version
         if desired.weight_version < want and not req.deadline:
             await self._reply_error(
-                msg, req, "version_unavailable",
+                d.msg, req, "version_unavailable",
                 f"request {req.request_id} needs weight version >= {want}, but the fleet's "
                 f"desired version is {desired.weight_version} and no update to {want} was sent:"
                 " push it first, lower min_weight_version, or give the request a deadline to "
                 "wait for it", retryable=True)
-            await msg.ack()
             return
-        tries = msg.metadata.num_delivered or 1
-        await msg.nak(delay=min(1.0, 0.25 * 2 ** min(tries - 1, 2)))
+        tries = d.msg.metadata.num_delivered or 1
+        d.back = max(d.back or 0.0, min(1.0, 0.25 * 2 ** min(tries - 1, 2)))
 
     async def _reply_error(self, msg: Msg, req: RolloutRequest | None, code: str, message: str,
                            *, retryable: bool = False) -> None:

@@ -155,7 +155,9 @@ class Worker:
             case Describe():
                 return self._describe()
             case Shutdown():
-                self.drain()  # acked now; in-flight work finishes, then the worker leaves
+                # once acked (leaving first would read as "left" to the sender), in-flight
+                # work finishes, then the worker leaves
+                ctx.after_done(self.drain)
                 return None
         raise CommandFailed("unsupported", f"{type(cmd).__name__} is not supported by this "
                             f"worker ({self.engine.name} engine)")

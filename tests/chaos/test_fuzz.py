@@ -42,7 +42,7 @@ from rlfabric.tensors.models import build_model
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.anyio, pytest.mark.timeout(400)]
 
 TARGETS = ("control.pause", "control.update_weights", "control.shutdown", "control.zzz",
-           "rollout.request", "ack", "ping", "events", "result", "weights",
+           "live.pause", "rollout.request", "ack", "ping", "events", "result", "weights",
            "kv:members", "kv:state")
 PERSISTED = {"control.pause", "control.update_weights", "control.shutdown", "control.zzz",
              "rollout.request", "result", "weights"}
@@ -129,7 +129,8 @@ async def test_fuzz_every_subject_and_bucket_then_serve(nats_url, prefix, worker
                 "rollout.request": s.rollout_request, "ack": f"{prefix}.ack.{token or 'a'}",
                 "ping": s.ping("z0"), "events": s.events("error", token or "x"),
                 "result": s.rollout_result(fabric.client_id), "weights": f"{s.weights(0)}.{i}",
-            }.get(target) or (f"{prefix}.{target}" if target.startswith("control.") else "")
+            }.get(target) or (f"{prefix}.{target}" if target.startswith(("control.", "live."))
+                              else "")
             if subject.startswith(f"{prefix}.control.") and _stops_workers(body, headers):
                 sent["skipped: a well-formed shutdown/sleep"] += 1  # obeying it is right
                 continue
@@ -148,7 +149,9 @@ async def test_fuzz_every_subject_and_bucket_then_serve(nats_url, prefix, worker
         await bus.nc.flush()
         print(f"\nfuzz: {len(payload_list)} payloads: {dict(sorted(sent.items()))}")
 
-    assert [p.poll() for p in procs] == [None, None]  # every worker alive
+    dead = {i: p.communicate(timeout=10)[0][-3000:] for i, p in enumerate(procs)
+            if p.poll() is not None}
+    assert not dead, dead  # every worker alive (else: its last output)
     async with client() as fresh:  # a new client connects despite the garbage in the buckets
         # fake but well-formed member entries (nobody heartbeats them) expire with the TTL
         await fresh.watcher.wait_until(lambda s: set(s.worker_ids) == {"z0", "z1"},

@@ -119,9 +119,11 @@ async def test_bad_requests_get_typed_errors_and_the_worker_goes_on(client, work
                                                                    monkeypatch) -> None:
     from rlfabric.schemas.validation import InvalidRequest
 
-    workers(["b0"])
-    async with client() as fabric:
+    workers(["b0"], "--capacity", "1")  # one credit at a time: a message that is not a
+    async with client() as fabric:      # request must not keep the credit it used
         await fabric.wait_for_workers(1, timeout=60)
+        for i in range(3):
+            await fabric.bus.js.publish(fabric.bus.subjects.rollout_request, b"\xc1junk%d" % i)
         anyone = [  # wrong for any engine: the client refuses them before sending
             req("negative", [256, -1], max_tokens=4),
             req("zero-tokens", [256, 1], max_tokens=0),
@@ -139,7 +141,8 @@ async def test_bad_requests_get_typed_errors_and_the_worker_goes_on(client, work
         sent = [b for b in anyone if b.sampling.n]
         out.update({r.request_id: r for r in await collect(fabric, sent)})
         out.update({r.request_id: r async for r in fabric.generate([anyone[2]], timeout=30)})
-        good = await collect(fabric, [req("good", [256, 1, 2], max_tokens=5, seed=1)])
+        good = await collect(fabric, [req("good", [256, 1, 2], max_tokens=5, seed=1)],
+                             timeout=30)
     assert all(isinstance(r, RolloutError) and r.worker_id == "b0" for r in out.values())
     assert out["vocab"].code == "bad_request" and "5000" in out["vocab"].message
     assert out["negative"].code == "bad_request"
@@ -156,6 +159,7 @@ async def test_paused_worker_takes_nothing_until_resume(client, workers) -> None
         await fabric.wait_for_workers(1, timeout=60)
         rep = await fabric.pause(mode="wait")
         assert rep.ok == ("z0",)
+        assert (await fabric.pause(mode="wait")).ok == ("z0",)  # paused twice, resumed once
         reqs = [req(f"r{i}", [256, i], max_tokens=4, seed=i) for i in range(20)]
         out: list = []
         got_one = anyio.Event()
@@ -171,7 +175,9 @@ async def test_paused_worker_takes_nothing_until_resume(client, workers) -> None
                 await got_one.wait()
             assert out == []
             stream = await fabric.bus.js.stream_info(fabric.bus.subjects.rollout_stream)
-            assert stream.state.messages == 20  # all still in the stream: none was served
+            # all still in the stream, none served (requests sent together share a message)
+            assert fabric.rollouts.outbox.items == 20
+            assert stream.state.messages == fabric.rollouts.outbox.messages
             desc = (await fabric.describe()).acks["z0"].detail
             assert desc["in_flight"] == "0" and desc["served"] == "0"
             snap = await fabric.snapshot()

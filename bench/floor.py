@@ -1,0 +1,139 @@
+"""The floor rows of the benchmarks: the same message pattern done with nats-py directly (no
+rlfabric), so a table shows what rlfabric adds on top of NATS itself.
+
+Responder processes (the trainer side of each pattern lives in its benchmark module):
+
+    python -m rlfabric.bench.floor control --nats URL --subject S --count N
+        N core subscriptions on S.>; each answers every message with a few bytes published
+        to the subject in the message's `ack-to` header.
+    python -m rlfabric.bench.floor rollout --nats URL --subject S
+        pulls from the durable consumer `FLOOR` of the stream holding S: every message is a
+        batch of packed requests (msgspec); it answers with as many packed results, persisted
+        with one JetStream publish to the subject in the `reply-to` header, then acks.
+    python -m rlfabric.bench.floor weights --nats URL --subject S
+        answers a request on S (JSON: stream, subject, chunks, chunk_bytes, size) once it has
+        read every chunk of that subject from the stream (an ordered push consumer) into one
+        buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+
+import anyio
+import msgspec
+import nats
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+
+ACK_TO = "ack-to"
+REPLY_TO = "reply-to"
+
+
+class FloorRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    prompt: bytes  # int32 token ids
+    max_tokens: int
+
+
+class FloorResult(msgspec.Struct, array_like=True):
+    request_id: str
+    tokens: bytes  # int32 token ids
+    logprobs: bytes  # float32
+
+
+def echo(req: FloorRequest) -> FloorResult:
+    """What the null engine does: the prompt's tokens back, cycled to `max_tokens`, with
+    zero logprobs."""
+    need = 4 * req.max_tokens
+    toks = (req.prompt * (need // max(1, len(req.prompt)) + 1))[:need]
+    return FloorResult(request_id=req.request_id, tokens=toks, logprobs=bytes(need))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    nc = await nats.connect(args.nats, name="rlfabric-floor", pending_size=64 * 1024 * 1024)
+    subs = []
+    puller: asyncio.Future[None] | None = None
+    if args.pattern == "control":
+        for i in range(args.count):
+            me = f"f{i}".encode()
+
+            async def answer(msg: Msg, me: bytes = me) -> None:
+                await nc.publish((msg.headers or {})[ACK_TO], me)
+
+            subs.append(await nc.subscribe(f"{args.subject}.>", cb=answer))
+    elif args.pattern == "rollout":
+        js = nc.jetstream(publish_async_max_pending=4096)
+        dec = msgspec.msgpack.Decoder(list[FloorRequest])
+        enc = msgspec.msgpack.Encoder()
+        psub = await js.pull_subscribe(args.subject, durable="FLOOR")
+
+        async def pull() -> None:
+            while True:
+                try:
+                    msgs = await psub.fetch(16, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    continue
+                futs = []
+                for msg in msgs:
+                    results = [echo(r) for r in dec.decode(msg.data)]
+                    futs.append(await js.publish_async((msg.headers or {})[REPLY_TO],
+                                                       enc.encode(results)))
+                for fut, msg in zip(futs, msgs, strict=True):
+                    await fut  # persisted before the request is acked
+                    await msg.ack()
+
+        puller = asyncio.ensure_future(pull())
+    elif args.pattern == "weights":
+        js = nc.jetstream()
+
+        async def read(msg: Msg) -> None:
+            job = json.loads(msg.data)
+            buf = bytearray(job["size"])
+            got = 0
+            done = anyio.Event()
+
+            async def chunk(m: Msg) -> None:
+                nonlocal got
+                off = int(m.subject.rsplit(".", 1)[1]) * job["chunk_bytes"]
+                buf[off:off + len(m.data)] = m.data
+                got += 1
+                if got >= job["chunks"]:
+                    done.set()
+
+            sub = await js.subscribe(f"{job['subject']}.>", stream=job["stream"], cb=chunk,
+                                     ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+            await done.wait()
+            await sub.unsubscribe()
+            await msg.respond(b"done")
+
+        subs.append(await nc.subscribe(args.subject, cb=read))
+    await nc.flush()
+    print(f"floor: {args.pattern} ready", flush=True)
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            break
+    if puller is not None:
+        puller.cancel()
+    for sub in subs:
+        await sub.unsubscribe()
+    await nc.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlfabric.bench.floor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("pattern", choices=("control", "rollout", "weights"))
+    p.add_argument("--nats", required=True)
+    p.add_argument("--subject", required=True)
+    p.add_argument("--count", type=int, default=1, help="responders (control)")
+    anyio.run(serve, p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

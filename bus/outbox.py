@@ -1,0 +1,151 @@
+"""`Outbox`: JetStream publishes coalesced per subject, PubAcks pipelined.
+
+    outbox = Outbox(bus, combine=lambda msgs: RolloutReplies(replies=msgs), headers=...)
+    await tg.start(outbox.run)
+    await outbox.send(subject, [(msg, msg_id)], until=deadline)   # returns once stored
+
+Whatever is queued while earlier messages are on their way goes out as one message (up to
+`max_items`, a number or a function asked at each message, and `max_bytes`): a burst of n
+small messages costs a few PubAcks, not n, and nothing waits for a window to close. Several
+combined messages are in flight at once. A single item goes as itself, so a receiver decodes
+either the message type or its combination.
+
+Every combined message carries a `Nats-Msg-Id` derived from its items' ids, so a retry after
+a lost PubAck (a reconnect, a broker restart: `Bus.persist`) is dropped by the stream as a
+duplicate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import TaskGroup, TaskStatus
+
+from rlfabric.bus.errors import TRANSIENT
+from rlfabric.bus.session import Bus
+from rlfabric.bus.sync import Signal
+from rlfabric.schemas import encode
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """The items of one `send` call until they are all stored."""
+
+    left: int
+    until: float | None
+    done: anyio.Event = field(default_factory=anyio.Event)
+    error: BaseException | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    subject: str
+    msg: Any
+    msg_id: str
+    data: bytes
+    ticket: _Ticket
+
+
+class Outbox:
+    def __init__(self, bus: Bus, *, combine: Callable[[list[Any]], Any],
+                 headers: Callable[[list[Any]], dict[str, str]] | None = None,
+                 max_items: int | Callable[[], int] = 64, max_bytes: int | None = None
+                 ) -> None:
+        self.bus = bus
+        self.combine = combine
+        self.extra_headers = headers
+        self.max_items = max_items
+        self.max_bytes = max_bytes or max(64 * 1024, bus.nc.max_payload // 2)
+        #: messages stored, and the items they held
+        self.messages = 0
+        self.items = 0
+        self._queue: deque[_Item] = deque()
+        self._queued = Signal()
+        self._tg: TaskGroup | None = None
+
+    async def send(self, subject: str, items: list[tuple[Any, str]], *,
+                   until: float | None = None) -> None:
+        """Queue `(message, msg_id)` pairs for `subject`; return once all are stored, or
+        raise the error that stopped one (retried until `until`, a `time.time()`; None: until
+        stored). Cancelled before they went out, they are not sent."""
+        if not items:
+            return
+        if self._tg is None:
+            raise RuntimeError("Outbox.send before Outbox.run started")
+        ticket = _Ticket(left=len(items), until=until)
+        for msg, msg_id in items:
+            self._queue.append(_Item(subject, msg, msg_id, encode(msg), ticket))
+        self._queued.fire()
+        try:
+            await ticket.done.wait()
+        except BaseException:
+            self._queue = deque(i for i in self._queue if i.ticket is not ticket)
+            raise
+        if ticket.error is not None:
+            raise ticket.error
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            try:
+                while True:
+                    queued = self._queued.event()
+                    if not self._queue:
+                        await queued.wait()
+                        continue
+                    tg.start_soon(self._store, self._take())
+                    await anyio.lowlevel.checkpoint()  # let senders queue more meanwhile
+            finally:
+                self._tg = None
+
+    def _take(self) -> list[_Item]:
+        """The oldest item and what follows it for the same subject, up to the limits."""
+        first = self._queue.popleft()
+        batch, size, rest = [first], len(first.data), deque[_Item]()
+        limit = self.max_items() if callable(self.max_items) else self.max_items
+        while self._queue and len(batch) < limit:
+            item = self._queue.popleft()
+            if item.subject != first.subject or size + len(item.data) > self.max_bytes:
+                rest.append(item)
+                continue
+            batch.append(item)
+            size += len(item.data)
+        rest.extend(self._queue)
+        self._queue = rest
+        return batch
+
+    async def _store(self, batch: list[_Item]) -> None:
+        msgs = [i.msg for i in batch]
+        if len(batch) == 1:
+            data, msg_id = batch[0].data, batch[0].msg_id
+        else:
+            data, msg_id = encode(self.combine(msgs)), f"{batch[0].msg_id}+{len(batch)}"
+        extra = self.extra_headers(msgs) if self.extra_headers else {}
+        hdrs = self.bus.headers({**extra, "Nats-Msg-Id": msg_id})
+        subject = batch[0].subject
+        error: BaseException | None = None
+        try:
+            try:
+                fut = await self.bus.js.publish_async(subject, data, headers=hdrs)
+                await fut
+            except TRANSIENT:  # a reconnect or a broker restart: until stored
+                untils = [i.ticket.until for i in batch]
+                until = None if None in untils else max(u for u in untils if u is not None)
+                await self.bus.persist(subject, data, hdrs, until=until)
+        except Exception as exc:
+            error = exc
+        self.messages += 1
+        self.items += len(batch)
+        for item in batch:
+            t = item.ticket
+            t.left -= 1
+            if error is not None and t.error is None:
+                t.error = error
+            if t.left == 0 or t.error is not None:
+                t.done.set()

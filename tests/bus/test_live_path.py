@@ -1,0 +1,144 @@
+"""The live path of commands keeps the guarantees of the log: every worker applies the same
+gapless sequence exactly once, whatever reached it live and whatever it had to read back."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+from rlfabric.bus import (
+    Broadcaster,
+    Bus,
+    CommandReceiver,
+    Limits,
+    MembershipWatcher,
+    QuorumPolicy,
+    Registration,
+    new_cmd_id,
+    new_worker_info,
+)
+from rlfabric.bus.receiver import CommandContext
+from rlfabric.schemas import Command, Describe, Pause, ResetPrefixCache, Resume, Sleep, Wake
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio]
+
+
+class Log:
+    def __init__(self) -> None:
+        self.applied: list[tuple[int, str]] = []
+        self._news = anyio.Event()
+
+    async def handle(self, cmd: Command, ctx: CommandContext) -> None:
+        self.applied.append((cmd.seq, cmd.cmd_id))
+        self._news.set()
+        self._news = anyio.Event()
+
+    async def until(self, n: int) -> None:
+        while len(self.applied) < n:
+            news = self._news
+            await news.wait()
+
+
+def mixed(rng: random.Random) -> Command:
+    return rng.choice([
+        lambda: Pause(cmd_id=new_cmd_id(), mode=rng.choice(["wait", "abort", "keep"])),
+        lambda: Resume(cmd_id=new_cmd_id()),
+        lambda: Describe(cmd_id=new_cmd_id()),
+        lambda: ResetPrefixCache(cmd_id=new_cmd_id()),
+        lambda: Sleep(cmd_id=new_cmd_id(), level=1),
+        lambda: Wake(cmd_id=new_cmd_id()),
+    ])()
+
+
+async def test_two_senders_1000_commands_8_workers_same_gapless_sequence(nats_url, prefix):
+    workers = [f"w{i}" for i in range(8)]
+    logs = {w: Log() for w in workers}
+    receivers: dict[str, CommandReceiver] = {}
+    limits = Limits(member_ttl=5.0)
+    async with Bus.connect(nats_url, prefix=prefix, limits=limits) as wbus, \
+            Bus.connect(nats_url, prefix=prefix, limits=limits) as wbus2, \
+            anyio.create_task_group() as wtg:
+        for i, w in enumerate(workers):  # two worker connections, four workers each
+            bus = wbus if i % 2 == 0 else wbus2
+            receivers[w] = CommandReceiver(bus, w, logs[w].handle)
+            await wtg.start(receivers[w].run)
+            await wtg.start(Registration(bus, new_worker_info(w, engine="t", model="m")).run)
+        sent: dict[str, list[int]] = {}
+
+        async def sender(name: str, n: int, seed: int) -> None:
+            rng = random.Random(seed)
+            async with Bus.connect(nats_url, prefix=prefix, limits=limits) as bus, \
+                    anyio.create_task_group() as tg:
+                watcher = MembershipWatcher(bus)
+                await tg.start(watcher.run)
+                await watcher.wait_until(lambda s: len(s.members) == 8, timeout=20)
+                bc = Broadcaster(bus, watcher)
+                seqs = []
+                for _ in range(n):
+                    async with bc.open(mixed(rng)) as fo:
+                        rep = await fo.wait("done", QuorumPolicy(timeout=30))
+                        assert sorted(rep.ok) == workers, rep
+                        seqs.append(fo.cmd.seq)
+                sent[name] = seqs
+                tg.cancel_scope.cancel()
+
+        with anyio.fail_after(240):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender, "a", 500, 1)
+                tg.start_soon(sender, "b", 500, 2)
+        all_seqs = sorted(sent["a"] + sent["b"])
+        assert len(all_seqs) == 1000 and len(set(all_seqs)) == 1000
+        assert all_seqs == list(range(all_seqs[0], all_seqs[0] + 1000))  # gapless
+        first = logs[workers[0]].applied
+        assert [s for s, _ in first] == all_seqs  # in stream order, each once
+        assert len({c for _, c in first}) == 1000
+        for w in workers[1:]:
+            assert logs[w].applied == first, w  # the very same sequence on every worker
+        live = sum(r.applied_live for r in receivers.values())
+        read = sum(r.caught_up for r in receivers.values())
+        assert live + read == 8000
+        print(f"8 workers x 1000 commands: {live} applied from the live copy, {read} read "
+              "back from the stream (the two senders' copies overtaking each other)")
+        wtg.cancel_scope.cancel()
+
+
+async def test_a_worker_that_misses_live_copies_catches_up_in_order(fabric):
+    a, b = Log(), Log()
+    async with fabric() as (bus, watcher, bc, tg):
+        ra = CommandReceiver(bus, "wa", a.handle)
+        rb = CommandReceiver(bus, "wb", b.handle, poll=0.5)
+        await tg.start(ra.run)
+        await tg.start(rb.run)
+        await tg.start(Registration(bus, new_worker_info("wa", engine="t", model="m")).run)
+        await watcher.wait_until(lambda s: s.worker_ids == ("wa",), timeout=10)
+        await rb.live_sub.unsubscribe()  # its core subscription cut: no more live copies
+        cmds = [Pause(cmd_id=new_cmd_id()) if i % 2 == 0 else Resume(cmd_id=new_cmd_id())
+                for i in range(20)]
+        for cmd in cmds:
+            rep = await bc.broadcast(cmd, QuorumPolicy(timeout=10))
+            assert rep.ok == ("wa",)
+        assert b.applied == []  # nothing reached it live
+        with anyio.fail_after(10):  # its poll reads them back
+            await b.until(20)
+        assert b.applied == a.applied  # same commands, same seqs, same order
+        assert [c for _, c in b.applied] == [c.cmd_id for c in cmds]
+        assert rb.caught_up == 20 and rb.applied_live == 0
+
+
+async def test_a_lost_live_copy_is_read_back_when_the_sender_probes(fabric):
+    """No poll for a long while: the sender's probe (a ping carrying the seq) is what tells
+    the worker to read the command from the stream."""
+    log = Log()
+    async with fabric() as (bus, watcher, bc, tg):
+        r = CommandReceiver(bus, "w1", log.handle, poll=3600)
+        await tg.start(r.run)
+        await tg.start(Registration(bus, new_worker_info("w1", engine="t", model="m")).run)
+        await watcher.wait_until(lambda s: s.worker_ids == ("w1",), timeout=10)
+        await r.live_sub.unsubscribe()
+        with anyio.fail_after(5):
+            rep = await bc.broadcast(Pause(cmd_id=new_cmd_id()),
+                                     QuorumPolicy(timeout=5, probe_interval=0.1))
+        assert rep.ok == ("w1",) and r.caught_up == 1 and r.applied_live == 0
+        assert rep.elapsed_s < 2.0
