@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 
 from rlfabric.bus.errors import NatsAuthFailed, NatsUnavailable
@@ -106,6 +108,9 @@ class Link:
         #: subjects (lowercased) the server refused this client, with when and its words
         self.refused: dict[str, tuple[float, str]] = {}
         self.refusals = Signal()
+        #: PubAck futures of pipelined publishes (`Bus.publish_stored`): failed on a reconnect,
+        #: since the PubAck of a publish sent on the old connection may never come
+        self.pending_acks: set[asyncio.Future[Any]] = set()
 
     def refusal(self, subject: str, since: float = 0.0) -> str | None:
         """The server's words if it refused `subject` to this client at or after `since`
@@ -137,6 +142,9 @@ class _ConnLog:
     async def reconnected(self) -> None:
         self.link.up, self.link.since = True, time.monotonic()
         self.link.reconnects += 1
+        for fut in self.link.pending_acks:
+            if not fut.done():
+                fut.set_exception(nats.errors.ConnectionReconnectingError())
         self.link.reconnected.fire()
         if self.up:
             log.info("nats: reconnected to %s", self.servers)

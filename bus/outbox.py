@@ -132,8 +132,7 @@ class Outbox:
         error: BaseException | None = None
         try:
             try:
-                fut = await self.bus.js.publish_async(subject, data, headers=hdrs)
-                await fut
+                await self.bus.publish_stored(subject, data, hdrs)
             except TRANSIENT:  # a reconnect or a broker restart: until stored
                 untils = [i.ticket.until for i in batch]
                 until = None if None in untils else max(u for u in untils if u is not None)

@@ -137,6 +137,23 @@ class Bus:
             await wait_any(reconnected, timeout=delay)
             delay = min(2 * delay, 1.0)
 
+    async def publish_stored(self, subject: str, data: bytes | memoryview,
+                             headers: dict[str, str] | None = None, *,
+                             timeout: float = 5.0) -> PubAck:
+        """A JetStream publish that others may be in flight beside (pipelined); returns its
+        PubAck. A reconnect before the PubAck came (it may be lost with the old connection)
+        or none within `timeout` raises a `TRANSIENT` error: retry with the same
+        `Nats-Msg-Id` (`persist`) and a stored one is dropped as a duplicate."""
+        fut = await self.js.publish_async(subject, data, headers=headers)  # type: ignore[arg-type]  # any buffer goes; a view spares a copy
+        self.link.pending_acks.add(fut)
+        try:
+            with anyio.fail_after(timeout):
+                return await fut
+        except TimeoutError:  # `fut` is cancelled with the wait: its pending slot is freed
+            raise nats.errors.TimeoutError from None
+        finally:
+            self.link.pending_acks.discard(fut)
+
     async def refused_or(self, subject: str, call: Callable[[], Awaitable[T]]) -> T:
         """`await call()`, unless the server refuses this client `subject` meanwhile (a
         permissions violation comes back as an asynchronous error, and the call would wait

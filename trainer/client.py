@@ -175,8 +175,9 @@ class FabricClient:
         weights = module if module is not None else state_dict
         if weights is None:
             raise TypeError("update_weights needs state_dict= or module=")
-        staged = await self.stage_weights(version, weights, transport,
-                                          with_checksum=verify == "sender")
+        # nats: the chunks are sent while the command is out (workers read as they land)
+        staged = await self.updates.stage(version, weights, transport, mark_stable=True,
+                                          with_checksum=verify == "sender", send_now=False)
         return await self.push_weights(staged, target=target, policy=policy, verify=verify)
 
     async def push_weights(self, staged: Staged, *, target: Target | None = None,

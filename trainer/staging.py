@@ -5,7 +5,9 @@
 - `filesystem`: `<root>/<prefix>/v<version>/weights.bin`, fsynced, then a `STABLE` marker;
   workers wait for the marker, so a checkpoint writer may finish after the command is sent.
 - `nats`: 4 MiB chunks on `<prefix>.weights.<version>` in the weights stream (any host);
-  older versions are purged once a newer one is in place.
+  older versions are purged once a newer one is in place. Staged by `update_weights`, the
+  chunks are sent while the command is out: each worker's consumer reads a chunk as soon as
+  it is stored, so publish and read overlap (the command carries the chunk count).
 - `collective`: a flat buffer broadcast from rank 0 over an initialised group (gloo on CPU,
   NCCL on CUDA), two-phase (`ready`, then `done`).
 """
@@ -18,8 +20,9 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import Any
@@ -28,6 +31,7 @@ import anyio
 import torch
 
 from rlfabric.bus import Bus
+from rlfabric.bus.errors import TRANSIENT
 from rlfabric.schemas import (
     TRANSPORTS,
     Base,
@@ -52,6 +56,7 @@ log = logging.getLogger("rlfabric.trainer.staging")
 
 NATS_CHUNK = 4 * 1024 * 1024
 NATS_WINDOW = 16  # chunks in flight: bounds the client's buffer, keeps the pipe full
+NATS_RETRY_S = 60.0  # a chunk not stored after a reconnect is retried this long, then fails
 
 Release = Callable[[], Awaitable[None] | None]
 
@@ -66,6 +71,8 @@ class Staged:
     expected_checksum: str
     nbytes: int
     flat: torch.Tensor | None = None  # collective: the uint8 tensor rank 0 broadcasts
+    #: nats staged with `send_now=False`: sends the chunks; `push` runs it beside the command
+    unsent: Callable[[], Coroutine[Any, Any, None]] | None = None
     _release: list[Release] = field(default_factory=list)
     _stable: Callable[[], None] | None = None
 
@@ -118,7 +125,7 @@ class WeightStager:
 
     async def stage(self, version: int, state: Mapping[str, Any], transport: str, *,
                     mark_stable: bool = True, group_epoch: int = 0,
-                    with_checksum: bool = True) -> Staged:
+                    with_checksum: bool = True, send_now: bool = True) -> Staged:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: use one of {', '.join(TRANSPORTS)} "
                              "(cuda_ipc needs a GPU build and is not available here)")
@@ -132,7 +139,7 @@ class WeightStager:
                 st.mark_stable()
             return st
         if transport == "nats":
-            return await self._stage_nats(version, state, metas, size, expected)
+            return await self._stage_nats(version, state, metas, size, expected, send_now)
         return await self._stage_collective(version, state, metas, size, expected, group_epoch)
 
     async def _stage_shm(self, version: int, state: Mapping[str, Any], metas: Any, size: int,
@@ -183,33 +190,53 @@ class WeightStager:
         return st
 
     async def _stage_nats(self, version: int, state: Mapping[str, Any], metas: Any, size: int,
-                          expected: str) -> Staged:
+                          expected: str, send_now: bool) -> Staged:
         s = self.bus.subjects
         buf = bytearray(size)
         dg = await anyio.to_thread.run_sync(_pack, state, metas, buf)
         subject = s.weights(version)
         js = self.bus.js
         await js.purge_stream(s.weights_stream, subject=f"{subject}.>")  # a re-send starts clean
-        view = memoryview(buf)
-        pending: list[Any] = []
-        chunks = 0
-        for off in range(0, size, NATS_CHUNK):
-            # NOTE: no headers: nats-py copies the payload to prepend them (half the speed)
-            fut = await js.publish_async(f"{subject}.{chunks}",
-                                         view[off:off + NATS_CHUNK])  # type: ignore[arg-type]  # any buffer goes; a view avoids a 4 MiB copy per chunk
-            pending.append(fut)
-            chunks += 1
-            if len(pending) >= NATS_WINDOW:
-                await pending.pop(0)
-        for fut in pending:
-            await fut
+
+        async def send() -> None:
+            view = memoryview(buf)
+
+            async def one(i: int) -> None:
+                # NOTE: no headers: nats-py copies the payload to prepend them (half the
+                # speed). A reconnect or a lost PubAck: sent again (a chunk stored twice is
+                # read once: workers count chunk indices, not messages)
+                chunk = view[i * NATS_CHUNK:(i + 1) * NATS_CHUNK]
+                try:
+                    await self.bus.publish_stored(f"{subject}.{i}", chunk)
+                except TRANSIENT:
+                    await self.bus.persist(f"{subject}.{i}", bytes(chunk), {},
+                                           until=time.time() + NATS_RETRY_S)
+
+            # NATS_WINDOW chunks in flight at a time
+            async with anyio.create_task_group() as tg:
+                window = anyio.Semaphore(NATS_WINDOW)
+                for i in range(chunks):
+                    await window.acquire()
+
+                    async def go(i: int = i) -> None:
+                        try:
+                            await one(i)
+                        finally:
+                            window.release()
+
+                    tg.start_soon(go)
 
         async def purge() -> None:
             await js.purge_stream(s.weights_stream, subject=f"{subject}.>")
 
+        chunks = -(-size // NATS_CHUNK)
         st = Staged(version, Nats(stream=s.weights_stream, subject=subject, chunks=chunks,
                                   chunk_bytes=NATS_CHUNK, tensors=metas), dg, expected, size)
         st._release.append(purge)
+        if send_now:
+            await send()
+        else:
+            st.unsent = send
         return st
 
     async def _stage_collective(self, version: int, state: Mapping[str, Any], metas: Any,

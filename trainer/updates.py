@@ -63,9 +63,10 @@ class WeightUpdates:
             self._group.close()
 
     async def stage(self, version: int, weights: Any, transport: str, *, mark_stable: bool,
-                    with_checksum: bool) -> Staged:
+                    with_checksum: bool, send_now: bool = True) -> Staged:
         return await self.stager.stage(version, as_state_dict(weights), transport,
-                                       mark_stable=mark_stable, with_checksum=with_checksum)
+                                       mark_stable=mark_stable, with_checksum=with_checksum,
+                                       send_now=send_now)
 
     async def push(self, staged: Staged, *, target: Target | None, policy: QuorumPolicy,
                    verify: Verify) -> FanoutReport:
@@ -84,7 +85,7 @@ class WeightUpdates:
                 # a worker joining during the update loads this version itself
                 async with self.desired.during(rollback=True, weight_version=staged.version,
                                                locator=cmd):
-                    rep = await self.broadcaster.broadcast(cmd, policy)
+                    rep = await self._broadcast_sending(cmd, staged, policy)
                     self._check(rep, staged, verify)
         except Exception:
             await staged.release()
@@ -93,6 +94,17 @@ class WeightUpdates:
             await self._current.release()  # the previous version is no longer anyone's to load
         self._current = staged
         return rep
+
+    async def _broadcast_sending(self, cmd: UpdateWeights, staged: Staged,
+                                 policy: QuorumPolicy) -> FanoutReport:
+        """The command, and beside it the chunks still unsent (workers read each one as it is
+        stored); a failed send cancels the wait and is raised."""
+        send, staged.unsent = staged.unsent, None
+        if send is None:
+            return await self.broadcaster.broadcast(cmd, policy)
+        async with beside() as tg:
+            tg.start_soon(send)
+            return await self.broadcaster.broadcast(cmd, policy)
 
     def _check(self, rep: FanoutReport, staged: Staged, verify: Verify) -> None:
         if verify == "off":

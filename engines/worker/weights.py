@@ -191,13 +191,18 @@ class WeightSync:
         """Every chunk of this version from the weights stream, into one buffer (an ordered
         push consumer: flow-controlled by the server, no pull round trips)."""
         buf = bytearray(size)
+        seen = bytearray(t.chunks)  # by chunk index: a chunk the sender stored twice counts once
         got = 0
         done = anyio.Event()
 
         async def on_chunk(m: Msg) -> None:
             nonlocal got
-            off = int(m.subject.rsplit(".", 1)[1]) * t.chunk_bytes
+            i = int(m.subject.rsplit(".", 1)[1])
+            if i >= t.chunks or seen[i]:
+                return
+            off = i * t.chunk_bytes
             buf[off:off + len(m.data)] = m.data
+            seen[i] = 1
             got += 1
             if got >= t.chunks:
                 done.set()

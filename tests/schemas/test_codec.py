@@ -67,6 +67,8 @@ def strategy(tp: Any) -> st.SearchStrategy[Any]:
         if len(args) == 2 and args[1] is Ellipsis:
             return st.lists(strategy(args[0]), max_size=4).map(tuple)
         return st.tuples(*(strategy(a) for a in args))
+    if origin is list:
+        return st.lists(strategy(typing.get_args(tp)[0]), max_size=4)
     if origin is dict:
         k, v = typing.get_args(tp)
         return st.dictionaries(strategy(k), strategy(v), max_size=3)

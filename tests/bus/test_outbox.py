@@ -1,0 +1,80 @@
+"""Pipelined JetStream publishes: `Outbox` coalescing, and a PubAck that never comes (lost
+with a broker restart, or swallowed) raised as an error to retry, never waited on forever."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import nats.errors
+import pytest
+
+from rlfabric.bus import Bus, EmbeddedNats
+from rlfabric.bus.outbox import Outbox
+from rlfabric.schemas import COUNT_HEADER, RolloutRequest, RolloutRequests, codec_for
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio]
+
+
+async def test_a_burst_goes_out_in_few_messages_and_every_item_is_stored_once(
+        nats_url, prefix) -> None:
+    async with Bus.connect(nats_url, prefix=prefix) as bus:
+        s = bus.subjects
+        outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs), max_items=16,
+                        headers=lambda reqs: {COUNT_HEADER: str(len(reqs))} if len(reqs) > 1
+                        else {})
+        reqs = [RolloutRequest(request_id=f"r{i}", prompt_token_ids=[1, i]) for i in range(100)]
+        async with anyio.create_task_group() as tg:
+            await tg.start(outbox.run)
+            async with anyio.create_task_group() as senders:  # 100 concurrent callers
+                for r in reqs:
+                    senders.start_soon(outbox.send, s.rollout_request, [(r, r.request_id)])
+            tg.cancel_scope.cancel()
+        info = await bus.js.stream_info(s.rollout_stream)
+        one, many = codec_for(RolloutRequest), codec_for(RolloutRequests)
+        stored = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            raw = await bus.js.get_msg(s.rollout_stream, seq)
+            if COUNT_HEADER in (raw.headers or {}):
+                stored += many.decode(raw.data, raw.headers).requests
+            else:
+                stored.append(one.decode(raw.data, raw.headers))
+    assert sorted(r.request_id for r in stored) == sorted(r.request_id for r in reqs)
+    assert outbox.items == 100 and info.state.messages == outbox.messages
+    assert 100 // 16 <= outbox.messages < 50  # coalesced, within max_items
+
+
+async def test_a_pub_ack_that_never_comes_is_a_transient_error(tmp_path) -> None:
+    srv = EmbeddedNats(store_dir=str(tmp_path / "store"))
+    await anyio.to_thread.run_sync(srv.start)
+    try:
+        async with Bus.connect(srv.url, prefix="pa") as bus:
+            # a plain subscriber takes the publish and never answers: no PubAck, ever
+            swallow = await bus.nc.subscribe("pa.swallowed")
+            await bus.nc.flush()
+            with pytest.raises(nats.errors.TimeoutError):
+                await bus.publish_stored("pa.swallowed", b"x", timeout=0.5)
+            # the PubAck of a publish sent before a reconnect is failed at the reconnect,
+            # not at the timeout (nats-py would leave it pending, holding a pending slot)
+            t0 = time.monotonic()
+            raised: list[Exception] = []
+
+            async def publish() -> None:
+                try:
+                    await bus.publish_stored("pa.swallowed", b"y", timeout=120)
+                except Exception as exc:
+                    raised.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publish)
+                await anyio.to_thread.run_sync(srv.kill)
+                await anyio.to_thread.run_sync(srv.start)
+            assert [type(e) for e in raised] == [nats.errors.ConnectionReconnectingError]
+            assert time.monotonic() - t0 < 60
+            assert not bus.link.pending_acks
+            await swallow.unsubscribe()
+            # and the connection stores again
+            ack = await bus.publish_stored(bus.subjects.control("pause"), b"z")
+            assert ack.seq >= 1
+    finally:
+        await anyio.to_thread.run_sync(srv.stop)
