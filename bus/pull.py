@@ -42,14 +42,15 @@ class Puller:
     task for the work); `outstanding` is what is requested and not yet delivered."""
 
     def __init__(self, bus: Bus, stream: str, consumer: str,
-                 on_message: Callable[[Msg], Awaitable[None]], *, expires: float = 2.0) -> None:
+                 on_message: Callable[[Msg], Awaitable[None]], *, expires: float = 2.0,
+                 kick: Signal | None = None) -> None:
         self.bus = bus
         self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._on_message = on_message
         self.expires = expires
         self._pulls: deque[_Pull] = deque()
         self._inbox = bus.nc.new_inbox()
-        self._kick = Signal()
+        self._kick = kick or Signal()  # the owner's own signal: one event to wait on
 
     @property
     def outstanding(self) -> int:

@@ -15,18 +15,26 @@ class Signal:
     """A re-armable event: `fire()` wakes everyone waiting on the event taken before it."""
 
     def __init__(self) -> None:
-        self._ev = anyio.Event()
+        self._ev: anyio.Event | None = None  # made when first asked for: a fire nobody
+        # waits on costs nothing (hot paths fire per message)
 
     def event(self) -> anyio.Event:
+        if self._ev is None:
+            self._ev = anyio.Event()
         return self._ev
 
     def fire(self) -> None:
-        self._ev.set()
-        self._ev = anyio.Event()
+        if self._ev is not None:
+            self._ev.set()
+            self._ev = None
 
 
 async def wait_any(*events: anyio.Event, timeout: float = math.inf) -> None:
     """Return when any of `events` is set, or after `timeout` seconds."""
+    if len(events) == 1:  # no task group for the common case
+        with anyio.move_on_after(timeout):
+            await events[0].wait()
+        return
 
     async def _one(ev: anyio.Event, scope: anyio.CancelScope) -> None:
         await ev.wait()

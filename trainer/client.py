@@ -68,11 +68,15 @@ class FabricClient:
         self.rollouts = RolloutPlane(bus, self.client_id, max_batch=self._batch_limit)
         self._updates: WeightUpdates | None = None
 
-    def _batch_limit(self) -> int:
-        """Requests per persisted message: at most half the smallest worker's capacity (a
-        message goes to one worker: larger ones would leave the others idle), at most 64."""
+    def _batch_limit(self, queued: int) -> int:
+        """Requests per persisted message (a message goes to one worker): what is queued
+        spread over every worker (16 requests to 2 workers: 2 messages of 8, not one that
+        leaves a worker idle), at most half the smallest worker's capacity, at most 64."""
         caps = [m.capacity for m in self.watcher.members.values()]
-        return max(1, min(64, *caps) // 2) if caps else 8
+        if not caps:
+            return 8
+        share = -(-queued // len(caps))
+        return max(1, min(share, 64, min(caps) // 2))
 
     @classmethod
     @contextlib.asynccontextmanager

@@ -38,7 +38,7 @@ from rlfabric.bus.errors import TRANSIENT
 from rlfabric.bus.outbox import Outbox
 from rlfabric.bus.pull import Puller
 from rlfabric.bus.ratelimit import RateLimited
-from rlfabric.bus.sync import Signal, wait_any
+from rlfabric.bus.sync import Signal
 from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
@@ -87,8 +87,9 @@ class RolloutServer:
         self._serving.set()
         self._idle = anyio.Event()  # set while nothing is in flight
         self._idle.set()
-        self._slot = Signal()  # a lane finished a request
-        self._poke = Signal()  # hold, serve again, drain, a new version: the loop re-checks
+        # a lane finished a request; hold, serve again, drain, a new version; pull credits
+        # came back: the pull loop re-checks
+        self._wake = Signal()
         self._load = Signal()  # a message taken, or nothing in flight any more
         self._working: dict[int, _Delivery] = {}
         self._result_subjects: dict[str, str] = {}
@@ -105,7 +106,7 @@ class RolloutServer:
         if not self.held:  # held twice (pause, pause): the loop waits on the first event
             self.held = True
             self._serving = anyio.Event()
-        self._poke.fire()
+        self._wake.fire()
 
     def serve_again(self) -> None:
         self.held = False
@@ -114,7 +115,7 @@ class RolloutServer:
     def version_moved(self) -> None:
         """Requests waiting for a newer version may be servable now (they come back from the
         stream within their back-off, at most a second)."""
-        self._poke.fire()
+        self._wake.fire()
 
     async def wait_idle(self) -> None:
         """Return once nothing is in flight."""
@@ -125,7 +126,7 @@ class RolloutServer:
     async def drain(self, grace: float) -> None:
         """Stop fetching and wait (at most `grace` seconds) for in-flight requests."""
         self.draining = True
-        self._poke.fire()
+        self._wake.fire()
         with anyio.move_on_after(grace):
             await self.wait_idle()
 
@@ -147,7 +148,7 @@ class RolloutServer:
             except SchemaError as exc:
                 await self._reply_error(msg, None, "malformed", str(exc))
                 await msg.term()
-                self._slot.fire()  # its credit is spent and no lane will say so: pull again
+                self._wake.fire()  # its credit is spent and no lane will say so: pull again
                 return
             if self.in_flight and self.in_flight + len(reqs) > self.capacity:
                 await msg.nak()  # more than we have room for: back, for anyone
@@ -168,7 +169,8 @@ class RolloutServer:
             recv.close()
             tg.start_soon(self._keep_alive)
             tg.start_soon(self._report_load)
-            puller = Puller(self.bus, s.rollout_stream, s.rollout_consumer, on_message)
+            puller = Puller(self.bus, s.rollout_stream, s.rollout_consumer, on_message,
+                            kick=self._wake)
             await tg.start(puller.run)
             task_status.started()
             with send:  # closed once draining: lanes finish what they hold, then end
@@ -190,7 +192,7 @@ class RolloutServer:
                 serving = self._serving
                 await serving.wait()
                 continue
-            slot, kicked, poke = self._slot.event(), puller.kicked(), self._poke.event()
+            wake = self._wake.event()
             try:
                 free = self.capacity - self.in_flight
                 # credits are messages; a message brings `_per_msg` requests on average: ask
@@ -201,7 +203,7 @@ class RolloutServer:
                 log.warning("%s: pull request failed (%s); retrying", self.worker_id, exc)
                 await anyio.sleep(0.5)
                 continue
-            await wait_any(slot, kicked, poke)
+            await wake.wait()
 
     async def _report_load(self) -> None:
         """Tell the fleet at once that we took work (heartbeats carry it later anyway)."""
@@ -249,7 +251,7 @@ class RolloutServer:
                                             f"{type(exc).__name__}: {exc}", retryable=True)
                 finally:
                     self.in_flight -= 1
-                    self._slot.fire()
+                    self._wake.fire()
                     if self.in_flight == 0:
                         self._idle.set()
                         self._load.fire()  # idle: said at once too
