@@ -134,7 +134,9 @@ class Outbox:
         error: BaseException | None = None
         try:
             try:
-                await self.bus.publish_stored(subject, data, hdrs)
+                # a PubAck not back in 2 s (a server still recovering after a restart may
+                # drop the publish): sent again, a stored one is dropped as a duplicate
+                await self.bus.publish_stored(subject, data, hdrs, timeout=2.0)
             except TRANSIENT:  # a reconnect or a broker restart: until stored
                 untils = [i.ticket.until for i in batch]
                 until = None if None in untils else max(u for u in untils if u is not None)

@@ -86,13 +86,13 @@ class CommandContext:
         self._r = receiver
         self.cmd = cmd
         self.t0 = time.monotonic()
-        self.then: list[Callable[[], None]] = []
+        self._after_done: list[Callable[[], None]] = []
 
     async def ready(self, **fields: Any) -> None:
         await self._r._send_ack(self.cmd.cmd_id, self._r._make_ack(self, "ready", "ok", fields))
 
     def after_done(self, fn: Callable[[], None]) -> None:
-        self.then.append(fn)
+        self._after_done.append(fn)
 
 
 Handler = Callable[[Command, CommandContext], Awaitable[AckFields | None]]
@@ -312,7 +312,7 @@ class CommandReceiver:
         self.applied_seq = seq
         self.handled += 1
         await self._send_ack(cmd.cmd_id, ack)
-        for fn in ctx.then:
+        for fn in ctx._after_done:
             fn()
 
     async def _run_handler(self, cmd: Command, ctx: CommandContext) -> Ack:

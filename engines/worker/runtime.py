@@ -53,6 +53,7 @@ from rlfabric.schemas import (
 )
 
 log = logging.getLogger("rlfabric.worker")
+STATE_WRITE_S = 1.0  # how long a command waits for the worker's state to be written
 
 
 class Worker:
@@ -120,12 +121,19 @@ class Worker:
 
     async def _set_state(self, state: str) -> None:
         self.reg.update(state=state)
-        try:
-            await self.reg.flush()
-            await self.bus.emit(StateEvent(source=self.worker_id, state=state,
-                                           weight_version=self.engine.version, at=time.time()))
-        except Exception as exc:  # the next heartbeat carries it
-            log.debug("state %s not published yet: %s", state, exc)
+        # a command never waits long on this (a server still recovering its JetStream after a
+        # restart can leave a KV write unanswered for seconds): the next heartbeat carries it
+        with anyio.move_on_after(STATE_WRITE_S) as scope:
+            try:
+                await self.reg.flush()
+                await self.bus.emit(StateEvent(source=self.worker_id, state=state,
+                                               weight_version=self.engine.version,
+                                               at=time.time()))
+            except Exception as exc:
+                log.debug("state %s not published yet: %s", state, exc)
+        if scope.cancelled_caught:
+            log.debug("state %s not written within %ss; the next heartbeat carries it", state,
+                      STATE_WRITE_S)
 
     def _refresh_info(self, info: WorkerInfo) -> WorkerInfo:
         in_flight = self.rollouts.in_flight

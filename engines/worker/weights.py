@@ -197,8 +197,11 @@ class WeightSync:
 
         async def on_chunk(m: Msg) -> None:
             nonlocal got
-            i = int(m.subject.rsplit(".", 1)[1])
-            if i >= t.chunks or seen[i]:
+            try:
+                i = int(m.subject.rsplit(".", 1)[1])
+            except ValueError:  # not a chunk of ours
+                return
+            if not 0 <= i < t.chunks or seen[i]:
                 return
             off = i * t.chunk_bytes
             buf[off:off + len(m.data)] = m.data
