@@ -20,6 +20,7 @@ from rlfabric.bus import (
     new_worker_info,
 )
 from rlfabric.bus.receiver import CommandContext
+from rlfabric.bus.sync import Signal
 from rlfabric.schemas import Command, Describe, Pause, ResetPrefixCache, Resume, Sleep, Wake
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
@@ -28,17 +29,15 @@ pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 class Log:
     def __init__(self) -> None:
         self.applied: list[tuple[int, str]] = []
-        self._news = anyio.Event()
+        self._news = Signal()
 
     async def handle(self, cmd: Command, ctx: CommandContext) -> None:
         self.applied.append((cmd.seq, cmd.cmd_id))
-        self._news.set()
-        self._news = anyio.Event()
+        self._news.fire()
 
     async def until(self, n: int) -> None:
         while len(self.applied) < n:
-            news = self._news
-            await news.wait()
+            await self._news.event().wait()
 
 
 def mixed(rng: random.Random) -> Command:
