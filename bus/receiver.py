@@ -32,7 +32,7 @@ import contextlib
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -42,7 +42,6 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectSendStream
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
@@ -51,7 +50,7 @@ from rlfabric.bus.errors import TRANSIENT, BusError, CommandFailed
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
-from rlfabric.bus.sync import wait_any
+from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     SEQ_HEADER,
@@ -132,7 +131,10 @@ class CommandReceiver:
         #: the core subscription to live copies (while running)
         self.live_sub: Subscription | None = None
         self._sync_queued = False
-        self._send: MemoryObjectSendStream[_Item] | None = None
+        # what the subscription callbacks queued for the loop (a deque and a signal: an
+        # anyio memory stream cost as much per item as applying the command)
+        self._queue: deque[_Item] | None = None
+        self._queued = Signal()
 
     # ---- acks ----
     def _make_ack(self, ctx: CommandContext, phase: Literal["ready", "done"],
@@ -177,17 +179,20 @@ class CommandReceiver:
         s = self.bus.subjects
         # the subscription callbacks only queue; one loop applies live copies and runs
         # catch-ups, in this task group (a handler is cancelled with the worker)
-        send, recv = anyio.create_memory_object_stream[_Item](self._buffer)
-        self._send = send
+        self._queue = queue = deque[_Item]()
         self.live_sub = live = await self.bus.nc.subscribe(s.live_all, cb=self._on_live)
         pings = await self.bus.nc.subscribe(s.ping(self.worker_id), cb=self._on_ping)
         try:
             await self.bus.nc.flush(timeout=10)  # both subscriptions are live on the server
             self.next_seq = await self._stream_end() + 1
-            async with anyio.create_task_group() as tg, send, recv:
+            async with anyio.create_task_group() as tg:
                 tg.start_soon(self._keep_in_sync)
                 task_status.started()
-                async for seq, msg in recv:
+                while True:
+                    if not queue:
+                        await self._queued.event().wait()
+                        continue
+                    seq, msg = queue.popleft()
                     if msg is None:
                         self._sync_queued = False
                         await self._catch_up()
@@ -198,7 +203,7 @@ class CommandReceiver:
                         await self._apply(seq, msg.subject, msg.data, msg.headers)
                     # seq < next_seq: applied already (read from the stream first)
         finally:
-            self._send = None
+            self._queue = None
             with anyio.CancelScope(shield=True):
                 for sub in (live, pings):
                     with contextlib.suppress(Exception):
@@ -208,12 +213,11 @@ class CommandReceiver:
         """Nothing to remove on the server (kept for callers that close what they run)."""
 
     def _enqueue(self, item: _Item) -> bool:
-        if self._send is None:
+        queue = self._queue
+        if queue is None or len(queue) >= self._buffer:
             return False
-        try:
-            self._send.send_nowait(item)
-        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            return False
+        queue.append(item)
+        self._queued.fire()
         return True
 
     def _sync(self) -> None:

@@ -58,6 +58,8 @@ from rlfabric.schemas import (
 log = logging.getLogger("rlfabric.worker.rollouts")
 #: failures that are not the request's: it goes back to the stream for another try
 _HAND_BACK: tuple[type[Exception], ...] = (EngineDied, *TRANSIENT)
+#: the in-flight count reaches the membership bucket at most this often (and this late)
+LOAD_REPORT_S = 0.1
 
 
 @dataclass(eq=False)
@@ -206,7 +208,9 @@ class RolloutServer:
             await wake.wait()
 
     async def _report_load(self) -> None:
-        """Tell the fleet at once that we took work (heartbeats carry it later anyway)."""
+        """Tell the fleet soon that we took work or went idle (heartbeats carry it later
+        anyway): at once, then at most every `LOAD_REPORT_S` (a membership write per message
+        taken cost as much as serving a null request)."""
         news = self._load.event()
         while True:
             await news.wait()
@@ -215,6 +219,7 @@ class RolloutServer:
                 await self.reg.flush()
             except Exception as exc:
                 log.debug("in-flight count not published: %s", exc)
+            await anyio.sleep(LOAD_REPORT_S)
 
     async def _keep_alive(self) -> None:
         """In-progress acks for every message generating longer than a third of ack_wait."""

@@ -7,6 +7,7 @@ import random
 
 import anyio
 import pytest
+from anyio.abc import TaskStatus
 
 from rlfabric.bus import (
     Broadcaster,
@@ -14,6 +15,7 @@ from rlfabric.bus import (
     CommandReceiver,
     Limits,
     MembershipWatcher,
+    QuorumNotReached,
     QuorumPolicy,
     Registration,
     new_cmd_id,
@@ -118,7 +120,7 @@ async def test_a_worker_that_misses_live_copies_catches_up_in_order(fabric):
         for cmd in cmds:
             rep = await bc.broadcast(cmd, QuorumPolicy(timeout=10))
             assert rep.ok == ("wa",)
-        assert b.applied == []  # nothing reached it live
+        assert rb.applied_live == 0  # nothing reached it live (its poll may have begun reading)
         with anyio.fail_after(10):  # its poll reads them back
             await b.until(20)
         assert b.applied == a.applied  # same commands, same seqs, same order
@@ -141,3 +143,59 @@ async def test_a_lost_live_copy_is_read_back_when_the_sender_probes(fabric):
                                      QuorumPolicy(timeout=5, probe_interval=0.1))
         assert rep.ok == ("w1",) and r.caught_up == 1 and r.applied_live == 0
         assert rep.elapsed_s < 2.0
+
+
+
+async def test_a_long_handler_keeps_later_commands_in_order_and_ends_with_the_worker(fabric):
+    """While a long handler runs, later commands wait (in order, whatever the probe asks), and
+    stopping the worker cancels the handler before its receiver returns."""
+    applied: list[str] = []
+    ended: list[str] = []
+    started, release = anyio.Event(), anyio.Event()
+
+    async def handle(cmd: Command, ctx: CommandContext) -> None:
+        applied.append(type(cmd).__name__)
+        if isinstance(cmd, Sleep):
+            started.set()
+            try:
+                await release.wait()
+            finally:
+                ended.append("released" if release.is_set() else "cancelled")
+
+    async with fabric() as (bus, watcher, bc, tg):
+        r = CommandReceiver(bus, "w1", handle)
+        scope = anyio.CancelScope()
+        stopped = anyio.Event()
+
+        async def run_receiver(*, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                               ) -> None:
+            with scope:
+                await r.run(task_status=task_status)
+            stopped.set()
+
+        await tg.start(run_receiver)
+        await tg.start(Registration(bus, new_worker_info("w1", engine="t", model="m")).run)
+        await watcher.wait_until(lambda s: s.worker_ids == ("w1",), timeout=10)
+        await bc.broadcast(Pause(cmd_id=new_cmd_id()), QuorumPolicy(timeout=10))
+        async with bc.open(Sleep(cmd_id=new_cmd_id(), level=1)) as long_one:
+            with anyio.fail_after(10):
+                await started.wait()
+            async with bc.open(Resume(cmd_id=new_cmd_id())) as after:
+                with pytest.raises(QuorumNotReached):  # behind the long one: not applied yet
+                    await after.wait("done", QuorumPolicy(timeout=0.5, probe_interval=0.1))
+                assert applied == ["Pause", "Sleep"]
+                release.set()
+                assert (await long_one.wait("done", QuorumPolicy(timeout=10))).ok == ("w1",)
+                assert (await after.wait("done", QuorumPolicy(timeout=10))).ok == ("w1",)
+        assert applied == ["Pause", "Sleep", "Resume"] and ended == ["released"]
+        assert r.applied_live + r.caught_up == 3
+
+        # stopped while a handler runs in the callback: it is cancelled, then run() returns
+        started, release = anyio.Event(), anyio.Event()
+        async with bc.open(Sleep(cmd_id=new_cmd_id(), level=1)):
+            with anyio.fail_after(10):
+                await started.wait()
+            scope.cancel()
+            with anyio.fail_after(10):
+                await stopped.wait()
+        assert ended == ["released", "cancelled"]

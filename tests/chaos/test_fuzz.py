@@ -170,6 +170,6 @@ async def test_fuzz_every_subject_and_bucket_then_serve(nats_url, prefix, worker
     status = subprocess.run([sys.executable, "-m", "rlfabric", "status", "--nats", nats_url,
                              "--prefix", prefix], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
-    assert "z0" in status.stdout and "z1" in status.stdout
+    assert "z0" in status.stdout and "z1" in status.stdout, status.stdout
     async with Bus.connect(nats_url, prefix=prefix) as bus:
         assert {"z0", "z1"} <= set(await bus.members())
