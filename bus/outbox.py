@@ -6,10 +6,9 @@
 
 Whatever is queued while earlier messages are on their way goes out as one message (up to
 `max_items`, a number or a function of how many items are queued, asked at each message, and
-`max_bytes`): a burst of n
-small messages costs a few PubAcks, not n, and nothing waits for a window to close. Several
-combined messages are in flight at once. A single item goes as itself, so a receiver decodes
-either the message type or its combination.
+`max_bytes`): a burst of n small messages costs a few PubAcks, not n, and nothing waits for a
+window to close. Several combined messages are in flight at once. A single item goes as
+itself, so a receiver decodes either the message type or its combination.
 
 Every combined message carries a `Nats-Msg-Id` derived from its items' ids, so a retry after
 a lost PubAck (a reconnect, a broker restart: `Bus.persist`) is dropped by the stream as a

@@ -39,27 +39,25 @@ class _Pull:
 class Puller:
     """Run with `await tg.start(puller.run)`; then `await puller.want(n)` keeps up to `n`
     messages requested. Each message goes to `on_message` (which must return quickly: start a
-    task for the work); `outstanding` is what is requested and not yet delivered."""
+    task for the work); `outstanding` is what is requested and not yet delivered. `kick`, the
+    owner's own signal (one event for its loop to wait on), fires when credits come back (a
+    pull request expired or ended, the connection is back)."""
 
     def __init__(self, bus: Bus, stream: str, consumer: str,
-                 on_message: Callable[[Msg], Awaitable[None]], *, expires: float = 2.0,
-                 kick: Signal | None = None) -> None:
+                 on_message: Callable[[Msg], Awaitable[None]], *, kick: Signal,
+                 expires: float = 2.0) -> None:
         self.bus = bus
         self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._on_message = on_message
         self.expires = expires
         self._pulls: deque[_Pull] = deque()
         self._inbox = bus.nc.new_inbox()
-        self._kick = kick or Signal()  # the owner's own signal: one event to wait on
+        self._kick = kick
 
     @property
     def outstanding(self) -> int:
         self._expire()
         return sum(p.credits for p in self._pulls)
-
-    def kicked(self) -> anyio.Event:
-        """Set when credits come back (a pull request expired or ended)."""
-        return self._kick.event()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -68,7 +66,7 @@ class Puller:
 
     async def want(self, n: int) -> None:
         """Request more messages so that `n` are outstanding (never fewer than now). While the
-        connection is down nothing is sent; `kicked()` fires once it is back."""
+        connection is down nothing is sent; `kick` fires once it is back."""
         more = n - self.outstanding
         if more <= 0 or not self.bus.nc.is_connected:
             return
