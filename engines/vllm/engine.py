@@ -175,6 +175,21 @@ class VllmEngine:
         # NOTE: off the event loop: building the engine blocks for 10-20 s
         self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
         await self._llm.check_health()
+        await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        """One 2-token sample with logprobs before the worker joins. NOTE: vLLM compiles its
+        logprob ranking (`torch.compile`) on the first request that asks for logprobs: 3.1-3.5 s
+        on CPU here, in the middle of the first rollout batch, and a pause sent then waited
+        for it (a keep pause acked after 3-5.6 s instead of ~30 ms)."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=2, logprobs=1, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0]), params,
+                                          f"warm-up/{uuid.uuid4().hex[:8]}"):
+            pass
 
     async def _stop(self) -> None:
         llm, self._llm = self._llm, None

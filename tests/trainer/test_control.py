@@ -32,20 +32,23 @@ pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 @dataclass(frozen=True)
 class Served:
     """An engine the pause tests run on: its model (vLLM's CPU attention needs tiny64's head
-    size), how long its workers take to join, how fast a keep pause must ack."""
+    size) and how long its workers take to join."""
 
     engine: str
     model: str
     join_s: float
-    keep_ack_s: float
 
     def args(self, *extra: str) -> tuple[str, ...]:
         return ("--model", self.model, *extra)
 
 
+#: a keep pause freezes the engine where it is: ~30 ms for either engine here (vLLM's was 3-5 s
+#: until its logprob ranking was compiled before the worker joins, see VllmEngine._warm_up)
+KEEP_ACK_S = 2.0
+
 ENGINES = [
-    pytest.param(Served("torch", "tiny", 60, 2.0), id="torch"),
-    pytest.param(Served("vllm", "tiny64", 240, 5.0), id="vllm", marks=[
+    pytest.param(Served("torch", "tiny", 60), id="torch"),
+    pytest.param(Served("vllm", "tiny64", 240), id="vllm", marks=[
         pytest.mark.vllm, pytest.mark.timeout(600),
         pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                            reason="vLLM is not installed here (README, 'vLLM': its CPU build)")]),
@@ -228,7 +231,7 @@ async def test_pause_keep_update_resume_gives_two_version_spans(client, workers,
             await anyio.sleep(0.2)  # let some tokens come out; there is no event for that
             t0 = time.monotonic()
             rep = await fabric.pause(mode="keep")
-            assert rep.ok == ("k0",) and time.monotonic() - t0 < served.keep_ack_s  # at once
+            assert rep.ok == ("k0",) and time.monotonic() - t0 < KEEP_ACK_S
             await fabric.update_weights(1, module=v1)
             await fabric.resume()
     two = [r for r in out if len(r.version_spans) == 2]
