@@ -11,10 +11,12 @@ fleet size, the same requests go through
   the lanes go out together as one persisted message, N processes pull them from one durable
   consumer, echo the prompt (what the null engine does) and persist each message's results as
   one message before acking; the client reads them through an ordered consumer.
-Every path runs `--concurrency` lanes, each sending one request at a time, so latency is one
+With `--trace DIR`, `rlfabric traced` is the rlfabric row again with OpenTelemetry spans on in
+the client and every worker, written to a file (its `spans` column counts them). Every path
+runs `--concurrency` lanes, each sending one request at a time, so latency is one
 request's round trip and throughput is what the fleet sustains.
 
-    rlfabric bench rollout [--workers 1,4] [--engines null,torch] [--json]
+    rlfabric bench rollout [--workers 1,4] [--engines null,torch] [--trace DIR] [--json]
     rlfabric bench rollout --engine vllm --workers 1,2
 """
 
@@ -117,14 +119,31 @@ async def bench_http(engine_kind: str, workers: int, n: int, conc: int, max_toke
 
 
 async def bench_fabric(engine_kind: str, workers: int, n: int, conc: int,
-                       max_tokens: int) -> dict:
+                       max_tokens: int, trace: str | None = None) -> dict:
+    """`trace`: spans of the workers and of this client go to that file (`--trace`)."""
+    from rlfabric.telemetry import Telemetry, configure
+
+    tel = configure(role="trainer", trace_path=trace) if trace else Telemetry()
+    try:
+        out = await _bench_fabric(engine_kind, workers, n, conc, max_tokens, trace)
+    finally:
+        tel.shutdown()
+    if trace:
+        with open(trace, "rb") as f:
+            out["spans"] = sum(1 for _ in f)
+    return out
+
+
+async def _bench_fabric(engine_kind: str, workers: int, n: int, conc: int,
+                        max_tokens: int, trace: str | None) -> dict:
     async with EmbeddedNats() as nats:
         prefix = f"bench{engine_kind}{workers}"
         per_engine = (["--threads", str(threads(workers))] if engine_kind != "vllm"
                       else ["--threads-bind", "nobind"])
         cmds = [["rlfabric", "worker", "--nats", nats.url, "--prefix", prefix, "--engine",
                  engine_kind, "--model", MODEL[engine_kind], "--worker-id", f"w{i}",
-                 "--capacity", str(conc), *per_engine]
+                 "--capacity", str(conc), *per_engine,
+                 *(["--trace", trace] if trace else [])]
                 for i in range(workers)]
         async with children(cmds, ready="ready", timeout=300), \
                 FabricClient.connect(nats.url, prefix=prefix) as fabric:
@@ -215,7 +234,8 @@ async def bench_floor(workers: int, n: int, conc: int, max_tokens: int) -> dict:
             await nc.close()
 
 
-async def run(engines: list[str], sizes: list[int], scale: float) -> list[dict[str, Any]]:
+async def run(engines: list[str], sizes: list[int], scale: float,
+              trace_dir: str | None = None) -> list[dict[str, Any]]:
     rows = []
     for eng in engines:
         n, conc, max_tokens = WORKLOAD[eng]
@@ -228,6 +248,12 @@ async def run(engines: list[str], sizes: list[int], scale: float) -> list[dict[s
                                    **await bench_http(eng, k, n, conc, max_tokens)})
             fleet_rows.append({**base, "path": "rlfabric", "workers": k,
                                **await bench_fabric(eng, k, n, conc, max_tokens)})
+            if trace_dir:  # the same, with every span written to a file
+                path = os.path.join(trace_dir, f"spans-{eng}-{k}.jsonl")
+                with open(path, "wb"):
+                    pass  # this run's spans only
+                fleet_rows.append({**base, "path": "rlfabric traced", "workers": k,
+                                   **await bench_fabric(eng, k, n, conc, max_tokens, path)})
             if eng == "null":  # the transport alone: nothing to compare a model with
                 fleet_rows.append({**base, "path": "nats-py floor", "workers": k,
                                    **await bench_floor(k, n, conc, max_tokens)})
@@ -248,16 +274,22 @@ async def run(engines: list[str], sizes: list[int], scale: float) -> list[dict[s
 def main(args: argparse.Namespace) -> int:
     engines = [e for e in args.engines.split(",") if e]
     sizes = [int(x) for x in args.workers.split(",") if x]
-    rows = anyio.run(run, engines, sizes, args.scale)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+    rows = anyio.run(run, engines, sizes, args.scale, args.trace)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(table(rows, [("engine", "engine", ""), ("path", "path", ""),
-                       ("workers", "workers", ""), ("requests", "requests", ""),
-                       ("concurrency", "lanes", ""), ("results_s", "results/s", ".0f"),
-                       ("tokens_s", "tokens/s", ".0f"), ("p50_ms", "p50 ms", ".2f"),
-                       ("p99_ms", "p99 ms", ".2f"), ("vs_http", "x http", ".2f"),
-                       ("vs_direct", "x direct tok/s", ".2f")]))
+    cols = [("engine", "engine", ""), ("path", "path", ""), ("workers", "workers", ""),
+            ("requests", "requests", ""), ("concurrency", "lanes", ""),
+            ("results_s", "results/s", ".0f"), ("tokens_s", "tokens/s", ".0f"),
+            ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
+            ("vs_http", "x http", ".2f"), ("vs_direct", "x direct tok/s", ".2f")]
+    if args.trace:
+        for r in rows:
+            r.setdefault("spans", "-")
+        cols.append(("spans", "spans", ""))
+    print(table(rows, cols))
     return 0
 
 
@@ -268,4 +300,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", default="1,4", help="fleet sizes (default %(default)s)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply the request counts (e.g. 0.1 for a quick look)")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="also run rlfabric with tracing on (client and workers writing spans to "
+                   "DIR/spans-<engine>-<workers>.jsonl): a `rlfabric traced` row beside the "
+                   "untraced one")
     p.add_argument("--json", action="store_true")

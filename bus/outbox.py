@@ -13,6 +13,11 @@ itself, so a receiver decodes either the message type or its combination.
 Every combined message carries a `Nats-Msg-Id` derived from its items' ids, so a retry after
 a lost PubAck (a reconnect, a broker restart: `Bus.persist`) is dropped by the stream as a
 duplicate.
+
+When tracing is on, each `send` call's span context goes with its items: a message whose
+items share one carries it as `traceparent`; one that combines items of several traced calls
+also lists each item's (`rlf-traceparents`, in item order, `-` for none), so a receiver
+parents every item's span on the call that sent it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from anyio.abc import TaskGroup, TaskStatus
 from rlfabric.bus.errors import TRANSIENT
 from rlfabric.bus.session import Bus
 from rlfabric.bus.sync import Signal
-from rlfabric.schemas import encode
+from rlfabric.schemas import TRACEPARENTS_HEADER, encode
+from rlfabric.telemetry import spans
 
 
 @dataclass(eq=False)
@@ -49,6 +55,7 @@ class _Item:
     msg_id: str
     data: bytes
     ticket: _Ticket
+    trace: dict[str, str] | None
 
 
 class Outbox:
@@ -78,8 +85,9 @@ class Outbox:
         if self._tg is None:
             raise RuntimeError("Outbox.send before Outbox.run started")
         ticket = _Ticket(left=len(items), until=until)
+        trace = spans.carrier() if spans.enabled() else None
         for msg, msg_id in items:
-            self._queue.append(_Item(subject, msg, msg_id, encode(msg), ticket))
+            self._queue.append(_Item(subject, msg, msg_id, encode(msg), ticket, trace))
         self._queued.fire()
         try:
             await ticket.done.wait()
@@ -129,6 +137,7 @@ class Outbox:
             data, msg_id = encode(self.combine(msgs)), f"{batch[0].msg_id}+{len(batch)}"
         extra = self.extra_headers(msgs) if self.extra_headers else {}
         hdrs = self.bus.headers({**extra, "Nats-Msg-Id": msg_id})
+        _trace_headers(hdrs, batch)
         subject = batch[0].subject
         error: BaseException | None = None
         try:
@@ -151,3 +160,14 @@ class Outbox:
                 t.error = error
             if t.left == 0 or t.error is not None:
                 t.done.set()
+
+
+def _trace_headers(hdrs: dict[str, str], batch: list[_Item]) -> None:
+    """The items' trace contexts (see the module doc); nothing when none was traced."""
+    traces = [i.trace for i in batch]
+    if not any(traces):
+        return
+    first = next(t for t in traces if t)
+    hdrs.update(first)
+    if any(t != first for t in traces):
+        hdrs[TRACEPARENTS_HEADER] = ",".join((t or {}).get("traceparent", "-") for t in traces)

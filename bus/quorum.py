@@ -28,6 +28,7 @@ import msgspec
 from anyio.abc import TaskGroup
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from rlfabric.bus.errors import (
     BusError,
@@ -49,6 +50,7 @@ from rlfabric.schemas import (
     encode,
     op_of,
 )
+from rlfabric.telemetry import instruments, spans
 
 
 def new_cmd_id() -> str:
@@ -112,6 +114,7 @@ class Fanout:
         self._news = Signal()
         self._wake_at = 0
         self._codec = codec_for(Ack)
+        self.span: Span = INVALID_SPAN  # the broadcast's `send` span, while open
 
     def _on_ack(self, msg: Msg) -> None:
         try:
@@ -122,6 +125,12 @@ class Fanout:
         if ack.worker_id in got:
             return
         got[ack.worker_id] = ack
+        elapsed = time.monotonic() - self.t0
+        instruments.current.ack_duration.record(
+            elapsed, {spans.CMD_OP: op_of(self.cmd), "status": ack.status})
+        if self.span.is_recording():
+            self.span.add_event("ack", {spans.WORKER_ID: ack.worker_id, "phase": ack.phase,
+                                        "status": ack.status, "elapsed_s": elapsed})
         # the waiter re-counts only when the count could meet its quorum, or on an error
         if ack.status != "ok" or len(got) >= self._wake_at:
             self._news.fire()
@@ -336,9 +345,18 @@ class Broadcaster:
             raise BusError(f"{op_of(cmd)} {cmd.cmd_id}: a command with this cmd_id is already "
                            "waiting for acks; use a new cmd_id (`new_cmd_id()`)")
         self._open[cmd.cmd_id] = fo
+        op = op_of(cmd)
         try:
-            fo.cmd = await self._publish(cmd)
-            yield fo
+            # one span from the publish to the last ack awaited; workers' `process` spans
+            # hang from it, each ack is an event on it
+            with spans.producer_span(self.bus.subjects.control(op), message_id=cmd.cmd_id,
+                                     attributes={spans.CMD_ID: cmd.cmd_id, spans.CMD_OP: op,
+                                                 "rlfabric.members": len(before.members)}
+                                     ) as span:
+                fo.span = span
+                fo.cmd = await self._publish(cmd)
+                span.set_attribute(spans.CMD_SEQ, fo.cmd.seq)
+                yield fo
         finally:
             self._open.pop(cmd.cmd_id, None)
 

@@ -45,6 +45,7 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
+from opentelemetry.trace import StatusCode
 
 from rlfabric.bus.errors import TRANSIENT, BusError, CommandFailed
 from rlfabric.bus.ratelimit import RateLimited
@@ -62,6 +63,7 @@ from rlfabric.schemas import (
     codec_for,
     op_of,
 )
+from rlfabric.telemetry import instruments, spans
 
 log = logging.getLogger("rlfabric.bus.receiver")
 
@@ -161,7 +163,11 @@ class CommandReceiver:
         self._sent.move_to_end(cmd_id)
         while len(self._sent) > self._remember:
             self._sent.popitem(last=False)
-        await self._publish_ack(cmd_id, ack)
+        with spans.producer_span(self.bus.subjects.ack(cmd_id), message_id=cmd_id,
+                                 attributes={spans.WORKER_ID: self.worker_id,
+                                             "rlfabric.ack.phase": ack.phase,
+                                             "rlfabric.ack.status": ack.status}):
+            await self._publish_ack(cmd_id, ack)
 
     async def _publish_ack(self, cmd_id: str, ack: Ack) -> None:
         try:
@@ -200,7 +206,7 @@ class CommandReceiver:
                         await self._catch_up()  # reads up to the stream's end, this one too
                     elif seq == self.next_seq:
                         self.applied_live += 1
-                        await self._apply(seq, msg.subject, msg.data, msg.headers)
+                        await self._apply(seq, msg.subject, msg.data, msg.headers, "live")
                     # seq < next_seq: applied already (read from the stream first)
         finally:
             self._queue = None
@@ -289,10 +295,10 @@ class CommandReceiver:
             # nats-py parses a stored message's headers with `email`: a value that is not
             # ASCII comes back as an `email.header.Header`, not a str
             headers = {str(k): str(v) for k, v in raw.headers.items()} if raw.headers else None
-            await self._apply(raw.seq, raw.subject or "", raw.data or b"", headers)
+            await self._apply(raw.seq, raw.subject or "", raw.data or b"", headers, "stream")
 
     async def _apply(self, seq: int, subject: str, data: bytes,
-                     headers: dict[str, str] | None) -> None:
+                     headers: dict[str, str] | None, path: str) -> None:
         self.next_seq = seq + 1
         try:
             cmd = self._codec.decode(data, headers, subject=subject)
@@ -307,15 +313,29 @@ class CommandReceiver:
             await self._resend(cmd.cmd_id)
             return
         ctx = CommandContext(self, cmd)
-        if cmd.deadline and time.time() > cmd.deadline:
-            ack = self._make_ack(ctx, "done", "error", None, code="deadline_exceeded",
-                                 message=f"{op_of(cmd)} arrived {time.time() - cmd.deadline:.3f}s "
-                                 "after its deadline; not applied")
-        else:
-            ack = await self._run_handler(cmd, ctx)
-        self.applied_seq = seq
-        self.handled += 1
-        await self._send_ack(cmd.cmd_id, ack)
+        # `path`: how it came (its live copy, or read from the stream to fill a gap)
+        with spans.consumer_span(subject, headers, message_id=cmd.cmd_id, attributes={
+                spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd.cmd_id,
+                spans.CMD_OP: op_of(cmd), spans.CMD_SEQ: seq, "rlfabric.cmd.path": path},
+                ) as span:
+            if cmd.deadline and time.time() > cmd.deadline:
+                ack = self._make_ack(ctx, "done", "error", None, code="deadline_exceeded",
+                                     message=f"{op_of(cmd)} arrived "
+                                     f"{time.time() - cmd.deadline:.3f}s after its deadline; "
+                                     "not applied")
+            else:
+                ack = await self._run_handler(cmd, ctx)
+            self.applied_seq = seq
+            self.handled += 1
+            if ack.status != "ok":
+                instruments.current.errors.add(1, {"code": ack.error_code,
+                                                   spans.WORKER_ID: self.worker_id})
+            if span.is_recording():
+                span.set_attributes({spans.WEIGHT_VERSION: ack.weight_version,
+                                     "rlfabric.ack.status": ack.status})
+                if ack.status != "ok":
+                    span.set_status(StatusCode.ERROR, f"{ack.error_code}: {ack.error_message}")
+            await self._send_ack(cmd.cmd_id, ack)
         for fn in ctx._after_done:
             fn()
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from rlfabric.bus import ConnectOptions
+
+if TYPE_CHECKING:
+    from rlfabric.telemetry import Telemetry
 
 
 def add_bus_options(p: argparse.ArgumentParser) -> None:
@@ -34,3 +38,23 @@ def connect_options(args: argparse.Namespace, name: str) -> ConnectOptions:
         creds_file=args.creds, nkey_seed_file=args.nkey, tls_ca=args.tls_ca,
         tls_cert=args.tls_cert, tls_key=args.tls_key, connect_wait=args.wait,
     )
+
+
+def add_telemetry_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "telemetry", "off unless asked; OTLP export too when the OTLP exporter package is "
+        "installed and OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_TRACES_EXPORTER=otlp) is set")
+    g.add_argument("--trace", metavar="PATH", default=None,
+                   help="append OpenTelemetry spans to PATH as JSON lines (trace_id, span_id, "
+                   "parent, name, start, end, attributes, resource); several processes may "
+                   "share one file")
+    g.add_argument("--metrics", metavar="PATH", default=None,
+                   help="append OpenTelemetry metrics to PATH as JSON lines, every 5 s and at "
+                   "exit")
+
+
+def start_telemetry(args: argparse.Namespace, role: str, worker_id: str = "") -> Telemetry:
+    from rlfabric.telemetry import configure
+
+    return configure(role=role, worker_id=worker_id, trace_path=args.trace,
+                     metrics_path=args.metrics)

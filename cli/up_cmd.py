@@ -1,7 +1,11 @@
 """`rlfabric up`: the whole loop on one machine. An embedded NATS server, N worker processes
 serving the tiny model, and the reference GRPO loop training it on a toy task, with a live
 view, a summary table and a plot. Exit 0 only if the reward rose past the threshold and every
-worker ended on the final weight version."""
+worker ended on the final weight version.
+
+`--nats URL --workers-external` runs the same loop on a server and workers that already run
+(compose.yaml's trainer does). `--trace PATH` writes every process's spans to PATH (one trace
+per step) and ends with where a step's time went."""
 
 from __future__ import annotations
 
@@ -13,14 +17,21 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
 from rlfabric.bus import EmbeddedNats
 from rlfabric.bus.server import die_with_parent
+from rlfabric.cli._common import add_telemetry_options, start_telemetry
 from rlfabric.errors import LaunchError
 from rlfabric.schemas import TRANSPORTS
+
+if TYPE_CHECKING:
+    from rlfabric.telemetry import Telemetry
+    from rlfabric.telemetry.report import PhaseRow
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +63,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     p.add_argument("--no-live", action="store_true",
                    help="one line per step instead of the live view (default when not a TTY)")
+    g = p.add_argument_group(
+        "attach", "run the demo on a server and fleet that already run (e.g. compose.yaml's) "
+        "instead of starting its own")
+    g.add_argument("--nats", default=None, metavar="URL",
+                   help="use this NATS server (comma-separated URLs) instead of an embedded one")
+    g.add_argument("--prefix", default="up", help="the job prefix (default %(default)s)")
+    g.add_argument("--workers-external", action="store_true",
+                   help="start no workers: wait for --workers of them to join the job (started "
+                   "elsewhere with `rlfabric worker --nats URL --prefix PREFIX`); they are "
+                   "left running at the end")
+    g.add_argument("--join-timeout", type=float, default=180.0, metavar="S",
+                   help="seconds to wait for the workers to join (default %(default)s)")
+    add_telemetry_options(p)  # the workers up starts write to the same files
     p.set_defaults(func=run)
+
+
+@contextlib.asynccontextmanager
+async def _server(url: str | None) -> AsyncIterator[tuple[str, int | None]]:
+    """The server's URL and pid: an embedded one, or `url` (pid unknown)."""
+    if url:
+        yield url, None
+        return
+    async with EmbeddedNats() as nats:
+        yield nats.url, nats.pid
 
 
 class Fleet:
@@ -63,7 +97,8 @@ class Fleet:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
 
-    def start(self, n: int, url: str, prefix: str, engine: str, model: str) -> None:
+    def start(self, n: int, url: str, prefix: str, engine: str, model: str,
+              extra: list[str]) -> None:
         per_engine = ["--threads", "1"] if engine == "torch" else ["--kv-cache-gib", "1"]
         for i in range(n):
             log = self.run_dir / f"worker-{i}.log"
@@ -72,7 +107,7 @@ class Fleet:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "rlfabric", "worker", "--nats", url, "--prefix", prefix,
                      "--worker-id", f"w{i}", "--capacity", "64", "--engine", engine,
-                     "--model", model, *per_engine],
+                     "--model", model, *per_engine, *extra],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     preexec_fn=die_with_parent))
 
@@ -102,14 +137,18 @@ async def _wait_workers(fabric, fleet: Fleet, n: int, timeout: float = 180.0) ->
         if fleet.dead():
             raise LaunchError("a worker failed to start: " + "; ".join(fleet.dead()))
         if time.monotonic() > deadline:
+            where = (f"see {fleet.run_dir}/worker-*.log" if fleet.procs else
+                     f"start them with `rlfabric worker --nats URL --prefix "
+                     f"{fabric.bus.subjects.prefix}`")
             raise LaunchError(f"only {len(fabric.watcher.snapshot().members)} of {n} workers "
-                               f"joined within {timeout}s; see {fleet.run_dir}/worker-*.log")
+                              f"joined within {timeout}s; {where}")
         changed = fabric.watcher.changed()
         with anyio.move_on_after(0.5):  # and look at the processes twice a second
             await changed.wait()
 
 
-async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
+async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet,
+                telemetry: Telemetry) -> int:
     from rich.console import Console
     from rich.live import Live
 
@@ -127,16 +166,20 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
     live_ok = console.is_terminal and not args.no_live
     mode = "async (1 step off-policy)" if args.async_mode else "sync"
     t_start = time.monotonic()
-    async with EmbeddedNats() as nats:
+    async with _server(args.nats) as (url, nats_pid):
         try:
-            prefix = "up"
-            fleet.start(args.workers, nats.url, prefix, args.engine, model)
+            prefix = args.prefix
+            if not args.workers_external:
+                to_files = [f"--{k}={v}" for k in ("trace", "metrics")
+                            if (v := getattr(args, k))]
+                fleet.start(args.workers, url, prefix, args.engine, model, to_files)
             (run_dir / "pids.json").write_text(json.dumps(
-                {"up": os.getpid(), "nats": nats.pid, "workers": [p.pid for p in fleet.procs]}))
-            console.print(f"rlfabric up: NATS at {nats.url}, {args.workers} workers starting "
-                          f"(logs in {run_dir})")
-            async with FabricClient.connect(nats.url, prefix=prefix) as fabric:
-                await _wait_workers(fabric, fleet, args.workers)
+                {"up": os.getpid(), "nats": nats_pid, "workers": [p.pid for p in fleet.procs]}))
+            console.print(f"rlfabric up: NATS at {url}, {args.workers} workers "
+                          + ("joining from elsewhere" if args.workers_external
+                             else f"starting (logs in {run_dir})"))
+            async with FabricClient.connect(url, prefix=prefix) as fabric:
+                await _wait_workers(fabric, fleet, args.workers, args.join_timeout)
                 torch_model = build_model(model)
                 history: list[StepStats] = []
 
@@ -181,6 +224,7 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(fleet.stop)
     wall = time.monotonic() - t_start
+    telemetry.shutdown()  # this process's spans written, beside the workers' (they exited)
     on_final = {m.worker_id: m.weight_version for m in snap.members}
     all_final = len(on_final) == args.workers and all(v == final for v in on_final.values())
     first, last = history[0].reward, history[-1].reward
@@ -198,8 +242,17 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
         wall_s=wall, steps_per_s=len(history) / sum(h.wall_s for h in history),
         tokens_per_s=sum(h.tokens for h in history) / sum(h.wall_s for h in history),
         passed=passed, plot=str(plot_path))
+    rows, step_ms, n_steps = _breakdown(args.trace, run_dir) if args.trace else ([], 0.0, 0)
+    if args.trace:
+        summary["trace"] = args.trace
+        summary["breakdown_ms"] = {r.phase: round(r.mean_ms, 3) for r in rows}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     console.print(up_view.summary_table(history))
+    if n_steps:
+        console.print(up_view.breakdown_table(rows, step_ms, n_steps, args.trace))
+        console.print(f"the last step's trace, drawn: {run_dir / 'last-step-trace.txt'}")
+    elif args.trace:
+        console.print(f"no step spans in {args.trace}")
     console.print(
         f"reward {first:.3f} -> {last:.3f} (threshold {cfg.reward_threshold}); mismatch mean "
         f"{summary['mismatch_mean']:.1e}, max {summary['mismatch_max']:.1e}; workers on final "
@@ -213,17 +266,43 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet) -> int:
     return 0 if passed else 1
 
 
+def _breakdown(path: str, run_dir: Path) -> tuple[list[PhaseRow], float, int]:
+    """Where a step's time went, from the spans file; the last step's trace drawn into
+    run_dir/last-step-trace.txt."""
+    from rlfabric.telemetry.report import draw, read_spans, step_breakdown
+
+    try:
+        spans = read_spans(path)
+    except OSError:
+        return [], 0.0, 0
+    steps = [s for s in spans if s["name"] == "step"]
+    if steps:
+        last = max(steps, key=lambda s: s["attributes"].get("rlfabric.step", -1))
+        (run_dir / "last-step-trace.txt").write_text(
+            "\n".join(draw(spans, last["trace_id"], collapse=True)) + "\n")
+    return step_breakdown(spans)
+
+
 def run(args: argparse.Namespace) -> int:
     from rlfabric.errors import RLFabricError
 
     if args.workers < 1:
         print("rlfabric up: --workers must be >= 1", file=sys.stderr)
         return 2
+    if args.workers_external and not args.nats:
+        print("rlfabric up: --workers-external needs --nats URL, the server those workers use",
+              file=sys.stderr)
+        return 2
     run_dir = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
+    for path in (args.trace, args.metrics):  # this run's, not appended to an earlier one's
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_bytes(b"")
     fleet = Fleet(run_dir)
+    telemetry = start_telemetry(args, "trainer")
     try:
-        return anyio.run(_main, args, run_dir, fleet)
+        return anyio.run(_main, args, run_dir, fleet, telemetry)
     except KeyboardInterrupt:
         print(f"\nrlfabric up: interrupted; stopping {len(fleet.procs)} workers and the NATS "
               "server", file=sys.stderr)
@@ -234,3 +313,4 @@ def run(args: argparse.Namespace) -> int:
     finally:
         with contextlib.suppress(Exception):
             fleet.stop()
+        telemetry.shutdown()

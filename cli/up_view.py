@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlfabric.schemas import MembershipSnapshot
+from rlfabric.telemetry.report import PhaseRow
 from rlfabric.trainer.grpo import StepStats
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -61,6 +62,21 @@ def summary_table(history: list[StepStats]) -> Table:
                   "-" if h.mismatch is None else f"{h.mismatch:.1e}", str(h.samples),
                   f"{h.gen_s:.2f}", f"{h.train_s:.2f}", f"{h.pause_ms:.1f}",
                   f"{h.update_ms:.1f}", f"{h.resume_ms:.1f}", f"{h.tokens_per_s:.0f}")
+    return t
+
+
+def breakdown_table(rows: list[PhaseRow], step_ms: float, steps: int, path: str) -> Table:
+    """Where one step's time went, from the spans in `path`."""
+    t = Table(title=f"where a step's time went: mean of {steps}, {step_ms:.1f} ms",
+              caption=f"from the spans in {path}", title_justify="left",
+              caption_justify="left", padding=(0, 0, 0, 1), box=box.SIMPLE_HEAD,
+              pad_edge=False)
+    for col in ("phase", "ms", "share"):
+        t.add_column(col, justify="right" if col != "phase" else "left", no_wrap=True)
+    for r in rows:
+        t.add_row(r.phase, f"{r.mean_ms:.1f}", f"{r.share:.0%}")
+    rest = step_ms - sum(r.mean_ms for r in rows)
+    t.add_row("(between phases)", f"{rest:.1f}", f"{rest / step_ms:.0%}" if step_ms else "-")
     return t
 
 

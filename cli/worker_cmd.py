@@ -16,9 +16,14 @@ from anyio.abc import TaskStatus
 
 from rlfabric.bus import Bus, NatsUnavailable
 from rlfabric.bus.sync import beside
-from rlfabric.cli._common import add_bus_options, connect_options
+from rlfabric.cli._common import (
+    add_bus_options,
+    add_telemetry_options,
+    connect_options,
+    start_telemetry,
+)
 from rlfabric.engines import ENGINES
-from rlfabric.engines.protocol import EngineDied
+from rlfabric.engines.protocol import Engine, EngineDied
 from rlfabric.schemas import RLFabricError
 
 log = logging.getLogger("rlfabric.worker")
@@ -62,6 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--no-in-process", dest="in_process", action="store_false",
                    help="vLLM's own 3-process layout instead of the model in its EngineCore "
                    "process (slower to start here)")
+    add_telemetry_options(p)
     p.set_defaults(func=run)
 
 
@@ -72,7 +78,6 @@ def default_worker_id() -> str:
 
 async def serve(args: argparse.Namespace) -> None:
     from rlfabric.engines import make_engine
-    from rlfabric.engines.worker import Worker
 
     if args.threads:
         import torch
@@ -90,6 +95,16 @@ async def serve(args: argparse.Namespace) -> None:
             max_num_seqs=args.max_batch)}
     engine = make_engine(args.engine, args.model, **kwargs)
     worker_id = args.worker_id or default_worker_id()
+    telemetry = start_telemetry(args, "worker", worker_id)
+    try:
+        await _serve(args, engine, worker_id)
+    finally:
+        telemetry.shutdown()  # what is buffered is written
+
+
+async def _serve(args: argparse.Namespace, engine: Engine, worker_id: str) -> None:
+    from rlfabric.engines.worker import Worker
+
     async with Bus.connect(connect_options(args, f"rlfabric-worker-{worker_id}"),
                            prefix=args.prefix) as bus:
         worker = Worker(bus, engine, worker_id, capacity=args.capacity)

@@ -26,6 +26,8 @@ REQUEST_ID_HEADER = "rlf-request-id"
 COUNT_HEADER = "rlf-count"
 #: on the live copy of a command: its sequence in the control stream
 SEQ_HEADER = "rlf-seq"
+#: on a message combining items of several traced calls: each item's `traceparent`, in order
+TRACEPARENTS_HEADER = "rlf-traceparents"
 SCHEMA_VERSION = "1.0"
 SCHEMA_MAJOR = 1
 

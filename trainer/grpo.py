@@ -36,6 +36,7 @@ from rlfabric.schemas import (
     RolloutResult,
     SamplingParams,
 )
+from rlfabric.telemetry import spans
 from rlfabric.trainer.buffer import RolloutBuffer, sample_version
 from rlfabric.trainer.client import FabricClient
 from rlfabric.trainer.errors import RolloutFailed
@@ -253,11 +254,15 @@ class GRPOTrainer:
         pending: dict[int, Any] = {}
         async with anyio.create_task_group() as tg:
             async def gen_into(step: int, box: dict) -> None:
-                box["out"] = await self._generate(step)
+                with spans.within(box["span"]):
+                    box["out"] = await self._generate(step)
                 box["done"].set()
 
             def start(step: int) -> None:
-                box = {"done": anyio.Event()}
+                # one trace per step: its generation (begun during the previous step in
+                # async mode), training, pause, update and resume
+                span = spans.start("step", attributes={spans.STEP: step})
+                box = {"done": anyio.Event(), "span": span}
                 pending[step] = box
                 tg.start_soon(gen_into, step, box)
 
@@ -271,10 +276,16 @@ class GRPOTrainer:
                     start(step + 1)  # overlaps this step's training and update
                 self.buffer.add(results)
                 batch = self.buffer.take(self.version)
-                t0 = time.perf_counter()
-                reward, reward_std, mismatch = await anyio.to_thread.run_sync(self._train, batch)
-                train_s = time.perf_counter() - t0
-                pause_ms, update_ms, resume_ms = await self._publish()
+                try:
+                    with spans.within(box["span"]):
+                        t0 = time.perf_counter()
+                        with spans.span("train", attributes={"rlfabric.samples": len(batch)}):
+                            reward, reward_std, mismatch = await anyio.to_thread.run_sync(
+                                self._train, batch)
+                        train_s = time.perf_counter() - t0
+                        pause_ms, update_ms, resume_ms = await self._publish()
+                finally:
+                    box["span"].end()
                 if not self.cfg.async_mode and step + 1 < self.cfg.steps:
                     start(step + 1)
                 tokens = sum(len(r.completion_token_ids) for r in results)

@@ -44,6 +44,7 @@ from rlfabric.schemas import (
     codec_for,
 )
 from rlfabric.schemas.validation import InvalidRequest, check_request
+from rlfabric.telemetry import instruments, spans
 from rlfabric.trainer.continuation import continuation, merge
 
 
@@ -120,11 +121,14 @@ class RolloutPlane:
         if not fresh:
             self.duplicates_dropped += 1
             return
+        results = instruments.current.results
         for r in fresh:
             w.got.add(r.sample_index or 0)
             w.sink.send_nowait(r)
+            results.add(1, {"outcome": r.code if isinstance(r, RolloutError) else "ok"})
         if w.complete:
             self._waiting.pop(reply.request_id, None)
+            instruments.current.queue_depth.set(len(self._waiting), {"rlfabric.role": "trainer"})
 
     def _prepare(self, req: RolloutRequest, timeout: float | None) -> RolloutRequest:
         check_request(req)
@@ -147,11 +151,15 @@ class RolloutPlane:
                                  "requests awaiting results")
         for req in prepared:
             self._waiting[req.request_id] = _Waiting(req, sink)
+        instruments.current.queue_depth.set(len(self._waiting), {"rlfabric.role": "trainer"})
         until = (None if any(not r.deadline for r in prepared)
                  else max(r.deadline for r in prepared))
-        # persisted (and retried through a reconnect) before this returns
-        await self.outbox.send(self.bus.subjects.rollout_request,
-                               [(r, r.submission_id) for r in prepared], until=until)
+        subject = self.bus.subjects.rollout_request
+        # the span a worker's `process` span hangs from: ends once the requests are stored
+        with spans.producer_span(subject, attributes={spans.BATCH_COUNT: len(prepared)}):
+            # persisted (and retried through a reconnect) before this returns
+            await self.outbox.send(subject, [(r, r.submission_id) for r in prepared],
+                                   until=until)
         return prepared
 
     def _request_headers(self, reqs: list[RolloutRequest]) -> dict[str, str]:
@@ -164,11 +172,17 @@ class RolloutPlane:
         reqs = list(requests)
         total = sum(r.sampling.n for r in reqs)
         send, recv = anyio.create_memory_object_stream[RolloutReply](max(total, 1))
+        # NOTE: started, not current: an async generator's body runs in its consumer's
+        # context between yields
+        span = spans.start("generate", attributes={"rlfabric.requests": len(reqs),
+                                                   "rlfabric.samples": total})
         try:
-            sent = await self.submit(reqs, send, timeout=timeout)
+            with spans.within(span):
+                sent = await self.submit(reqs, send, timeout=timeout)
         except BaseException:  # e.g. InvalidRequest: nothing was sent
             send.close()
             recv.close()
+            span.end()
             raise
         ids = [r.request_id for r in sent]
         yielded = 0
@@ -190,6 +204,8 @@ class RolloutPlane:
             for rid in ids:
                 self._waiting.pop(rid, None)
             send.close()
+            span.set_attribute("rlfabric.results", yielded)
+            span.end()
 
     async def generate_groups(self, requests: Iterable[RolloutRequest], *,
                               timeout: float | None = None

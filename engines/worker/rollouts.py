@@ -25,6 +25,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import msgspec
@@ -44,6 +45,7 @@ from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     COUNT_HEADER,
     REQUEST_ID_HEADER,
+    TRACEPARENTS_HEADER,
     ErrorEvent,
     MalformedMessage,
     RolloutError,
@@ -54,6 +56,7 @@ from rlfabric.schemas import (
     codec_for,
     encode,
 )
+from rlfabric.telemetry import instruments, spans
 
 log = logging.getLogger("rlfabric.worker.rollouts")
 #: failures that are not the request's: it goes back to the stream for another try
@@ -70,6 +73,10 @@ class _Delivery:
     left: int
     t0: float
     back: float | None = None  # set: nak with this delay once all are done (serve again)
+
+
+#: what a lane takes: a delivery, one of its requests, and that request's trace context
+_Work = tuple[_Delivery, RolloutRequest, dict[str, str] | None]
 
 
 class RolloutServer:
@@ -138,8 +145,7 @@ class RolloutServer:
         info = await self.bus.js.consumer_info(s.rollout_stream, s.rollout_consumer)
         self.ack_wait = info.config.ack_wait or self.ack_wait  # as the job's creator set it
         # a message may hold several requests: the lanes' queue takes whatever came
-        send, recv = anyio.create_memory_object_stream[tuple[_Delivery, RolloutRequest]](
-            math.inf)
+        send, recv = anyio.create_memory_object_stream[_Work](math.inf)
 
         async def on_message(msg: Msg) -> None:
             if self.held or self.draining:
@@ -161,8 +167,9 @@ class RolloutServer:
             self.in_flight += len(reqs)
             self._idle = anyio.Event()
             self._load.fire()  # a message at a time: the fleet sees the load it took
-            for req in reqs:
-                send.send_nowait((d, req))
+            traced = _traces(msg.headers, len(reqs)) if spans.enabled() else None
+            for i, req in enumerate(reqs):
+                send.send_nowait((d, req, traced[i] if traced else None))
 
         async with anyio.create_task_group() as tg:
             await tg.start(self.outbox.run)
@@ -219,6 +226,7 @@ class RolloutServer:
                 await self.reg.flush()
             except Exception as exc:
                 log.debug("in-flight count not published: %s", exc)
+            instruments.current.queue_depth.set(self.in_flight, {spans.WORKER_ID: self.worker_id})
             await anyio.sleep(LOAD_REPORT_S)
 
     async def _keep_alive(self) -> None:
@@ -233,12 +241,17 @@ class RolloutServer:
                     except nats.errors.Error as exc:  # a reconnect: the next round sends it
                         log.debug("in-progress ack not sent: %s", exc)
 
-    async def _lane(self, recv: MemoryObjectReceiveStream[tuple[_Delivery, RolloutRequest]]
-                    ) -> None:
+    async def _lane(self, recv: MemoryObjectReceiveStream[_Work]) -> None:
         async with recv:
-            async for d, req in recv:
+            async for d, req, traced in recv:
                 try:
-                    await self._serve_one(d, req)
+                    if spans.enabled():
+                        with spans.consumer_span(d.msg.subject, traced,
+                                                 message_id=req.request_id,
+                                                 attributes=self._span_attributes(req)):
+                            await self._serve_one(d, req)
+                    else:
+                        await self._serve_one(d, req)
                 except anyio.get_cancelled_exc_class():
                     # stopped (an engine died, a drain ran out of grace): hand it back now
                     # rather than at ack_wait
@@ -277,6 +290,12 @@ class RolloutServer:
             log.debug("message not acked (%s): redelivered", exc)
 
     # ---- one request ----
+    def _span_attributes(self, req: RolloutRequest) -> dict[str, Any]:
+        return {spans.CONSUMER_GROUP: self.bus.subjects.rollout_consumer,
+                spans.WORKER_ID: self.worker_id, spans.WEIGHT_VERSION: self.engine.version,
+                "rlfabric.request.id": req.request_id, "rlfabric.client.id": req.client_id,
+                "rlfabric.samples": req.sampling.n}
+
     async def _serve_one(self, d: _Delivery, req: RolloutRequest) -> None:
         msg = d.msg
         subject = self._result_subjects.get(req.client_id)
@@ -303,12 +322,22 @@ class RolloutServer:
         attempt = msg.metadata.num_delivered or 1
         # past its deadline + a margin nobody waits for a result: stop retrying the publish
         until = req.deadline + 10.0 if req.deadline else None
-        async for res in self.engine.generate(req, worker_id=self.worker_id):
-            res = msgspec.structs.replace(res, attempt=attempt, submission_id=req.submission_id)
-            # persisted (PubAck), coalesced with what finished meanwhile, before the request's
-            # message is acked
-            await self.outbox.send(subject, [(res, _result_id(req, res.sample_index))],
-                                   until=until)
+        tokens = instruments.current.tokens
+        with spans.span(f"{self.engine.name} generate", attributes={
+                spans.WORKER_ID: self.worker_id, "rlfabric.engine": self.engine.name}) as gen:
+            async for res in self.engine.generate(req, worker_id=self.worker_id):
+                res = msgspec.structs.replace(res, attempt=attempt,
+                                              submission_id=req.submission_id)
+                n = len(res.completion_token_ids)
+                tokens.add(n, {spans.WORKER_ID: self.worker_id})
+                if gen.is_recording():
+                    gen.add_event("sample", {"index": res.sample_index, "tokens": n,
+                                             "finish_reason": res.finish_reason})
+                # persisted (PubAck), coalesced with what finished meanwhile, before the
+                # request's message is acked
+                with spans.producer_span(subject, message_id=_result_id(req, res.sample_index)):
+                    await self.outbox.send(subject, [(res, _result_id(req, res.sample_index))],
+                                           until=until)
         self.served += 1
 
     async def _not_yet(self, d: _Delivery, req: RolloutRequest) -> None:
@@ -338,6 +367,7 @@ class RolloutServer:
         # one log line per kind and interval with a count, not one per request; every one
         # an event
         self._flood.warning(f"%s answered a request with {code}: %s", self.worker_id, message)
+        instruments.current.errors.add(1, {"code": code, spans.WORKER_ID: self.worker_id})
         await self.bus.emit(ErrorEvent(source=self.worker_id, code=code, message=message,
                                        subject=msg.subject, at=time.time()))
         if not client_id or not request_id:
@@ -353,6 +383,18 @@ class RolloutServer:
                                    until=time.time() + 30.0)
         except Exception as exc:
             log.warning("could not answer %s with %s: %s", request_id, code, exc)
+
+
+def _traces(headers: dict[str, str] | None, n: int) -> list[dict[str, str] | None]:
+    """Each request's trace context: the message's `traceparent`, or one per request when it
+    combined several traced calls (`rlf-traceparents`; see `Outbox`)."""
+    hdrs = headers or {}
+    listed = hdrs.get(TRACEPARENTS_HEADER)
+    if listed is not None:
+        tps = listed.split(",")
+        if len(tps) == n:
+            return [None if tp == "-" else {"traceparent": tp} for tp in tps]
+    return [hdrs] * n
 
 
 def _result_id(req: RolloutRequest | None, sample: int | str, request_id: str = "") -> str:

@@ -51,6 +51,7 @@ from rlfabric.schemas import (
     Wake,
     WorkerInfo,
 )
+from rlfabric.telemetry import instruments, spans
 
 log = logging.getLogger("rlfabric.worker")
 STATE_WRITE_S = 1.0  # how long a command waits for the worker's state to be written
@@ -79,6 +80,10 @@ class Worker:
             self._checksum_cache = (v, self.engine.weights_checksum())
         return self._checksum_cache[1]
 
+    def _version_metric(self) -> None:
+        instruments.current.weight_version.set(self.engine.version,
+                                               {spans.WORKER_ID: self.worker_id})
+
     # ---- lifecycle ----
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self.reg.refuse_if_taken()  # before anything binds this id's control consumer
@@ -91,6 +96,7 @@ class Worker:
                 self.rollouts.hold()
                 await self.engine.pause("keep")
             self.reg.update(weight_version=self.engine.version)
+            self._version_metric()
             await tg.start(self.reg.run)
             await tg.start(self.rollouts.run)
             await self._set_state("paused" if self.rollouts.held else "ready")
@@ -217,4 +223,5 @@ class Worker:
         finally:
             self._checksum_cache = None
             self.rollouts.version_moved()
+            self._version_metric()
             await self._set_state(before)

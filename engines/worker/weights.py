@@ -35,6 +35,7 @@ from rlfabric.schemas import (
     SharedMemory,
     UpdateWeights,
 )
+from rlfabric.telemetry import spans
 from rlfabric.tensors import (
     STABLE_MARKER,
     WEIGHTS_FILE,
@@ -129,32 +130,35 @@ class WeightSync:
         metas = t.tensors
         path: str | None = None  # a file with the same bytes, for engines loading elsewhere
         with contextlib.ExitStack() as keep:
-            try:
-                if isinstance(t, SharedMemory):
-                    buf = keep.enter_context(_open_shm(t.name))
-                    if await anyio.Path(f"/dev/shm/{t.name}").exists():  # Linux: a file
-                        path = f"/dev/shm/{t.name}"
-                elif isinstance(t, Filesystem):
-                    buf = await self._read_fs(t, cmd.deadline)
-                    path = os.path.join(t.path, WEIGHTS_FILE)
-                elif isinstance(t, Nats):
-                    buf = await self._read_nats(t, cmd.version, buffer_size(metas))
-                else:
-                    raise CommandFailed("unsupported",
-                                        f"transport {type(t).__name__} is not supported here")
-            except CommandFailed:
-                raise
-            except Exception as exc:
-                raise CommandFailed("fetch_failed", f"{self.worker_id} could not fetch v"
-                                    f"{cmd.version} over {type(t).__name__}: {exc}") from exc
+            with spans.span("fetch weights", attributes={
+                    "rlfabric.transport": t.__struct_config__.tag or ""}):
+                try:
+                    if isinstance(t, SharedMemory):
+                        buf = keep.enter_context(_open_shm(t.name))
+                        if await anyio.Path(f"/dev/shm/{t.name}").exists():  # Linux: a file
+                            path = f"/dev/shm/{t.name}"
+                    elif isinstance(t, Filesystem):
+                        buf = await self._read_fs(t, cmd.deadline)
+                        path = os.path.join(t.path, WEIGHTS_FILE)
+                    elif isinstance(t, Nats):
+                        buf = await self._read_nats(t, cmd.version, buffer_size(metas))
+                    else:
+                        raise CommandFailed("unsupported",
+                                            f"transport {type(t).__name__} is not supported here")
+                except CommandFailed:
+                    raise
+                except Exception as exc:
+                    raise CommandFailed("fetch_failed", f"{self.worker_id} could not fetch v"
+                                        f"{cmd.version} over {type(t).__name__}: {exc}") from exc
             view = memoryview(buf)[:buffer_size(metas)]
-            got = await _digest_in_thread(view)
+            with spans.span("verify digest"):
+                got = await _digest_in_thread(view)
             if got != cmd.digest:
                 del view
                 raise CommandFailed("digest_mismatch", f"{self.worker_id}: v{cmd.version} "
                                     f"payload digest {got} != {cmd.digest}; old weights kept")
             try:
-                with payload(view, metas, path=path) as weights:
+                with payload(view, metas, path=path) as weights, spans.span("load weights"):
                     await self._load(weights, cmd)
             finally:
                 del view  # no view may outlive the buffer

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rlfabric.telemetry.report import by_trace, process_of, read_spans
+
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
 EXE = str(Path(sysconfig.get_path("scripts")) / "rlfabric")
@@ -26,8 +28,10 @@ def gone(pid: int) -> bool:
 
 def test_short_run_learns_with_exact_logprobs_and_every_worker_on_the_last_version(
         tmp_path: Path) -> None:
+    spans_file = tmp_path / "spans.jsonl"
     out = subprocess.run([EXE, "up", "--workers", "2", "--steps", "12", "--threshold", "0.3",
-                          "--no-live", "--json", "--out", str(tmp_path)],
+                          "--no-live", "--json", "--out", str(tmp_path),
+                          "--trace", str(spans_file)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -39,6 +43,22 @@ def test_short_run_learns_with_exact_logprobs_and_every_worker_on_the_last_versi
     assert summary["all_workers_on_final"] and summary["final_version"] == 12
     assert set(summary["workers_on_final"].values()) == {12}
     assert Path(summary["plot"]).stat().st_size > 10_000  # a real PNG was written
+    # --trace: one trace per step, each with spans of the trainer and of both workers
+    found = read_spans(str(spans_file))
+    steps = [s for s in found if s["name"] == "step"]
+    assert sorted(s["attributes"]["rlfabric.step"] for s in steps) == list(range(12))
+    assert len({s["trace_id"] for s in steps}) == 12 and all(s["parent"] is None for s in steps)
+    traces = by_trace(found)
+    for s in steps:
+        assert {process_of(x) for x in traces[s["trace_id"]]} == {
+            "trainer", "worker w0", "worker w1"}, s["attributes"]
+        names = {x["name"] for x in traces[s["trace_id"]] if x["parent"] == s["span_id"]}
+        assert names == {"generate", "train", "pause", "update_weights", "resume"}
+    assert set(summary["breakdown_ms"]) == {"generate", "train", "pause", "update_weights",
+                                            "resume"}
+    assert "where a step's time went" in out.stdout
+    drawn = (Path(summary["plot"]).parent / "last-step-trace.txt").read_text().splitlines()
+    assert drawn[0].startswith("step  [trainer]") and any("[worker w1]" in x for x in drawn)
 
 
 def test_sigint_during_a_run_leaves_no_process_behind(tmp_path: Path) -> None:
@@ -69,3 +89,19 @@ def test_sigint_during_a_run_leaves_no_process_behind(tmp_path: Path) -> None:
         if proc.stdout:
             proc.stdout.close()
     assert not any(Path(f"/proc/{pid}").exists() and not gone(pid) for pid in [proc.pid])
+
+
+def test_attached_to_a_running_server_and_fleet_it_trains_them_and_leaves_them_running(
+        tmp_path: Path, workers, nats_url: str, prefix: str) -> None:
+    # what compose.yaml's trainer does: the server and the workers are someone else's
+    procs = workers(["x0", "x1"], "--threads", "1", "--capacity", "64")
+    out = subprocess.run([EXE, "up", "--nats", nats_url, "--prefix", prefix,
+                          "--workers-external", "--workers", "2", "--steps", "4",
+                          "--threshold", "0", "--no-live", "--json", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode in (0, 1), out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workers_on_final"] == {"x0": 4, "x1": 4}
+    assert len(summary["steps"]) == 4
+    assert [p.poll() for p in procs] == [None, None]  # still serving
+    assert json.loads(next(tmp_path.glob("*/pids.json")).read_text())["workers"] == []

