@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,20 +14,6 @@ from collections.abc import AsyncIterator
 import anyio
 
 from rlfabric.errors import LaunchError
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free loopback ports (all held open while choosing, so none repeats)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @contextlib.asynccontextmanager

@@ -11,20 +11,25 @@
 Each round alternates pause and resume; latency is one call until all N answered; `cpu us` is
 the calling process's CPU time per call (the trainer's cost).
 
-    rlfabric bench control [--sizes 1,8,32,128] [--rounds 200] [--json]
+With `--cluster 3`, `rlfabric` runs again on a 3-node loopback cluster (streams and buckets
+R3), in the same run.
+
+    rlfabric bench control [--sizes 1,8,32,128] [--rounds 200] [--cluster 3] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
 
 import anyio
 
-from rlfabric.bench._util import children, free_ports, pct, table
-from rlfabric.bus import EmbeddedNats, QuorumPolicy
+from rlfabric.bench._util import children, pct, table
+from rlfabric.bus import EmbeddedCluster, EmbeddedNats, QuorumPolicy
+from rlfabric.bus.cluster import free_ports
 from rlfabric.trainer import FabricClient
 
 
@@ -146,18 +151,25 @@ async def bench_http(n: int, rounds: int, processes: int, client: str) -> dict[s
             return await timed(rounds, hcall)
 
 
-async def run(sizes: list[int], rounds: int, processes: int) -> list[dict]:
+async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0) -> list[dict]:
     rows = []
-    async with EmbeddedNats() as nats:
+    async with contextlib.AsyncExitStack() as stack:
+        nats = await stack.enter_async_context(EmbeddedNats())
+        nodes = (await stack.enter_async_context(EmbeddedCluster(cluster)) if cluster
+                 else None)
         for n in sizes:
             procs = min(processes, n)
             r = max(20, rounds if n < 128 else rounds // 2)
             fab = await bench_fabric(nats.url, n, r, procs)
-            flo = await bench_floor(nats.url, n, r, procs)
-            aio = await bench_http(n, r, procs, "aiohttp")
-            htx = await bench_http(n, max(10, r // (4 if n >= 32 else 1)), procs, "httpx")
-            for path, res in (("rlfabric", fab), ("nats-py floor", flo), ("aiohttp", aio),
-                              ("httpx", htx)):
+            paths = [("rlfabric", fab)]
+            if nodes is not None:  # the same job on the cluster: every stream and bucket R3
+                paths.append((f"rlfabric {cluster}-node cluster R{min(3, cluster)}",
+                              await bench_fabric(nodes.url, n, r, procs)))
+            paths.append(("nats-py floor", await bench_floor(nats.url, n, r, procs)))
+            paths.append(("aiohttp", await bench_http(n, r, procs, "aiohttp")))
+            paths.append(("httpx", await bench_http(n, max(10, r // (4 if n >= 32 else 1)),
+                                                    procs, "httpx")))
+            for path, res in paths:
                 rows.append({"responders": n, "processes": procs, "path": path, "rounds": r,
                              **res, "x_vs_fabric": res["p50_ms"] / fab["p50_ms"]})
     return rows
@@ -167,11 +179,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1,8,32,128")
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="also run rlfabric on an N-node (>= 3) loopback NATS cluster, every "
+                   "stream and bucket with 3 copies: a row beside the single server's")
     p.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:
-    rows = anyio.run(run, [int(x) for x in args.sizes.split(",")], args.rounds, args.processes)
+    rows = anyio.run(run, [int(x) for x in args.sizes.split(",")], args.rounds, args.processes,
+                     args.cluster)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -33,8 +33,9 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from rlfabric.bench._util import children, free_ports, pct, table
+from rlfabric.bench._util import children, pct, table
 from rlfabric.bus import EmbeddedNats
+from rlfabric.bus.cluster import free_ports
 from rlfabric.engines import make_engine, running
 from rlfabric.schemas import PackedI32, RolloutRequest, RolloutResult, SamplingParams
 from rlfabric.trainer import FabricClient

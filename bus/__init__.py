@@ -1,5 +1,6 @@
 """The bus: NATS connection, embedded server, subjects, streams/KV, membership, quorum."""
 
+from rlfabric.bus.cluster import EmbeddedCluster
 from rlfabric.bus.connect import ConnectOptions, connect
 from rlfabric.bus.errors import (
     BusError,
@@ -33,6 +34,7 @@ __all__ = [
     "CommandReceiver",
     "ConnectOptions",
     "DuplicateWorker",
+    "EmbeddedCluster",
     "EmbeddedNats",
     "Fanout",
     "InvalidName",

@@ -53,6 +53,9 @@ class Limits:
     #: where the nats weight transport keeps chunks: "file" (any model size) or "memory"
     #: (about 2.5x faster here; the server must hold one model version in RAM)
     weights_storage: str = "file"
+    #: copies of every stream and bucket in a cluster; None: min(3, servers in the cluster),
+    #: 1 on a single server (`cluster_size`)
+    replicas: int | None = None
 
 
 @dataclass(slots=True)
@@ -63,7 +66,20 @@ class Buckets:
     member_ttl: float
 
 
-def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
+def cluster_size(server_info: dict[str, object]) -> int:
+    """Servers in the cluster the client is connected to (1: not clustered), from the
+    server's INFO (`connect_urls` lists every node's client URL)."""
+    if not server_info.get("cluster"):
+        return 1
+    urls = server_info.get("connect_urls")
+    return max(1, len(set(urls))) if isinstance(urls, list) else 1
+
+
+def replicas_for(lim: Limits, servers: int) -> int:
+    return lim.replicas if lim.replicas is not None else max(1, min(3, servers))
+
+
+def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamConfig]:
     return [
         StreamConfig(
             name=s.rollout_stream,
@@ -71,6 +87,7 @@ def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=lim.duplicate_window,
+            num_replicas=replicas,
         ),
         StreamConfig(
             name=s.results_stream,
@@ -80,6 +97,7 @@ def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
             max_age=lim.results_max_age,
             max_bytes=lim.results_max_bytes,
             discard=DiscardPolicy.OLD,
+            num_replicas=replicas,
         ),
         StreamConfig(
             name=s.control_stream,
@@ -88,6 +106,7 @@ def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
             storage=StorageType.FILE,
             max_age=lim.control_max_age,
             duplicate_window=lim.duplicate_window,
+            num_replicas=replicas,
         ),
         StreamConfig(
             name=s.weights_stream,
@@ -95,6 +114,7 @@ def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.MEMORY if lim.weights_storage == "memory" else StorageType.FILE,
             max_age=lim.weights_max_age,
+            num_replicas=replicas,
         ),
     ]
 
@@ -165,10 +185,13 @@ async def bind_buckets(js: JetStreamContext, s: Subjects) -> Buckets | None:
         return None
 
 
-async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None) -> Buckets:
-    """Create (or find) every stream and bucket of the job; return the two KV buckets."""
+async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None, *,
+                    servers: int = 1) -> Buckets:
+    """Create (or find) every stream and bucket of the job, with `replicas_for(lim, servers)`
+    copies each; return the two KV buckets."""
     lim = lim or Limits()
-    for cfg in stream_configs(s, lim):
+    replicas = replicas_for(lim, servers)
+    for cfg in stream_configs(s, lim, replicas):
         await _ensure_stream(js, cfg)
     await _ensure_rollout_consumer(js, s, lim)
     members = await _ensure_bucket(
@@ -180,10 +203,12 @@ async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None
             # A delete marker on expiry, so watchers see a silent worker leave.
             limit_marker_ttl=max(1.0, lim.member_ttl),
             storage=StorageType.FILE,
+            replicas=replicas,
         ),
     )
     state = await _ensure_bucket(
-        js, KeyValueConfig(bucket=s.state_bucket, history=16, storage=StorageType.FILE)
+        js, KeyValueConfig(bucket=s.state_bucket, history=16, storage=StorageType.FILE,
+                           replicas=replicas)
     )
     return Buckets(members=members, state=state,
                    member_ttl=await _ttl(members, lim.member_ttl))

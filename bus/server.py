@@ -200,6 +200,11 @@ class EmbeddedNats:
             self.requested_port = self.port
         self.port = None
 
+    def exit_code(self) -> int | None:
+        """The server's exit status once it has exited by itself; None while it runs (or
+        was never started)."""
+        return self._proc.poll() if self._proc is not None else None
+
     def wait(self) -> int:
         """Block until the server exits by itself (used by `rlfabric nats`)."""
         if self._proc is None:

@@ -26,7 +26,7 @@ from opentelemetry import propagate, trace
 
 from rlfabric.bus.connect import ConnectOptions, Link, connect
 from rlfabric.bus.errors import TRANSIENT, BusError, PermissionDenied
-from rlfabric.bus.provision import Buckets, Limits, bind_buckets, provision
+from rlfabric.bus.provision import Buckets, Limits, bind_buckets, cluster_size, provision
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.subjects import Subjects
 from rlfabric.bus.sync import beside, wait_any
@@ -73,7 +73,10 @@ class Bus:
         try:
             js = nc.jetstream(timeout=10.0, publish_async_max_pending=256)
             if provision_streams:
-                buckets: Buckets | None = await provision(js, subjects, limits)
+                # NOTE: nats-py keeps the server's INFO private; `connect_urls` in it is the
+                # one place that says how many servers the cluster has
+                buckets: Buckets | None = await provision(
+                    js, subjects, limits, servers=cluster_size(getattr(nc, "_server_info", {})))
             else:
                 buckets = await bind_buckets(js, subjects)
             yield cls(nc, js, subjects, buckets, limits, link)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
+import time
 from types import FrameType
 
 from rlfabric.bus import EmbeddedNats, InvalidName, NatsServerError
 from rlfabric.bus.auth import write_auth
+from rlfabric.bus.cluster import EmbeddedCluster
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +38,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "observer; existing ones are kept) and DIR/auth.conf, and serve with it")
     p.add_argument("--prefix", default="rl",
                    help="the job prefix the --auth permissions are for (default %(default)s)")
+    p.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="start N >= 3 servers routed into one JetStream cluster instead (client "
+                   "ports --port, --port+1, ...; each node's store under --store-dir/n<i>); "
+                   "jobs on it keep 3 copies of every stream and bucket")
+    p.add_argument("--json", action="store_true",
+                   help="with --cluster: one JSON object per node and line (name, url, pid, "
+                   "store), then nothing until stopped")
     p.set_defaults(func=run)
 
 
@@ -49,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         extra = setup.config
         for role, path in setup.seed_files.items():
             print(f"rlfabric nats: {role} key {path} (pass it with --nkey)", flush=True)
+    if args.cluster:
+        return _run_cluster(args, extra)
     srv = EmbeddedNats(port=args.port, host=args.host, store_dir=args.store_dir,
                        extra_config=extra)
     try:
@@ -75,3 +87,50 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlfabric nats: server exited with {rc}: " + " | ".join(srv.log_lines[-5:]),
               file=sys.stderr)
     return rc
+
+
+def _run_cluster(args: argparse.Namespace, extra: str) -> int:
+    try:
+        cluster = EmbeddedCluster(args.cluster, host=args.host, port=args.port,
+                                  store_dir=args.store_dir, extra_config=extra)
+    except ValueError as exc:
+        print(f"rlfabric nats: --cluster: {exc}", file=sys.stderr)
+        return 2
+    try:
+        cluster.start()
+    except NatsServerError as exc:
+        print(f"rlfabric nats: {exc}", file=sys.stderr)
+        return 1
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    rc = 0
+    try:
+        for i, (node, url) in enumerate(zip(cluster.nodes, cluster.urls, strict=True)):
+            if args.json:
+                print(json.dumps({"name": f"n{i}", "url": url, "pid": node.pid,
+                                  "store": node.store_dir}), flush=True)
+            else:
+                print(f"rlfabric nats: node n{i} ready at {url} (pid {node.pid}, JetStream "
+                      f"store {node.store_dir})", flush=True)
+        if not args.json:
+            print(f"rlfabric nats: cluster of {cluster.n} ready; clients take --nats "
+                  f"{cluster.url}; Ctrl-C stops every node", flush=True)
+        while True:  # a node that exits by itself ends the cluster
+            down = [(i, c) for i, n in enumerate(cluster.nodes) if (c := n.exit_code()) is not None]
+            if down:
+                i, rc = down[0]
+                print(f"rlfabric nats: node n{i} exited with {rc}: "
+                      + " | ".join(cluster.nodes[i].log_lines[-5:]), file=sys.stderr)
+                break
+            time.sleep(0.5)  # nothing to await: the servers are child processes
+    except KeyboardInterrupt:
+        rc = 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cluster.stop()
+    return rc or 0
+

@@ -119,7 +119,8 @@ async def test_a_worker_that_misses_live_copies_catches_up_in_order(fabric):
                 for i in range(20)]
         for cmd in cmds:
             rep = await bc.broadcast(cmd, QuorumPolicy(timeout=10))
-            assert rep.ok == ("wa",)
+            # wb is no member, but its poll may read a command back before wa's ack lands
+            assert "wa" in rep.ok and set(rep.ok) <= {"wa", "wb"}, rep
         assert rb.applied_live == 0  # nothing reached it live (its poll may have begun reading)
         with anyio.fail_after(10):  # its poll reads them back
             await b.until(20)

@@ -1,0 +1,128 @@
+"""`EmbeddedCluster`: N nats-servers on loopback routed into one cluster, JetStream on each.
+
+    with EmbeddedCluster(3) as c:         # started once JetStream has a metadata leader
+        c.url                             # every node's client URL, comma-separated
+        c.kill(1); c.start_node(1)        # a crash and a restart with its own store
+
+Each node is an `EmbeddedNats` with a server name (`n0`, `n1`, ...), its own JetStream store
+(`<store_dir>/n<i>` when a store dir is given; kept), and routes to every other node. JetStream
+clustering needs a quorum of nodes: N >= 3. Streams and buckets a job provisions on a
+cluster get `replicas = min(3, N)` (`Limits.replicas`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from types import TracebackType
+
+from rlfabric.bus.errors import NatsServerError
+from rlfabric.bus.server import DEFAULT_MAX_PAYLOAD, EmbeddedNats
+
+#: a node logs this once the cluster's JetStream has elected its metadata leader
+_META_LEADER = "metadata leader"
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports (all held open while choosing, so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class EmbeddedCluster:
+    def __init__(self, n: int = 3, *, host: str = "127.0.0.1", port: int = 0,
+                 store_dir: str | None = None, name: str = "rlfabric",
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, extra_config: str = "",
+                 ready_timeout: float = 30.0) -> None:
+        if n < 3:
+            raise ValueError(f"a JetStream cluster needs at least 3 nodes (a quorum survives "
+                             f"one loss); got {n}. One server: EmbeddedNats")
+        self.n = n
+        self.host = host
+        self.name = name
+        self.ready_timeout = ready_timeout
+        client = [port + i for i in range(n)] if port else free_ports(n, host)
+        routes = free_ports(n, host)
+        self.nodes = [
+            EmbeddedNats(port=client[i], host=host, max_payload=max_payload,
+                         store_dir=os.path.join(store_dir, f"n{i}") if store_dir else None,
+                         extra_config=self._config(i, routes) + extra_config,
+                         ready_timeout=ready_timeout)
+            for i in range(n)
+        ]
+
+    def _config(self, i: int, routes: list[int]) -> str:
+        peers = ", ".join(f'"nats-route://{self.host}:{p}"' for j, p in enumerate(routes)
+                          if j != i)
+        return (f"server_name: n{i}\n"
+                f"cluster {{\n  name: {self.name}\n  listen: \"{self.host}:{routes[i]}\"\n"
+                f"  routes: [{peers}]\n}}\n")
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://{self.host}:{node.requested_port}" for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated: what clients and workers take."""
+        return ",".join(self.urls)
+
+    def start(self) -> EmbeddedCluster:
+        try:
+            for node in self.nodes:
+                node.start()
+            self.wait_for_jetstream()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_for_jetstream(self, timeout: float | None = None) -> None:
+        """Block until a node logged that the cluster's JetStream has a metadata leader."""
+        deadline = time.monotonic() + (timeout or self.ready_timeout)
+        while not any(_META_LEADER in line for node in self.nodes for line in node.log_lines):
+            if time.monotonic() > deadline:
+                tails = " || ".join(f"n{i}: " + " | ".join(node.log_lines[-3:])
+                                    for i, node in enumerate(self.nodes))
+                raise NatsServerError(f"cluster of {self.n} formed no JetStream metadata leader "
+                                      f"within {timeout or self.ready_timeout}s: {tails}")
+            time.sleep(0.05)  # the servers' logs are read by threads; nothing to await here
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node `i`, as a crash would (its store stays)."""
+        self.nodes[i].kill()
+
+    def start_node(self, i: int) -> None:
+        """Start node `i` again on its port, with its store."""
+        self.nodes[i].start()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> EmbeddedCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> EmbeddedCluster:
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(self.start)
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        import anyio
+
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.stop)
