@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -74,6 +75,21 @@ def _drain(p: subprocess.Popen, log: collections.deque, ev: threading.Event,
             log.append(line.rstrip())
             if ready and ready in line:
                 ev.set()
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes `pids` have used so far (Linux /proc; NaN
+    elsewhere, or when one is gone)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            return float("nan")
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -8,11 +8,15 @@
 - `nats-py floor`: the same message pattern with nats-py alone, in the same process layout:
   one JetStream publish to a file stream, then one core publish that N subscribers receive,
   each answering to the address in a header; the caller counts N answers.
-Each round alternates pause and resume; latency is one call until all N answered; `cpu us` is
-the calling process's CPU time per call (the trainer's cost).
+Each round alternates pause and resume; latency is one call until all N answered. CPU time per
+call, in microseconds: `caller` is the calling process's (the trainer's cost), `server` the
+nats-server's (all nodes of a cluster; none for HTTP), `responders` all responder processes'
+together (Linux /proc). A second table gives the same three with no calls (the job's idle cost:
+heartbeats, the trainer's membership watch), measured before each rlfabric row's rounds.
 
 With `--cluster 3`, `rlfabric` runs again on a 3-node loopback cluster (streams and buckets
-R3), in the same run.
+R3), in the same run. Above 250 responders the simulated workers spread over one process per
+250 at least (1000: 4 processes); httpx is left out above 256 (its pool's connects time out).
 
     rlfabric bench control [--sizes 1,8,32,128] [--rounds 200] [--cluster 3] [--json]
 """
@@ -27,10 +31,14 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from rlfabric.bench._util import children, pct, table
+from rlfabric.bench._util import children, cpu_seconds, pct, table
 from rlfabric.bus import EmbeddedCluster, EmbeddedNats, QuorumPolicy
 from rlfabric.bus.cluster import free_ports
 from rlfabric.trainer import FabricClient
+
+PER_PROCESS = 250  # simulated workers per process, at most, unless --processes asks for fewer
+HTTPX_MAX = 256  # responders; above it httpx's connection pool times out on connect
+IDLE_S = 5.0  # seconds the idle cost of a job is measured over, before its calls
 
 
 def split(items: list, parts: int) -> list[list]:
@@ -38,21 +46,28 @@ def split(items: list, parts: int) -> list[list]:
     return [items[i:i + per] for i in range(0, len(items), per)]
 
 
-async def timed(rounds: int, call: Callable[[int], Awaitable[None]]) -> dict[str, float]:
+async def timed(rounds: int, call: Callable[[int], Awaitable[None]], *,
+                servers: list[int], responders: list[int]) -> dict[str, float]:
+    """Latency of `call` over `rounds`, and the CPU per call of the caller (this process), of
+    the `servers` (nats-server pids; none for HTTP) and of the `responders` processes."""
     for i in range(10):  # warm-up
         await call(i)
     lat = []
-    cpu0 = time.process_time()
+    cpu0, srv0, rsp0 = time.process_time(), cpu_seconds(servers), cpu_seconds(responders)
     for i in range(rounds):
         t0 = time.perf_counter()
         await call(i)
         lat.append((time.perf_counter() - t0) * 1e3)
-    cpu = (time.process_time() - cpu0) / rounds
+    per_call = 1e6 / rounds
     return {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "mean_ms": sum(lat) / len(lat),
-            "cpu_us": cpu * 1e6}
+            "cpu_us": (time.process_time() - cpu0) * per_call,
+            "server_cpu_us": ((cpu_seconds(servers) - srv0) * per_call if servers
+                              else float("nan")),
+            "responders_cpu_us": (cpu_seconds(responders) - rsp0) * per_call}
 
 
-async def bench_floor(url: str, n: int, rounds: int, processes: int) -> dict[str, float]:
+async def bench_floor(url: str, n: int, rounds: int, processes: int,
+                      servers: list[int]) -> dict[str, float]:
     import nats
     from nats.aio.msg import Msg
     from nats.js.api import StorageType, StreamConfig
@@ -77,7 +92,7 @@ async def bench_floor(url: str, n: int, rounds: int, processes: int) -> dict[str
                 done[call_id].set()
 
         sub = await nc.subscribe(f"{tag}.ack.*", cb=on_ack)
-        async with children(cmds, ready="floor: control ready"):
+        async with children(cmds, ready="floor: control ready") as procs:
             async def call(i: int) -> None:
                 call_id = f"c{i}-{time.perf_counter_ns()}"
                 done[call_id] = anyio.Event()
@@ -89,7 +104,8 @@ async def bench_floor(url: str, n: int, rounds: int, processes: int) -> dict[str
                     await done[call_id].wait()
                 del done[call_id], counts[call_id]
 
-            out = await timed(rounds, call)
+            out = await timed(rounds, call, servers=servers,
+                              responders=[p.pid for p in procs])
         await sub.unsubscribe()
         await js.delete_stream(tag.upper())
         return out
@@ -97,27 +113,43 @@ async def bench_floor(url: str, n: int, rounds: int, processes: int) -> dict[str
         await nc.close()
 
 
-async def bench_fabric(url: str, n: int, rounds: int, processes: int) -> dict[str, float]:
+async def bench_fabric(url: str, n: int, rounds: int, processes: int,
+                       servers: list[int]) -> dict[str, float]:
     prefix = f"ctl{n}"
     ids = [f"b{i:03d}" for i in range(n)]
     cmds = [["rlfabric.bench.sim", "--nats", url, "--prefix", prefix, "--ids", ",".join(part)]
             for part in split(ids, processes)]
-    async with children(cmds, ready="ready"), FabricClient.connect(url, prefix=prefix,
-                                    policy=QuorumPolicy(timeout=30)) as fabric:
+    async with children(cmds, ready="ready") as procs, FabricClient.connect(
+            url, prefix=prefix, policy=QuorumPolicy(timeout=30)) as fabric:
         await fabric.wait_for_workers(n, timeout=120)
+        pids = [p.pid for p in procs]
+        idle = await idle_cpu(servers, pids)
 
         async def call(i: int) -> None:
             rep = await (fabric.pause(mode="wait") if i % 2 == 0 else fabric.resume())
             assert len(rep.ok) == n
 
-        return await timed(rounds, call)
+        return {**await timed(rounds, call, servers=servers, responders=pids), **idle}
+
+
+async def idle_cpu(servers: list[int], responders: list[int], seconds: float = IDLE_S
+                   ) -> dict[str, float]:
+    """CPU per second (in % of one core) with the job up and no call: heartbeats, watches."""
+    t0 = time.perf_counter()
+    cpu0, srv0, rsp0 = time.process_time(), cpu_seconds(servers), cpu_seconds(responders)
+    await anyio.sleep(seconds)
+    pct_of = 100 / (time.perf_counter() - t0)
+    return {"idle_caller_pct": (time.process_time() - cpu0) * pct_of,
+            "idle_server_pct": (cpu_seconds(servers) - srv0) * pct_of,
+            "idle_responders_pct": (cpu_seconds(responders) - rsp0) * pct_of}
 
 
 async def bench_http(n: int, rounds: int, processes: int, client: str) -> dict[str, float]:
     ports = free_ports(n)
     cmds = [["rlfabric.bench.http_fleet", "--ports", ",".join(map(str, part))]
             for part in split(ports, processes)]
-    async with children(cmds, ready="http fleet ready"):
+    async with children(cmds, ready="http fleet ready") as procs:
+        fleet = {"servers": [], "responders": [p.pid for p in procs]}
         pause = [f"http://127.0.0.1:{p}/pause?mode=wait" for p in ports]
         resume = [f"http://127.0.0.1:{p}/resume" for p in ports]
         if client == "aiohttp":
@@ -134,7 +166,7 @@ async def bench_http(n: int, rounds: int, processes: int, client: str) -> dict[s
                         for u in (pause if i % 2 == 0 else resume):
                             tg.start_soon(post, u)
 
-                return await timed(rounds, call)
+                return await timed(rounds, call, **fleet)
         import httpx
 
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -148,7 +180,7 @@ async def bench_http(n: int, rounds: int, processes: int, client: str) -> dict[s
                     for u in (pause if i % 2 == 0 else resume):
                         tg.start_soon(hpost, u)
 
-            return await timed(rounds, hcall)
+            return await timed(rounds, hcall, **fleet)
 
 
 async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0) -> list[dict]:
@@ -158,20 +190,24 @@ async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0) -
         nodes = (await stack.enter_async_context(EmbeddedCluster(cluster)) if cluster
                  else None)
         for n in sizes:
-            procs = min(processes, n)
+            procs = min(n, max(processes, n // PER_PROCESS))
             r = max(20, rounds if n < 128 else rounds // 2)
-            fab = await bench_fabric(nats.url, n, r, procs)
-            paths = [("rlfabric", fab)]
+            single = [nats.pid or 0]
+            fab = await bench_fabric(nats.url, n, r, procs, single)
+            paths = [("rlfabric", r, fab)]
             if nodes is not None:  # the same job on the cluster: every stream and bucket R3
-                paths.append((f"rlfabric {cluster}-node cluster R{min(3, cluster)}",
-                              await bench_fabric(nodes.url, n, r, procs)))
-            paths.append(("nats-py floor", await bench_floor(nats.url, n, r, procs)))
-            paths.append(("aiohttp", await bench_http(n, r, procs, "aiohttp")))
-            paths.append(("httpx", await bench_http(n, max(10, r // (4 if n >= 32 else 1)),
-                                                    procs, "httpx")))
-            for path, res in paths:
-                rows.append({"responders": n, "processes": procs, "path": path, "rounds": r,
-                             **res, "x_vs_fabric": res["p50_ms"] / fab["p50_ms"]})
+                paths.append((f"rlfabric {cluster}-node cluster R{min(3, cluster)}", r,
+                              await bench_fabric(nodes.url, n, r, procs,
+                                                 [node.pid or 0 for node in nodes.nodes])))
+            paths.append(("nats-py floor", r, await bench_floor(nats.url, n, r, procs, single)))
+            paths.append(("aiohttp", r, await bench_http(n, r, procs, "aiohttp")))
+            if n <= HTTPX_MAX:
+                hr = max(10, r // (4 if n >= 32 else 1))
+                paths.append(("httpx", hr, await bench_http(n, hr, procs, "httpx")))
+            for path, used, res in paths:
+                rows.append({"responders": n, "processes": procs, "path": path,
+                             "rounds": used, **res,
+                             "x_vs_fabric": res["p50_ms"] / fab["p50_ms"]})
     return rows
 
 
@@ -194,6 +230,15 @@ def main(args: argparse.Namespace) -> int:
     print(table(rows, [("responders", "responders", ""), ("processes", "procs", ""),
                        ("path", "path", ""), ("rounds", "rounds", ""),
                        ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
-                       ("mean_ms", "mean ms", ".2f"), ("cpu_us", "cpu us/call", ".0f"),
+                       ("mean_ms", "mean ms", ".2f"), ("cpu_us", "caller cpu us", ".0f"),
+                       ("server_cpu_us", "server cpu us", ".0f"),
+                       ("responders_cpu_us", "responders cpu us", ".0f"),
                        ("x_vs_fabric", "p50 / rlfabric p50", ".2f")]))
+    idle = [r for r in rows if "idle_server_pct" in r]
+    print(f"\nidle cost, no calls ({IDLE_S:.0f} s with every worker joined; % of one core): "
+          "heartbeats and the trainer's membership watch")
+    print(table(idle, [("responders", "responders", ""), ("path", "path", ""),
+                       ("idle_caller_pct", "caller %", ".1f"),
+                       ("idle_server_pct", "server %", ".1f"),
+                       ("idle_responders_pct", "responders %", ".1f")]))
     return 0

@@ -64,6 +64,7 @@ class SimWorker:
         return AckFields()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        await self.reg.refuse_if_taken()  # before the receiver takes the id's ping subject
         async with anyio.create_task_group() as tg:
             await tg.start(self.receiver.run)  # commands reach us before anyone sees us
             await tg.start(self.reg.run)

@@ -12,6 +12,7 @@ cluster get `replicas = min(3, N)` (`Limits.replicas`).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -87,15 +88,31 @@ class EmbeddedCluster:
         return self
 
     def wait_for_jetstream(self, timeout: float | None = None) -> None:
-        """Block until a node logged that the cluster's JetStream has a metadata leader."""
+        """Block until a node logged that the cluster's JetStream has a metadata leader and
+        every node tells a connecting client about all N nodes (a job provisioned then
+        counts the whole cluster: `provision.cluster_size`)."""
         deadline = time.monotonic() + (timeout or self.ready_timeout)
-        while not any(_META_LEADER in line for node in self.nodes for line in node.log_lines):
+        while not (any(_META_LEADER in line for node in self.nodes for line in node.log_lines)
+                   and all(self._known_nodes(url) == self.n for url in self.urls)):
             if time.monotonic() > deadline:
                 tails = " || ".join(f"n{i}: " + " | ".join(node.log_lines[-3:])
                                     for i, node in enumerate(self.nodes))
                 raise NatsServerError(f"cluster of {self.n} formed no JetStream metadata leader "
-                                      f"within {timeout or self.ready_timeout}s: {tails}")
+                                      f"with every node routed within "
+                                      f"{timeout or self.ready_timeout}s: {tails}")
             time.sleep(0.05)  # the servers' logs are read by threads; nothing to await here
+
+    def _known_nodes(self, url: str) -> int:
+        """The nodes the server at `url` advertises to a client (its INFO's connect_urls)."""
+        host, _, port = url.removeprefix("nats://").rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0) as sock:
+                line = sock.makefile("rb").readline(1 << 16)
+        except OSError:
+            return 0
+        if not line.startswith(b"INFO "):
+            return 0
+        return len(set(json.loads(line[5:]).get("connect_urls") or []))
 
     def kill(self, i: int) -> None:
         """SIGKILL node `i`, as a crash would (its store stays)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import socket
 import time
@@ -45,6 +46,8 @@ log = logging.getLogger("rlfabric.bus.membership")
 #: seconds after a (re)connect during which a worker that does not answer may still be
 #: reconnecting itself (its reconnect wait, 0.5 s by default, plus a margin)
 RECONNECT_SETTLE = 2.0
+#: seconds after which `Registration.run` checks again that its worker id is free
+RECHECK_AFTER_S = 5.0
 _REWATCH: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
 
 
@@ -74,6 +77,7 @@ class Registration:
         self.heartbeat = heartbeat or max(0.1, bus.buckets.member_ttl / 4)
         #: called before each write to bring live fields (in-flight, version) up to date
         self.refresh: Callable[[WorkerInfo], WorkerInfo] | None = None
+        self._checked_at = -math.inf  # when refuse_if_taken() last found the id free
 
     @property
     def worker_id(self) -> str:
@@ -95,11 +99,15 @@ class Registration:
 
     async def refuse_if_taken(self) -> None:
         """Worker ids are unique while alive: a live holder answers pings on the id's subject
-        (a stale key of a dead one is simply overwritten)."""
+        (a stale key of a dead one is simply overwritten). Call it before this worker's
+        `CommandReceiver` subscribes to the same subject: that one answers only a sender's
+        probe, so a plain ping would wait out its 1 s timeout instead of hearing "no
+        responders"."""
         try:
             msg = await self.bus.nc.request(self.bus.subjects.ping(self.worker_id), b"",
                                             timeout=1.0)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            self._checked_at = time.monotonic()
             return
         try:
             other = codec_for(WorkerInfo).decode(msg.data, check_version=False)
@@ -111,7 +119,11 @@ class Registration:
                               "another --worker-id, or stop that worker first")
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        await self.refuse_if_taken()
+        # checked again unless just checked: a worker whose engine took long to start may have
+        # a twin by now (the check then waits its 1 s out behind our own receiver's ping
+        # subscription, but a live twin answers at once)
+        if time.monotonic() - self._checked_at > RECHECK_AFTER_S:
+            await self.refuse_if_taken()
         sub = await self.bus.nc.subscribe(self.bus.subjects.ping(self.worker_id), cb=self._on_ping)
         try:
             await self.bus.nc.flush(timeout=5)  # the responder is live on the server

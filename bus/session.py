@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Literal, TypeVar
 
@@ -44,6 +45,8 @@ from rlfabric.schemas import headers as schema_headers
 T = TypeVar("T")
 PingResult = Literal["alive", "dead", "silent"]
 STATE_KEY = "desired"
+#: seconds a desired-state write keeps retrying (a cluster's leader election takes 5-7 s)
+STATE_WRITE_WITHIN = 15.0
 log = logging.getLogger("rlfabric.bus")
 _garbage = RateLimited(log)
 _retrying = RateLimited(log)
@@ -264,10 +267,20 @@ class Bus:
             return DesiredState()
         return state
 
-    async def put_desired_state(self, state: DesiredState) -> None:
-        kv = self.buckets.state
-        await self.refused_or(f"$KV.{self.subjects.state_bucket}.{STATE_KEY}",
-                              lambda: kv.put(STATE_KEY, encode(state)))
+    async def put_desired_state(self, state: DesiredState, *,
+                                within: float = STATE_WRITE_WITHIN) -> None:
+        """Write the job's desired state, retried through a reconnect or a cluster's leader
+        election for up to `within` seconds (a KV put is a publish to the bucket's stream)."""
+        bucket = self.subjects.state_bucket
+        try:
+            await self.persist(f"$KV.{bucket}.{STATE_KEY}", encode(state),
+                               {"Nats-Msg-Id": f"state-{uuid.uuid4().hex}"},
+                               until=time.time() + within)
+        except TRANSIENT as exc:
+            raise BusError(
+                f"the job's desired state was not stored within {within}s (bucket {bucket}: "
+                f"{type(exc).__name__}: {exc}); on a NATS cluster a node may be down while "
+                "its streams elect new leaders, which takes seconds: retry the call") from exc
 
     async def stream_depths(self) -> dict[str, int | None]:
         """Messages held per stream (None if the stream does not exist), and the rollout

@@ -4,8 +4,9 @@ view, a summary table and a plot. Exit 0 only if the reward rose past the thresh
 worker ended on the final weight version.
 
 `--nats URL --workers-external` runs the same loop on a server and workers that already run
-(compose.yaml's trainer does). `--trace PATH` writes every process's spans to PATH (one trace
-per step) and ends with where a step's time went."""
+(compose.yaml's trainer does); `--launcher ray` starts the workers as Ray actors in a placement
+group instead of processes (the trainer side is the same). `--trace PATH` writes every
+process's spans to PATH (one trace per step) and ends with where a step's time went."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -24,10 +23,12 @@ from typing import TYPE_CHECKING
 import anyio
 
 from rlfabric.bus import EmbeddedNats
-from rlfabric.bus.server import die_with_parent
 from rlfabric.cli._common import add_telemetry_options, start_telemetry
+from rlfabric.cli.up_fleet import ProcessFleet, RayActorFleet
 from rlfabric.errors import LaunchError
 from rlfabric.schemas import TRANSPORTS
+
+Fleet = ProcessFleet | RayActorFleet
 
 if TYPE_CHECKING:
     from rlfabric.telemetry import Telemetry
@@ -75,6 +76,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "left running at the end")
     g.add_argument("--join-timeout", type=float, default=180.0, metavar="S",
                    help="seconds to wait for the workers to join (default %(default)s)")
+    r = p.add_argument_group("launcher", "how up starts its workers")
+    r.add_argument("--launcher", default="process", choices=("process", "ray"),
+                   help="process: `rlfabric worker` child processes (default); ray: Ray actors "
+                   "in one placement group, a bundle per worker (needs `pip install "
+                   "'rlfabric[ray]'')")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --launcher ray: a running Ray cluster ('auto', or host:port); "
+                   "default: a local Ray runtime for this run, shut down at the end")
+    r.add_argument("--gpus-per-worker", type=float, default=0.0, metavar="G",
+                   help="with --launcher ray: GPUs in each worker's bundle (default 0)")
     add_telemetry_options(p)  # the workers up starts write to the same files
     p.set_defaults(func=run)
 
@@ -89,55 +100,13 @@ async def _server(url: str | None) -> AsyncIterator[tuple[str, int | None]]:
         yield nats.url, nats.pid
 
 
-class Fleet:
-    """The worker processes `up` started; `stop()` ends every one of them."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Path] = []
-
-    def start(self, n: int, url: str, prefix: str, engine: str, model: str,
-              extra: list[str]) -> None:
-        per_engine = ["--threads", "1"] if engine == "torch" else ["--kv-cache-gib", "1"]
-        for i in range(n):
-            log = self.run_dir / f"worker-{i}.log"
-            self.logs.append(log)
-            with open(log, "wb") as out:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "rlfabric", "worker", "--nats", url, "--prefix", prefix,
-                     "--worker-id", f"w{i}", "--capacity", "64", "--engine", engine,
-                     "--model", model, *per_engine, *extra],
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    preexec_fn=die_with_parent))
-
-    def dead(self) -> list[str]:
-        out = []
-        for i, p in enumerate(self.procs):
-            if p.poll() is not None:
-                tail = self.logs[i].read_text(errors="replace").strip().splitlines()[-3:]
-                out.append(f"w{i} exited with {p.returncode}: {' | '.join(tail)}")
-        return out
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
-
-
-async def _wait_workers(fabric, fleet: Fleet, n: int, timeout: float = 180.0) -> None:
+async def _wait_workers(fabric, fleet: Fleet | None, n: int, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while len(fabric.watcher.snapshot().members) < n:
-        if fleet.dead():
-            raise LaunchError("a worker failed to start: " + "; ".join(fleet.dead()))
+        if fleet is not None and (dead := fleet.dead()):
+            raise LaunchError("a worker failed to start: " + "; ".join(dead))
         if time.monotonic() > deadline:
-            where = (f"see {fleet.run_dir}/worker-*.log" if fleet.procs else
+            where = (fleet.where() if fleet is not None else
                      f"start them with `rlfabric worker --nats URL --prefix "
                      f"{fabric.bus.subjects.prefix}`")
             raise LaunchError(f"only {len(fabric.watcher.snapshot().members)} of {n} workers "
@@ -147,7 +116,7 @@ async def _wait_workers(fabric, fleet: Fleet, n: int, timeout: float = 180.0) ->
             await changed.wait()
 
 
-async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet,
+async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
                 telemetry: Telemetry) -> int:
     from rich.console import Console
     from rich.live import Live
@@ -169,17 +138,17 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet,
     async with _server(args.nats) as (url, nats_pid):
         try:
             prefix = args.prefix
-            if not args.workers_external:
-                to_files = [f"--{k}={v}" for k in ("trace", "metrics")
-                            if (v := getattr(args, k))]
-                fleet.start(args.workers, url, prefix, args.engine, model, to_files)
-            (run_dir / "pids.json").write_text(json.dumps(
-                {"up": os.getpid(), "nats": nats_pid, "workers": [p.pid for p in fleet.procs]}))
+            if fleet is not None:
+                await anyio.to_thread.run_sync(fleet.start, args.workers, url, prefix,
+                                               args.engine, model, args.trace, args.metrics)
             console.print(f"rlfabric up: NATS at {url}, {args.workers} workers "
-                          + ("joining from elsewhere" if args.workers_external
-                             else f"starting (logs in {run_dir})"))
+                          + (f"starting ({fleet.where()})" if fleet is not None
+                             else "joining from elsewhere"))
             async with FabricClient.connect(url, prefix=prefix) as fabric:
                 await _wait_workers(fabric, fleet, args.workers, args.join_timeout)
+                pids = await anyio.to_thread.run_sync(fleet.pids) if fleet is not None else []
+                (run_dir / "pids.json").write_text(json.dumps(
+                    {"up": os.getpid(), "nats": nats_pid, "workers": pids}))
                 torch_model = build_model(model)
                 history: list[StepStats] = []
 
@@ -221,8 +190,9 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet,
                 snap = fabric.watcher.snapshot()
         finally:
             # NOTE: workers first, while the bus is still there for their clean exit
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(fleet.stop)
+            if fleet is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(fleet.stop)
     wall = time.monotonic() - t_start
     telemetry.shutdown()  # this process's spans written, beside the workers' (they exited)
     on_final = {m.worker_id: m.weight_version for m in snap.members}
@@ -293,24 +263,35 @@ def run(args: argparse.Namespace) -> int:
         print("rlfabric up: --workers-external needs --nats URL, the server those workers use",
               file=sys.stderr)
         return 2
+    if args.workers_external and args.launcher != "process":
+        print("rlfabric up: --workers-external starts no workers; drop --launcher",
+              file=sys.stderr)
+        return 2
+    if args.launcher != "ray" and (args.ray_address or args.gpus_per_worker):
+        print("rlfabric up: --ray-address and --gpus-per-worker go with --launcher ray",
+              file=sys.stderr)
+        return 2
     run_dir = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     for path in (args.trace, args.metrics):  # this run's, not appended to an earlier one's
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_bytes(b"")
-    fleet = Fleet(run_dir)
+    fleet: Fleet | None = (None if args.workers_external
+                           else RayActorFleet(args.ray_address, args.gpus_per_worker)
+                           if args.launcher == "ray" else ProcessFleet(run_dir))
     telemetry = start_telemetry(args, "trainer")
     try:
         return anyio.run(_main, args, run_dir, fleet, telemetry)
     except KeyboardInterrupt:
-        print(f"\nrlfabric up: interrupted; stopping {len(fleet.procs)} workers and the NATS "
-              "server", file=sys.stderr)
+        print(f"\nrlfabric up: interrupted; stopping {0 if fleet is None else args.workers} "
+              "workers and the NATS server", file=sys.stderr)
         return 130
     except (RLFabricError, ValueError) as exc:
         print(f"rlfabric up: {exc}", file=sys.stderr)
         return 1
     finally:
-        with contextlib.suppress(Exception):
-            fleet.stop()
+        if fleet is not None:
+            with contextlib.suppress(Exception):
+                fleet.stop()
         telemetry.shutdown()

@@ -57,3 +57,24 @@ async def test_fingerprint_is_order_free_and_ids_are_checked() -> None:
     assert fingerprint(["b", "a"]) == fingerprint(["a", "b"]) != fingerprint(["a"])
     with pytest.raises(InvalidName, match=r"worker id 'a\.b'"):
         new_worker_info("a.b", engine="x", model="y")
+
+
+async def test_a_worker_checks_its_id_once_so_its_receiver_does_not_stall_its_join(
+        fabric) -> None:
+    # the worker runtime's order: check the id, start the command receiver (which subscribes
+    # to the id's ping subject and answers only probes), then register. A second check would
+    # hear no "no responders" and wait out its 1 s request timeout (every worker joined 1 s
+    # late, a 250-worker sim process 250 s late)
+    from rlfabric.bus import CommandReceiver
+
+    async def handle(cmd, ctx):
+        return None
+
+    async with fabric() as (bus, watcher, _bc, tg):
+        reg = Registration(bus, new_worker_info("w1", engine="t", model="m"))
+        await reg.refuse_if_taken()
+        await tg.start(CommandReceiver(bus, "w1", handle).run)
+        with anyio.fail_after(0.9):  # under the check's 1 s timeout: not asked again so soon
+            await tg.start(reg.run)
+        await watcher.wait_until(lambda s: s.worker_ids == ("w1",), timeout=5)
+        tg.cancel_scope.cancel()

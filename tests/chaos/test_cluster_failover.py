@@ -25,15 +25,16 @@ pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.anyio, pytest.mark
 
 async def retried(call: Callable[[], Awaitable[FanoutReport]], tries: list[str]
                   ) -> FanoutReport:
-    """`call()` until it succeeds (a new cmd_id each time), at most 5 tries, each failure's
-    message kept."""
-    for _ in range(5):
+    """`call()` until it succeeds (a new cmd_id each time) for at most 60 s (a stream whose
+    leader was lost takes seconds to elect another), each failure's message kept."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         try:
             return await call()
         except (QuorumNotReached, RLFabricError, nats.errors.Error) as exc:
             tries.append(f"{type(exc).__name__}: {exc}")
             await anyio.sleep(0.5)
-    pytest.fail(f"still failing after 5 tries: {tries}")
+    pytest.fail(f"still failing after 60 s, {len(tries)} tries: {tries}")
 
 
 async def all_current(cluster: EmbeddedCluster, streams: list[str]) -> dict[str, set[int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sysconfig
@@ -105,3 +106,18 @@ def test_attached_to_a_running_server_and_fleet_it_trains_them_and_leaves_them_r
     assert len(summary["steps"]) == 4
     assert [p.poll() for p in procs] == [None, None]  # still serving
     assert json.loads(next(tmp_path.glob("*/pids.json")).read_text())["workers"] == []
+
+
+@pytest.mark.timeout(400)
+def test_ray_launcher_trains_with_actor_workers_and_leaves_no_ray_behind(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed here (pip install 'rlfabric[ray]')")
+    out = subprocess.run([EXE, "up", "--launcher", "ray", "--no-live", "--json", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=360,
+                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["passed"] and summary["reward_last"] >= 0.8
+    assert summary["workers_on_final"] == {"w0": 20, "w1": 20}
+    assert "Ray actors in one placement group" in out.stdout
+    pids = json.loads(next(tmp_path.glob("*/pids.json")).read_text())["workers"]
+    assert len(set(pids)) == 2 and all(gone(p) for p in pids)  # the actors ended with the run
