@@ -18,6 +18,7 @@ JS_STREAM_NAME_IN_USE = 10058  # a stream of this name exists with another confi
 JS_CONSUMER_NAME_IN_USE = 10013  # a consumer of this name exists with another config
 JS_CONSUMER_ALREADY_EXISTS = 10148  # a create-only call found the consumer already there
 JS_WRONG_LAST_SEQUENCE = 10071  # Nats-Expected-Last-Sequence did not hold
+JS_NO_SUITABLE_PEERS = 10005  # fewer JetStream peers known than a stream's replicas
 
 #: what a publish or request raises while the connection or the server is coming back (a
 #: reconnect, a restarted server whose JetStream is not up yet): worth retrying

@@ -10,9 +10,10 @@ Whatever is queued while earlier messages are on their way goes out as one messa
 window to close. Several combined messages are in flight at once. A single item goes as
 itself, so a receiver decodes either the message type or its combination.
 
-Every combined message carries a `Nats-Msg-Id` derived from its items' ids, so a retry after
-a lost PubAck (a reconnect, a broker restart: `Bus.persist`) is dropped by the stream as a
-duplicate.
+Every combined message carries a `Nats-Msg-Id` derived from all its items' ids (`batch_id`),
+so a retry after a lost PubAck (a reconnect, a broker restart: `Bus.persist`) is dropped by the
+stream as a duplicate, and a message that differs in any item is not: a batch that starts with
+a repeated item (a result served again after a redelivery) still stores the new ones.
 
 When tracing is on, each `send` call's span context goes with its items: a message whose
 items share one carries it as `traceparent`; one that combines items of several traced calls
@@ -22,6 +23,7 @@ parents every item's span on the call that sent it.
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -134,7 +136,7 @@ class Outbox:
         if len(batch) == 1:
             data, msg_id = batch[0].data, batch[0].msg_id
         else:
-            data, msg_id = encode(self.combine(msgs)), f"{batch[0].msg_id}+{len(batch)}"
+            data, msg_id = encode(self.combine(msgs)), batch_id([i.msg_id for i in batch])
         extra = self.extra_headers(msgs) if self.extra_headers else {}
         hdrs = self.bus.headers({**extra, "Nats-Msg-Id": msg_id})
         _trace_headers(hdrs, batch)
@@ -160,6 +162,13 @@ class Outbox:
                 t.error = error
             if t.left == 0 or t.error is not None:
                 t.done.set()
+
+
+def batch_id(ids: list[str]) -> str:
+    """The `Nats-Msg-Id` of a message combining items with these ids: the first, the count,
+    and a digest of all (equal only for the same items in the same order)."""
+    digest = hashlib.blake2b("\n".join(ids).encode(), digest_size=12).hexdigest()
+    return f"{ids[0]}+{len(ids)}.{digest}"
 
 
 def _trace_headers(hdrs: dict[str, str], batch: list[_Item]) -> None:

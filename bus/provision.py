@@ -8,8 +8,14 @@ stream listening on the wrong subjects is repaired; one that cannot be raises
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import TypeVar
 
+import anyio
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -27,12 +33,19 @@ from nats.js.kv import KeyValue
 from rlfabric.bus.errors import (
     JS_CONSUMER_ALREADY_EXISTS,
     JS_CONSUMER_NAME_IN_USE,
+    JS_NO_SUITABLE_PEERS,
     JS_STREAM_NAME_IN_USE,
+    TRANSIENT,
     ProvisioningError,
 )
 from rlfabric.bus.subjects import Subjects
 
+T = TypeVar("T")
 HOUR = 3600.0
+#: seconds provisioning waits for a cluster to place a stream's copies: a cluster that just
+#: formed routes and elected its metadata leader may not know every JetStream peer yet
+PLACEMENT_WITHIN = 20.0
+log = logging.getLogger("rlfabric.bus")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -185,16 +198,55 @@ async def bind_buckets(js: JetStreamContext, s: Subjects) -> Buckets | None:
         return None
 
 
+def _unplaced(exc: Exception) -> bool:
+    """A create the cluster could not place yet: too few JetStream peers known (a node still
+    joining, or down), or no metadata leader for the moment."""
+    if isinstance(exc, BadRequestError):
+        return exc.err_code == JS_NO_SUITABLE_PEERS
+    return isinstance(exc, TRANSIENT)
+
+
+async def _placed(what: str, replicas: int, create: Callable[[], Awaitable[T]], *,
+                  within: float) -> T:
+    """`create()`, retried while the cluster cannot place `replicas` copies yet, for up to
+    `within` seconds. One copy (a single server) is not retried: its errors say what is
+    wrong at once."""
+    if replicas == 1:
+        return await create()
+    deadline = time.monotonic() + within
+    delay = 0.1
+    while True:
+        try:
+            return await create()
+        except Exception as exc:  # anything but a placement error is re-raised below
+            if not _unplaced(exc):
+                raise
+            if time.monotonic() + delay > deadline:
+                raise ProvisioningError(
+                    f"{what} could not be created with {replicas} copies within {within:.0f}s "
+                    f"({type(exc).__name__}: {exc}): the cluster has fewer JetStream servers "
+                    "up than copies asked for. Start the missing nodes, or set "
+                    "Limits(replicas=...) to the servers there are") from exc
+            log.info("%s: the cluster cannot place %d copies yet (%s); retrying",
+                     what, replicas, exc)
+        await anyio.sleep(delay)  # nothing to await: the server says nothing when a peer joins
+        delay = min(1.0, delay * 2)
+
+
 async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None, *,
-                    servers: int = 1) -> Buckets:
+                    servers: int = 1, within: float = PLACEMENT_WITHIN) -> Buckets:
     """Create (or find) every stream and bucket of the job, with `replicas_for(lim, servers)`
-    copies each; return the two KV buckets."""
+    copies each; return the two KV buckets. On a cluster still forming (a node not yet a
+    JetStream peer) each create is retried for up to `within` seconds, then raises
+    `ProvisioningError`."""
     lim = lim or Limits()
     replicas = replicas_for(lim, servers)
     for cfg in stream_configs(s, lim, replicas):
-        await _ensure_stream(js, cfg)
-    await _ensure_rollout_consumer(js, s, lim)
-    members = await _ensure_bucket(
+        await _placed(f"stream {cfg.name}", replicas, partial(_ensure_stream, js, cfg),
+                      within=within)
+    await _placed(f"consumer {s.rollout_consumer}", replicas,
+                  lambda: _ensure_rollout_consumer(js, s, lim), within=within)
+    members = await _placed(f"KV bucket {s.members_bucket}", replicas, lambda: _ensure_bucket(
         js,
         KeyValueConfig(
             bucket=s.members_bucket,
@@ -205,11 +257,11 @@ async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None
             storage=StorageType.FILE,
             replicas=replicas,
         ),
-    )
-    state = await _ensure_bucket(
+    ), within=within)
+    state = await _placed(f"KV bucket {s.state_bucket}", replicas, lambda: _ensure_bucket(
         js, KeyValueConfig(bucket=s.state_bucket, history=16, storage=StorageType.FILE,
                            replicas=replicas)
-    )
+    ), within=within)
     return Buckets(members=members, state=state,
                    member_ttl=await _ttl(members, lim.member_ttl))
 

@@ -25,7 +25,6 @@ from typing import Literal
 
 import anyio
 import msgspec
-from anyio.abc import TaskGroup
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.trace import INVALID_SPAN, Span
@@ -174,24 +173,35 @@ class Fanout:
         return MembershipSnapshot(epoch=snap.epoch, fingerprint=fingerprint(ids), members=alive)
 
     async def _probe(self, phase: str, required: set[str], policy: QuorumPolicy) -> None:
+        """Ping each member that has not acked every `probe_interval`, without waiting for the
+        last ping to it: a ping in flight when its worker dies is never answered (it times out
+        after `ping_timeout`), the next one, `probe_interval` later, finds the worker gone."""
         link = self.b.bus.link
+        in_flight: dict[str, int] = {}
+        # a worker that answers slowly holds this many pings at most (the default: 3)
+        most = max(1, math.ceil(policy.ping_timeout / policy.probe_interval) + 1)
 
         async def one(wid: str) -> None:
-            # the seq tells a worker that missed the live copy to read it from the stream
-            answer = await self.b.bus.ping(wid, timeout=policy.ping_timeout,
-                                           payload=str(self.cmd.seq).encode())
+            in_flight[wid] = in_flight.get(wid, 0) + 1
+            try:
+                # the seq tells a worker that missed the live copy to read it from the stream
+                answer = await self.b.bus.ping(wid, timeout=policy.ping_timeout,
+                                               payload=str(self.cmd.seq).encode())
+            finally:
+                in_flight[wid] -= 1
             # "no responders" right after a reconnect may be a worker still reconnecting
-            if answer == "dead" and link.settled(RECONNECT_SETTLE):
+            if answer == "dead" and link.settled(RECONNECT_SETTLE) and wid not in self.dead:
                 self.dead.add(wid)
                 await self.b.watcher.mark_dead(wid)
                 self._news.fire()
 
-        while True:
-            pending = required - set(self.acks.get(phase, {})) - self.dead
-            async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
+            while True:
+                pending = required - set(self.acks.get(phase, {})) - self.dead
                 for wid in pending:
-                    tg.start_soon(one, wid)
-            await anyio.sleep(policy.probe_interval)
+                    if in_flight.get(wid, 0) < most:
+                        tg.start_soon(one, wid)
+                await anyio.sleep(policy.probe_interval)
 
     async def wait(self, phase: Literal["ready", "done"] = "done",
                    policy: QuorumPolicy | None = None) -> FanoutReport:
@@ -202,14 +212,24 @@ class Fanout:
         op = op_of(self.cmd)
         deadline = self.t0 + policy.timeout
         with self.b.watcher.firing_on_join_or_leave(self._news):
+            # members that have not acked are probed from `probe_interval` on; the common
+            # case is over by then and runs no task group (entering and cancelling one cost
+            # about 70 us a call here)
+            probe_at = time.monotonic() + policy.probe_interval
+            rep = await self._wait(phase, policy, required, op, deadline, until=probe_at)
+            if rep is not None:
+                return rep
             async with beside(cancel_at_exit=True) as tg:
-                return await self._wait(phase, policy, required, op, deadline, tg)
+                tg.start_soon(self._probe, phase, required, policy)
+                rep = await self._wait(phase, policy, required, op, deadline, until=None)
+                assert rep is not None  # without `until` it returns or raises
+                return rep
 
     async def _wait(self, phase: str, policy: QuorumPolicy, required: set[str], op: str,
-                    deadline: float, tg: TaskGroup) -> FanoutReport:
-        # members that have not acked are probed from `probe_interval` on (a task only then:
-        # the common case never needs one)
-        probe_at: float | None = time.monotonic() + policy.probe_interval
+                    deadline: float, *, until: float | None) -> FanoutReport | None:
+        """The report once the quorum is met, None at `until` (a `time.monotonic()`) if it is
+        not met by then; raises when it cannot be. `required` shrinks in place (the prober
+        reads it)."""
         while True:
             news = self._news.event()
             if self.dead or self.b.watcher.epoch != self.before.epoch:
@@ -255,10 +275,9 @@ class Fanout:
                 raise QuorumNotReached(
                     self._why(op, phase, rep, needed, f"timed out after {policy.timeout}s"), rep
                 )
-            if probe_at is not None and now_t >= probe_at:
-                tg.start_soon(self._probe, phase, required, policy)
-                probe_at = None
-            wait = remaining if probe_at is None else min(remaining, probe_at - now_t)
+            if until is not None and now_t >= until:
+                return None
+            wait = remaining if until is None else min(remaining, until - now_t)
             with anyio.move_on_after(wait):
                 await news.wait()
 

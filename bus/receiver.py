@@ -163,22 +163,27 @@ class CommandReceiver:
         self._sent.move_to_end(cmd_id)
         while len(self._sent) > self._remember:
             self._sent.popitem(last=False)
-        with spans.producer_span(self.bus.subjects.ack(cmd_id), message_id=cmd_id,
+        subject = self.bus.subjects.ack(cmd_id)
+        if not spans.enabled():  # the common case: not even the attributes are built
+            await self._publish_ack(subject, ack)
+            return
+        with spans.producer_span(subject, message_id=cmd_id,
                                  attributes={spans.WORKER_ID: self.worker_id,
                                              "rlfabric.ack.phase": ack.phase,
                                              "rlfabric.ack.status": ack.status}):
-            await self._publish_ack(cmd_id, ack)
+            await self._publish_ack(subject, ack)
 
-    async def _publish_ack(self, cmd_id: str, ack: Ack) -> None:
+    async def _publish_ack(self, subject: str, ack: Ack) -> None:
         try:
-            await self.bus.publish(self.bus.subjects.ack(cmd_id), ack)
+            await self.bus.publish(subject, ack)
         except nats.errors.Error as exc:  # the sender's probe asks again (see `_on_ping`)
             log.warning("%s: ack of %s not sent (%s); sent again when asked", self.worker_id,
-                        cmd_id, exc)
+                        ack.cmd_id, exc)
 
     async def _resend(self, cmd_id: str) -> None:
+        subject = self.bus.subjects.ack(cmd_id)
         for ack in self._sent.get(cmd_id, ()):
-            await self._publish_ack(cmd_id, ack)
+            await self._publish_ack(subject, ack)
 
     # ---- the loop ----
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -369,4 +374,4 @@ class CommandReceiver:
         if cmd_id:
             ack = Ack(cmd_id=cmd_id, worker_id=self.worker_id, status="error", error_code=code,
                       error_message=str(exc))
-            await self._publish_ack(cmd_id, ack)
+            await self._publish_ack(self.bus.subjects.ack(cmd_id), ack)

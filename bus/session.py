@@ -41,6 +41,7 @@ from rlfabric.schemas import (
     encode,
 )
 from rlfabric.schemas import headers as schema_headers
+from rlfabric.telemetry import spans
 
 T = TypeVar("T")
 PingResult = Literal["alive", "dead", "silent"]
@@ -102,7 +103,8 @@ class Bus:
         """`rlf-schema`, the current trace context (`traceparent`, when a span is active), and
         `extra`."""
         out = schema_headers(extra)
-        if trace.get_current_span().get_span_context().is_valid:
+        # no tracer, no span: the context lookup is skipped (it costs more than the rest)
+        if spans.enabled() and trace.get_current_span().get_span_context().is_valid:
             propagate.inject(out)
         return out
 

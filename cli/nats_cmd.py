@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from rlfabric.bus import EmbeddedNats, InvalidName, NatsServerError
@@ -69,20 +70,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlfabric nats: {exc}", file=sys.stderr)
         return 1
 
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _stop)
-    try:  # NOTE: entered before "ready" is printed: a Ctrl-C right after it is handled too
+    def announce() -> None:
         print(f"rlfabric nats: ready at {srv.url} (JetStream store {srv.store_dir}); "
               "Ctrl-C to stop", flush=True)
-        rc = srv.wait()
-    except KeyboardInterrupt:
-        rc = 0
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        srv.stop()
+
+    rc = _foreground(announce, srv.wait, srv.stop)
     if rc:
         print(f"rlfabric nats: server exited with {rc}: " + " | ".join(srv.log_lines[-5:]),
               file=sys.stderr)
@@ -102,12 +94,7 @@ def _run_cluster(args: argparse.Namespace, extra: str) -> int:
         print(f"rlfabric nats: {exc}", file=sys.stderr)
         return 1
 
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _stop)
-    rc = 0
-    try:
+    def announce() -> None:
         for i, (node, url) in enumerate(zip(cluster.nodes, cluster.urls, strict=True)):
             if args.json:
                 print(json.dumps({"name": f"n{i}", "url": url, "pid": node.pid,
@@ -118,19 +105,35 @@ def _run_cluster(args: argparse.Namespace, extra: str) -> int:
         if not args.json:
             print(f"rlfabric nats: cluster of {cluster.n} ready; clients take --nats "
                   f"{cluster.url}; Ctrl-C stops every node", flush=True)
+
+    def wait() -> int:
         while True:  # a node that exits by itself ends the cluster
             down = [(i, c) for i, n in enumerate(cluster.nodes) if (c := n.exit_code()) is not None]
             if down:
                 i, rc = down[0]
                 print(f"rlfabric nats: node n{i} exited with {rc}: "
                       + " | ".join(cluster.nodes[i].log_lines[-5:]), file=sys.stderr)
-                break
+                return rc
             time.sleep(0.5)  # nothing to await: the servers are child processes
+
+    return _foreground(announce, wait, cluster.stop)
+
+
+def _foreground(announce: Callable[[], None], wait: Callable[[], int],
+                stop: Callable[[], None]) -> int:
+    """`announce()`, then return `wait()` (the server's exit code), or 0 on Ctrl-C or SIGTERM;
+    `stop()` runs either way, with further signals ignored so a second Ctrl-C cannot cut it."""
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:  # NOTE: entered before "ready" is printed: a Ctrl-C right after it is handled too
+        announce()
+        return wait()
     except KeyboardInterrupt:
-        rc = 0
+        return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        cluster.stop()
-    return rc or 0
-
+        stop()

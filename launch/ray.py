@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -106,7 +108,8 @@ class WorkerActor:
         if state == "starting" and w is not None:
             state = w.reg.info.state  # starting, ready, paused, draining, ...
         return {"worker_id": self.worker_id, "state": state, "error": self.error,
-                "pid": os.getpid(), "weight_version": w.engine.version if w else None,
+                "pid": os.getpid(), "host": socket.gethostname(),
+                "weight_version": w.engine.version if w else None,
                 "in_flight": w.rollouts.in_flight if w else 0,
                 "served": w.rollouts.served if w else 0}
 
@@ -216,9 +219,19 @@ class RayFleet:
                 out.append(f"{wid} ended: {str(exc).strip().splitlines()[-1][:300]}")
         return out
 
-    def kill(self, i: int) -> None:
-        """End actor i at once (its process is killed, as on a node loss)."""
-        _ray().kill(self.actors[i], no_restart=True)
+    def kill(self, i: int, timeout: float = 30.0) -> None:
+        """End actor i at once (its process is killed, as on a node loss); returns once its
+        process is gone (an actor on this host) or Ray reports it dead (elsewhere): `ray.kill`
+        itself only asks, and the process may answer a command for a while after."""
+        ray = _ray()
+        try:
+            where: dict[str, Any] = ray.get(self._probe("health", i), timeout=min(5.0, timeout))
+        except Exception:  # gone or stuck already: Ray's word below is all there is
+            where = {}
+        ray.kill(self.actors[i], no_restart=True)
+        ray.wait([self.serving[i]], timeout=timeout)
+        if where.get("host") == socket.gethostname() and where.get("pid"):
+            _wait_gone(int(where["pid"]), timeout)
 
     def stop(self, grace: float = 15.0) -> None:
         """Drain every worker (at most `grace` seconds), then kill what is left and remove
@@ -245,3 +258,17 @@ class RayFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _wait_gone(pid: int, timeout: float) -> None:
+    """Block until process `pid` has exited (at most `timeout` seconds), on its pidfd."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone already
+    except (AttributeError, OSError):  # no pidfd here (not Linux): Ray's word is all there is
+        return
+    try:
+        select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)

@@ -13,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -136,14 +139,82 @@ def prefix() -> str:
     return "t" + uuid.uuid4().hex[:12]
 
 
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """Start a Python module as a child process; every one is killed at teardown."""
-    procs: list[subprocess.Popen[str]] = []
+class Spawned(subprocess.Popen[str]):
+    """A child process whose output (stdout and stderr) a thread reads as it comes: a pipe
+    nobody reads blocks a chatty child once it holds 64 KiB. `wait_for` waits for a line."""
 
-    def _spawn(*args: str, module: str = "rlfabric.bench.sim") -> subprocess.Popen[str]:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    def __init__(self, args: list[str]) -> None:
+        super().__init__(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._more = threading.Condition()
+        self._ended = False
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
+
+    def _drain(self) -> None:
+        assert self.stdout is not None
+        try:
+            for line in self.stdout:
+                with self._more:
+                    self.lines.append(line)
+                    self._more.notify_all()
+        except (ValueError, OSError):  # closed at teardown while a grandchild held it open
+            pass
+        with self._more:
+            self._ended = True
+            self._more.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
+        """The first line matching `pattern` (a regex), waiting up to `timeout` seconds for
+        it; fails the test, quoting the output, if it does not come or the output ends."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._more:
+            while True:
+                for line in self.lines[seen:]:
+                    if m := rx.search(line):
+                        return m
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if self._ended or left <= 0:
+                    pytest.fail(f"{' '.join(self.args[2:])}: no line matching {pattern!r} "
+                                f"({'output ended' if self._ended else f'{timeout}s'}):\n"
+                                + "".join(self.lines[-40:]))
+                self._more.wait(left)
+
+    def communicate(self, input: str | None = None, timeout: float | None = None
+                    ) -> tuple[str, str | None]:
+        """Wait for the process to end (`TimeoutExpired` after `timeout`), then its whole
+        output: the reader thread holds the pipe, so Popen's own read would find it empty."""
+        if input is not None:
+            raise ValueError("a spawned process takes no input")
+        self.wait(timeout)
+        self.reader.join(timeout)
+        with self._more:
+            return "".join(self.lines), None
+
+    def tail(self, n: int = 40) -> str:
+        with self._more:
+            return "".join(self.lines[-n:])
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """Each phase's report on the item (`item.rep_call`), so fixtures see how a test ended."""
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
+@pytest.fixture
+def spawn(request: pytest.FixtureRequest) -> Iterator[Callable[..., Spawned]]:
+    """Start a Python module as a child process; every one is stopped at teardown, and a
+    failed test prints each one's last output lines."""
+    procs: list[Spawned] = []
+
+    def _spawn(*args: str, module: str = "rlfabric.bench.sim") -> Spawned:
+        proc = Spawned([sys.executable, "-m", module, *args])
         procs.append(proc)
         return proc
 
@@ -157,6 +228,13 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for proc in procs:
+            print(f"\n--- {' '.join(proc.args[2:])} (exit {proc.returncode}), last lines:\n"
+                  f"{proc.tail()}")
+    for proc in procs:
+        proc.reader.join(timeout=5)
         if proc.stdout:
             proc.stdout.close()
 

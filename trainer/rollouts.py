@@ -190,9 +190,12 @@ class RolloutPlane:
             async with recv:
                 while yielded < total:
                     wait = self._next_deadline(ids)
-                    reply = None
-                    with anyio.move_on_after(wait if wait is not None else float("inf")):
-                        reply = await recv.receive()
+                    if wait is None:  # no deadline, no cancel scope (14 us each here)
+                        reply: RolloutReply | None = await recv.receive()
+                    else:
+                        reply = None
+                        with anyio.move_on_after(wait):
+                            reply = await recv.receive()
                     if reply is None:
                         for err in self._expire(ids):
                             yielded += 1

@@ -47,17 +47,7 @@ def auth_server(tmp_path, prefix, spawn):
     keys = tmp_path / "keys"
     proc = spawn("nats", "--port", "0", "--auth", str(keys), "--prefix", prefix,
                  module="rlfabric")
-    lines = []
-    deadline = time.monotonic() + 30
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if m := re.search(r"ready at (nats://\S+)", line):
-            return m.group(1), keys
-        if not line and proc.poll() is not None:
-            break
-    pytest.fail(f"rlfabric nats --auth did not start: {''.join(lines)}")
+    return proc.wait_for(r"ready at (nats://\S+)", timeout=30).group(1), keys
 
 
 def test_write_auth_writes_private_seeds_and_keeps_them(tmp_path) -> None:

@@ -1,6 +1,6 @@
-"""A NATS cluster on loopback: `rlfabric nats --cluster 3` starts and stops every node, and a
+"""A NATS cluster on loopback: `rlfabric nats --cluster 3` starts and stops every node, a
 job provisioned on it keeps three copies of every stream and bucket (one on a single
-server)."""
+server), and provisioning waits for a node still joining."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
 import pytest
 
 from rlfabric.bus import Bus, EmbeddedCluster
+from rlfabric.bus.errors import ProvisioningError
+from rlfabric.bus.provision import Limits, provision
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -73,3 +76,37 @@ async def test_nats_cluster_cli_starts_three_nodes_and_a_job_on_them_keeps_three
 def test_a_cluster_needs_three_nodes() -> None:
     with pytest.raises(ValueError, match="at least 3 nodes"):
         EmbeddedCluster(2)
+
+
+async def test_provisioning_waits_for_a_node_still_joining_and_says_when_one_is_missing(
+        tmp_path: Path, prefix: str) -> None:
+    cluster = EmbeddedCluster(3, store_dir=str(tmp_path / "store"))
+    try:
+        for node in cluster.nodes[:2]:  # two of three: a metadata leader, no room for 3 copies
+            await anyio.to_thread.run_sync(node.start)
+
+        def meta_leader() -> None:
+            deadline = time.monotonic() + 30
+            while not any("metadata leader" in line for n in cluster.nodes[:2]
+                          for line in n.log_lines):
+                assert time.monotonic() < deadline, "two nodes elected no metadata leader"
+                time.sleep(0.05)  # the servers' logs are read by threads
+
+        await anyio.to_thread.run_sync(meta_leader)
+        limits = Limits(replicas=3)
+        async with Bus.connect(cluster.urls[0], prefix=prefix, provision_streams=False) as bus:
+            with pytest.raises(ProvisioningError, match=r"with 3 copies within 1s.*Start the "
+                               r"missing nodes"):
+                await provision(bus.js, bus.subjects, limits, within=1.0)
+
+            async def third_node() -> None:
+                await anyio.to_thread.run_sync(cluster.nodes[2].start)
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(third_node)
+                    buckets = await provision(bus.js, bus.subjects, limits, within=45)
+            assert set((await replicas_of(bus)).values()) == {3}
+            assert buckets.member_ttl == limits.member_ttl
+    finally:
+        await anyio.to_thread.run_sync(cluster.stop)

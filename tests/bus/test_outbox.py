@@ -1,5 +1,6 @@
-"""Pipelined JetStream publishes: `Outbox` coalescing, and a PubAck that never comes (lost
-with a broker restart, or swallowed) raised as an error to retry, never waited on forever."""
+"""Pipelined JetStream publishes: `Outbox` coalescing, a combined message's dedupe id that
+covers every item, and a PubAck that never comes (lost with a broker restart, or swallowed)
+raised as an error to retry, never waited on forever."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import nats.errors
 import pytest
 
 from rlfabric.bus import Bus, EmbeddedNats
-from rlfabric.bus.outbox import Outbox
+from rlfabric.bus.outbox import Outbox, batch_id
 from rlfabric.schemas import COUNT_HEADER, RolloutRequest, RolloutRequests, codec_for
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
@@ -42,6 +43,33 @@ async def test_a_burst_goes_out_in_few_messages_and_every_item_is_stored_once(
     assert sorted(r.request_id for r in stored) == sorted(r.request_id for r in reqs)
     assert outbox.items == 100 and info.state.messages == outbox.messages
     assert 100 // 16 <= outbox.messages < 50  # coalesced, within max_items
+
+
+async def test_a_message_that_starts_with_a_repeated_item_still_stores_its_new_ones(
+        nats_url, prefix) -> None:
+    """A redelivered request is served again: its result goes out again (a duplicate the
+    stream may drop), combined with results of other requests that finished with it. Those
+    must be stored: the combined message's id is not the first item's id and the count."""
+    async with Bus.connect(nats_url, prefix=prefix) as bus:
+        s = bus.subjects
+        outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs),
+                        headers=lambda reqs: {COUNT_HEADER: str(len(reqs))} if len(reqs) > 1
+                        else {})
+        a, b, c = (RolloutRequest(request_id=x, prompt_token_ids=[1]) for x in "abc")
+        async with anyio.create_task_group() as tg:
+            await tg.start(outbox.run)
+            await outbox.send(s.rollout_request, [(a, "a"), (b, "b")])
+            await outbox.send(s.rollout_request, [(a, "a"), (c, "c")])  # a again, c is new
+            await outbox.send(s.rollout_request, [(a, "a"), (c, "c")])  # a retry: dropped
+            tg.cancel_scope.cancel()
+        info = await bus.js.stream_info(s.rollout_stream)
+        many = codec_for(RolloutRequests)
+        stored = [[r.request_id for r in many.decode(raw.data, raw.headers).requests]
+                  for raw in [await bus.js.get_msg(s.rollout_stream, seq)
+                              for seq in range(info.state.first_seq, info.state.last_seq + 1)]]
+    assert stored == [["a", "b"], ["a", "c"]]
+    assert batch_id(["a", "b"]) != batch_id(["a", "c"]) != batch_id(["c", "a"])
+    assert batch_id(["a", "c"]).startswith("a+2.")
 
 
 async def test_a_pub_ack_that_never_comes_is_a_transient_error(tmp_path) -> None:

