@@ -5,7 +5,8 @@ offset of one flat buffer, described by `TensorMeta`s; a `digest` of the buffer 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -14,6 +15,8 @@ import xxhash
 from rlfabric.schemas.control import TensorMeta
 
 ALIGN = 64
+#: bytes packed and digested at a time: the digest reads a piece while it is still in cache
+PIECE = 1 << 20
 #: filesystem transport: the packed buffer's file name, and the marker written once it is whole
 WEIGHTS_FILE = "weights.bin"
 STABLE_MARKER = "STABLE"
@@ -55,6 +58,40 @@ def pack_into(state: Mapping[str, Any], metas: Iterable[TensorMeta], buf: Any) -
             continue
         src = state[m.name].detach().contiguous().cpu().reshape(-1).view(torch.uint8)
         flat[m.offset:m.offset + m.nbytes].copy_(src)
+
+
+def pack_digest(state: Mapping[str, Any], metas: Iterable[TensorMeta],
+                write: Callable[[int, memoryview], object]) -> str:
+    """Hand every tensor's bytes to `write(offset, piece)`, `PIECE` bytes at a time, and return
+    the `digest` of the buffer `pack_into` would fill (the zero padding between tensors
+    included, so `write` may skip it: a fresh buffer or file reads as zeros there). Each piece
+    is read from main memory once, for the copy and the digest together."""
+    h = xxhash.xxh3_128()
+    pos = 0
+    ordered = sorted(metas, key=lambda m: m.offset)
+    for m in ordered:
+        if m.offset > pos:
+            h.update(bytes(m.offset - pos))
+        pos = m.offset + m.nbytes
+        if not m.nbytes:
+            continue
+        src = state[m.name].detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        whole = memoryview(src)
+        for a in range(0, m.nbytes, PIECE):
+            piece = whole[a:a + PIECE]
+            write(m.offset + a, piece)
+            h.update(piece)
+    end = buffer_size(ordered)
+    if end > pos:
+        h.update(bytes(end - pos))
+    return h.hexdigest()
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """`os.pwrite` until every byte is written."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def unpack(buf: Any, metas: Iterable[TensorMeta]) -> dict[str, Any]:

@@ -47,9 +47,9 @@ from rlfabric.tensors.packing import (
     STABLE_MARKER,
     WEIGHTS_FILE,
     checksum,
-    digest,
-    pack_into,
+    pack_digest,
     plan,
+    pwrite_all,
 )
 
 log = logging.getLogger("rlfabric.trainer.staging")
@@ -103,9 +103,33 @@ class Staged:
 
 
 def _pack(state: Mapping[str, Any], metas: Any, buf: Any) -> str:
-    """Pack `state` into `buf` and return the buffer's digest (run in a worker thread)."""
-    pack_into(state, metas, buf)
-    return digest(buf)
+    """Pack `state` into `buf` (zeros where no tensor is) and return the buffer's digest (run
+    in a worker thread)."""
+    view = memoryview(buf).cast("B")
+
+    def put(offset: int, piece: memoryview) -> None:
+        view[offset:offset + len(piece)] = piece
+
+    try:
+        return pack_digest(state, metas, put)
+    finally:
+        view.release()
+
+
+def _pack_file(state: Mapping[str, Any], metas: Any, path: str, size: int, *,
+               create: bool, sync: bool) -> str:
+    """Pack `state` into the file at `path` (`size` bytes) with `pwrite` and return the digest:
+    no page of a mapping is faulted in and nothing is zeroed first (run in a worker thread)."""
+    flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        dg = pack_digest(state, metas, lambda offset, piece: pwrite_all(fd, piece, offset))
+        if sync:
+            os.fsync(fd)
+        return dg
+    finally:
+        os.close(fd)
 
 
 def as_state_dict(weights: Any) -> dict[str, Any]:
@@ -145,16 +169,27 @@ class WeightStager:
     async def _stage_shm(self, version: int, state: Mapping[str, Any], metas: Any, size: int,
                          expected: str) -> Staged:
         name = f"rlf_{self.bus.subjects.prefix}_{version}_{uuid.uuid4().hex[:8]}"
+        # the segment (and its clean-up should this process die) is SharedMemory's; the bytes
+        # go in through its file in /dev/shm where there is one (Linux): writing through the
+        # mapping would fault in, and zero, every page first
         shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+        as_file = f"/dev/shm/{name}"
 
         def fill() -> str:
+            if os.path.exists(as_file):
+                return _pack_file(state, metas, as_file, max(size, 1), create=False, sync=False)
             # NOTE: the view is made and dropped inside the thread: an idle worker thread keeps
             # its last arguments, and a view of the segment held there would block its close()
             buf = shm.buf
             assert buf is not None  # a segment we created is mapped
             return _pack(state, metas, buf[:size])
 
-        dg = await anyio.to_thread.run_sync(fill)
+        try:
+            dg = await anyio.to_thread.run_sync(fill)
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            raise
         st = Staged(version, SharedMemory(name=name, tensors=metas), dg, expected, size)
         st._release += [shm.close, shm.unlink]
         return st
@@ -167,13 +202,8 @@ class WeightStager:
             os.makedirs(path, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(path, STABLE_MARKER))
-            buf = bytearray(size)
-            pack_into(state, metas, buf)
-            with open(os.path.join(path, WEIGHTS_FILE), "wb") as f:
-                f.write(buf)
-                f.flush()
-                os.fsync(f.fileno())
-            return digest(buf)
+            return _pack_file(state, metas, os.path.join(path, WEIGHTS_FILE), size,
+                              create=True, sync=True)
 
         dg = await anyio.to_thread.run_sync(write)
         st = Staged(version, Filesystem(path=path, require_marker=True, tensors=metas), dg,

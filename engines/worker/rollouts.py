@@ -4,7 +4,8 @@ serve them on a fixed set of lanes, publish each result before acking its reques
 - Pull requests are kept out for exactly the free capacity (`Puller`), none while held
   (paused, asleep) or draining; a request that lands as a pause does goes back (`nak`).
 - A message holds one request or several (`RolloutRequests`, header `rlf-count`); credits
-  are messages, sized by the average number of requests a message brought.
+  are messages, sized by the average number of requests a message brought (one credit until
+  the first message came).
 - `capacity` serving lanes take the requests (no task per request); one sweeper sends
   in-progress acks for messages generating longer than a third of `ack_wait`.
 - Every result is persisted (PubAck) before its message is acked, so a worker that dies
@@ -104,7 +105,8 @@ class RolloutServer:
         self._result_subjects: dict[str, str] = {}
         self._codec = codec_for(RolloutRequest)
         self._batch_codec = codec_for(RolloutRequests)
-        self._per_msg = 1.0  # requests per delivered message, a moving average
+        #: requests per delivered message, a moving average (None: no message seen yet)
+        self._per_msg: float | None = None
         #: results go out through it, coalesced per client (`outbox.messages`, `.items`)
         self.outbox = Outbox(bus, combine=lambda replies: RolloutReplies(replies=replies))
         self._flood = RateLimited(log)
@@ -158,12 +160,17 @@ class RolloutServer:
                 await msg.term()
                 self._wake.fire()  # its credit is spent and no lane will say so: pull again
                 return
+            per = self._per_msg
+            if per is None:  # the first message: now the pull loop knows what fits
+                self._per_msg = len(reqs)
+                self._wake.fire()
+            else:
+                self._per_msg = per + 0.2 * (len(reqs) - per)
             if self.in_flight and self.in_flight + len(reqs) > self.capacity:
                 await msg.nak()  # more than we have room for: back, for anyone
                 return
             d = _Delivery(msg, len(reqs), time.monotonic())
             self._working[id(d)] = d
-            self._per_msg += 0.2 * (len(reqs) - self._per_msg)
             self.in_flight += len(reqs)
             self._idle = anyio.Event()
             self._load.fire()  # a message at a time: the fleet sees the load it took
@@ -205,9 +212,16 @@ class RolloutServer:
             try:
                 free = self.capacity - self.in_flight
                 # credits are messages; a message brings `_per_msg` requests on average: ask
-                # for as many as fit (one, whatever its size, when idle)
-                fit = int(free // max(1.0, self._per_msg))
-                await puller.want(max(fit, 1) if self.in_flight == 0 else fit)
+                # for as many as fit (one, whatever its size, when idle). Until the first
+                # message tells how big they come, one: an idle worker of capacity 100 that
+                # asked for 100 credits took two 50-request messages and handed 5 back,
+                # which the other worker then got late
+                if self._per_msg is None:
+                    want = 1
+                else:
+                    fit = int(free // max(1.0, self._per_msg))
+                    want = max(fit, 1) if self.in_flight == 0 else fit
+                await puller.want(want)
             except nats.errors.Error as exc:  # a reconnect: try again shortly
                 log.warning("%s: pull request failed (%s); retrying", self.worker_id, exc)
                 await anyio.sleep(0.5)

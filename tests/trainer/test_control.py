@@ -32,11 +32,14 @@ pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 @dataclass(frozen=True)
 class Served:
     """An engine the pause tests run on: its model (vLLM's CPU attention needs tiny64's head
-    size) and how long its workers take to join."""
+    size), how long its workers take to join, and how many tokens keep 200 requests in flight
+    long enough to pause during them (with 24 tokens the torch engine served all 200 in
+    0.15 s here, while the workers' load reports, 0.1 s apart, were still on their way)."""
 
     engine: str
     model: str
     join_s: float
+    busy_tokens: int
 
     def args(self, *extra: str) -> tuple[str, ...]:
         return ("--model", self.model, *extra)
@@ -47,8 +50,8 @@ class Served:
 KEEP_ACK_S = 2.0
 
 ENGINES = [
-    pytest.param(Served("torch", "tiny", 60), id="torch"),
-    pytest.param(Served("vllm", "tiny64", 240), id="vllm", marks=[
+    pytest.param(Served("torch", "tiny", 60, busy_tokens=160), id="torch"),
+    pytest.param(Served("vllm", "tiny64", 240, busy_tokens=24), id="vllm", marks=[
         pytest.mark.vllm, pytest.mark.timeout(600),
         pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                            reason="vLLM is not installed here (README, 'vLLM': its CPU build)")]),
@@ -118,7 +121,8 @@ async def test_pause_wait_drains_200_in_flight_then_holds_until_resume(client, w
         await fabric.wait_for_workers(2, timeout=served.join_s)
         await fabric.update_weights(0, module=build_model(served.model))
         s = fabric.bus.subjects
-        first = [req(f"a{i}", [256, i % 250], max_tokens=24, seed=i) for i in range(200)]
+        first = [req(f"a{i}", [256, i % 250], max_tokens=served.busy_tokens, seed=i)
+                 for i in range(200)]
         later = [req(f"b{i}", [256, i], max_tokens=4, seed=i) for i in range(30)]
         out: list = []
         async with anyio.create_task_group() as tg:
