@@ -103,8 +103,8 @@ class Staged:
 
 
 def _pack(state: Mapping[str, Any], metas: Any, buf: Any) -> str:
-    """Pack `state` into `buf` (zeros where no tensor is) and return the buffer's digest (run
-    in a worker thread)."""
+    """Pack `state` into `buf`, which must read zero where no tensor goes (a fresh buffer
+    does), and return the buffer's digest (run in a worker thread)."""
     view = memoryview(buf).cast("B")
 
     def put(offset: int, piece: memoryview) -> None:
@@ -121,7 +121,7 @@ def _pack_file(state: Mapping[str, Any], metas: Any, path: str, size: int, *,
     """Pack `state` into the file at `path` (`size` bytes) with `pwrite` and return the digest:
     no page of a mapping is faulted in and nothing is zeroed first (run in a worker thread)."""
     flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
-    fd = os.open(path, flags, 0o600)
+    fd = os.open(path, flags, 0o666)  # as open(path, "wb"): the umask decides
     try:
         os.ftruncate(fd, size)
         dg = pack_digest(state, metas, lambda offset, piece: pwrite_all(fd, piece, offset))
