@@ -5,10 +5,11 @@
     await outbox.send(subject, [(msg, msg_id)], until=deadline)   # returns once stored
 
 Whatever is queued while earlier messages are on their way goes out as one message (up to
-`max_items`, a number or a function of how many items are queued, asked at each message, and
-`max_bytes`): a burst of n small messages costs a few PubAcks, not n, and nothing waits for a
-window to close. Several combined messages are in flight at once. A single item goes as
-itself, so a receiver decodes either the message type or its combination.
+`max_items`, a number or a function of how many items are queued and the first of them, asked
+at each message, and `max_bytes`): a burst of n small messages costs a few PubAcks, not n,
+and nothing waits for a window to close. Several combined messages are in flight at once.
+A single item goes as itself, so a receiver decodes either the message type or its
+combination.
 
 Every combined message carries a `Nats-Msg-Id` derived from all its items' ids (`batch_id`),
 so a retry after a lost PubAck (a reconnect, a broker restart: `Bus.persist`) is dropped by the
@@ -63,7 +64,7 @@ class _Item:
 class Outbox:
     def __init__(self, bus: Bus, *, combine: Callable[[list[Any]], Any],
                  headers: Callable[[list[Any]], dict[str, str]] | None = None,
-                 max_items: int | Callable[[int], int] = 64, max_bytes: int | None = None
+                 max_items: int | Callable[[int, Any], int] = 64, max_bytes: int | None = None
                  ) -> None:
         self.bus = bus
         self.combine = combine
@@ -119,7 +120,8 @@ class Outbox:
         queued = len(self._queue)
         first = self._queue.popleft()
         batch, size, rest = [first], len(first.data), deque[_Item]()
-        limit = self.max_items(queued) if callable(self.max_items) else self.max_items
+        limit = (self.max_items(queued, first.msg) if callable(self.max_items)
+                 else self.max_items)
         while self._queue and len(batch) < limit:
             item = self._queue.popleft()
             if item.subject != first.subject or size + len(item.data) > self.max_bytes:

@@ -53,6 +53,8 @@ from rlfabric.telemetry import spans
 from rlfabric.trainer.desired import DesiredStateWriter
 from rlfabric.trainer.rollouts import RolloutPlane
 
+#: samples a request message holds at least when what is queued is spread over the workers
+MIN_SPREAD = 8
 if TYPE_CHECKING:  # the weight path imports torch: loaded on the first weight call
     from rlfabric.trainer.staging import Staged
     from rlfabric.trainer.updates import Verify, WeightUpdates
@@ -69,14 +71,17 @@ class FabricClient:
         self.rollouts = RolloutPlane(bus, self.client_id, max_batch=self._batch_limit)
         self._updates: WeightUpdates | None = None
 
-    def _batch_limit(self, queued: int) -> int:
+    def _batch_limit(self, queued: int, first: RolloutRequest) -> int:
         """Requests per persisted message (a message goes to one worker): what is queued
         spread over every worker (16 requests to 2 workers: 2 messages of 8, not one that
-        leaves a worker idle), at most half the smallest worker's capacity, at most 64."""
+        leaves a worker idle), but not below `MIN_SPREAD` samples a message (4 one-sample
+        requests to 4 workers go as one message: an engine serves a batch of 4 about as fast
+        as one sequence, and every message costs a pull, a store and an ack), at most half the
+        smallest worker's capacity, at most 64."""
         caps = [m.capacity for m in self.watcher.members.values()]
         if not caps:
             return 8
-        share = -(-queued // len(caps))
+        share = max(-(-queued // len(caps)), -(-MIN_SPREAD // max(1, first.sampling.n)))
         return max(1, min(share, 64, min(caps) // 2))
 
     @classmethod

@@ -63,7 +63,7 @@ class _Waiting:
 
 class RolloutPlane:
     def __init__(self, bus: Bus, client_id: str, *,
-                 max_batch: int | Callable[[int], int] = 64) -> None:
+                 max_batch: int | Callable[[int, RolloutRequest], int] = 64) -> None:
         self.bus = bus
         self.client_id = client_id
         self.duplicates_dropped = 0
