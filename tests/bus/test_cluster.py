@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from rlfabric.bus import Bus, EmbeddedCluster
-from rlfabric.bus.errors import ProvisioningError
+from rlfabric.bus.errors import TRANSIENT, ProvisioningError
 from rlfabric.bus.provision import Limits, provision
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
@@ -34,7 +34,19 @@ async def replicas_of(bus: Bus) -> dict[str, int]:
     s = bus.subjects
     names = [s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
              f"KV_{s.members_bucket}", f"KV_{s.state_bucket}"]
-    return {n: (await bus.js.stream_info(n)).config.num_replicas or 1 for n in names}
+    return {n: await _replicas(bus, n) for n in names}
+
+
+async def _replicas(bus: Bus, stream: str) -> int:
+    """A stream's copies, as its leader reports them. A stream created a moment ago may not
+    have elected its leader yet, and its info request can time out meanwhile: asked again for
+    up to 20 s."""
+    with anyio.fail_after(20):
+        while True:
+            try:
+                return (await bus.js.stream_info(stream)).config.num_replicas or 1
+            except TRANSIENT:
+                await anyio.sleep(0.2)
 
 
 async def test_nats_cluster_cli_starts_three_nodes_and_a_job_on_them_keeps_three_copies(
