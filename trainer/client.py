@@ -55,6 +55,7 @@ from rlfabric.trainer.rollouts import RolloutPlane
 
 #: samples a request message holds at least when what is queued is spread over the workers
 MIN_SPREAD = 8
+
 if TYPE_CHECKING:  # the weight path imports torch: loaded on the first weight call
     from rlfabric.trainer.staging import Staged
     from rlfabric.trainer.updates import Verify, WeightUpdates
@@ -75,8 +76,8 @@ class FabricClient:
         """Requests per persisted message (a message goes to one worker): what is queued
         spread over every worker (16 requests to 2 workers: 2 messages of 8, not one that
         leaves a worker idle), but not below `MIN_SPREAD` samples a message (4 one-sample
-        requests to 4 workers go as one message: an engine serves a batch of 4 about as fast
-        as one sequence, and every message costs a pull, a store and an ack), at most half the
+        requests to 4 workers go as one message: every message costs a pull, a store and an
+        ack, and a batching engine serves the 4 sequences together), at most half the
         smallest worker's capacity, at most 64."""
         caps = [m.capacity for m in self.watcher.members.values()]
         if not caps:

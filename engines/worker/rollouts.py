@@ -214,8 +214,8 @@ class RolloutServer:
                 # credits are messages; a message brings `_per_msg` requests on average: ask
                 # for as many as fit (one, whatever its size, when idle). Until the first
                 # message tells how big they come, one: an idle worker of capacity 100 that
-                # asked for 100 credits took two 50-request messages and handed 5 back,
-                # which the other worker then got late
+                # asked for 100 credits took two 50-request messages and handed 5 back to the
+                # stream (none with one credit first)
                 if self._per_msg is None:
                     want = 1
                 else:
