@@ -13,7 +13,8 @@ _WHERE = {
     "CollectiveTimeout": "errors",
     "build_model": "models",
     **{name: "packing" for name in ("STABLE_MARKER", "WEIGHTS_FILE", "buffer_size", "checksum",
-                                     "digest", "pack_into", "plan", "unpack")},
+                                     "digest", "pack_into", "plan", "shm_file",
+                                     "unpack")},
 }
 
 

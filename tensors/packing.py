@@ -22,6 +22,14 @@ WEIGHTS_FILE = "weights.bin"
 STABLE_MARKER = "STABLE"
 
 
+def shm_file(name: str) -> str | None:
+    """The file holding POSIX shared-memory segment `name` (Linux keeps segments in
+    /dev/shm), or None where there is none: its bytes can then go in with `pwrite` and be
+    mapped with flags `SharedMemory` does not take, and engines can load from its path."""
+    path = f"/dev/shm/{name}"
+    return path if os.path.exists(path) else None
+
+
 def dtype_of(name: str) -> torch.dtype:
     """`"torch.bfloat16"` (or `"bfloat16"`) -> `torch.bfloat16`."""
     dt = getattr(torch, name.removeprefix("torch."), None)

@@ -50,6 +50,7 @@ from rlfabric.tensors.packing import (
     pack_digest,
     plan,
     pwrite_all,
+    shm_file,
 )
 
 log = logging.getLogger("rlfabric.trainer.staging")
@@ -170,13 +171,13 @@ class WeightStager:
                          expected: str) -> Staged:
         name = f"rlf_{self.bus.subjects.prefix}_{version}_{uuid.uuid4().hex[:8]}"
         # the segment (and its clean-up should this process die) is SharedMemory's; the bytes
-        # go in through its file in /dev/shm where there is one (Linux): writing through the
-        # mapping would fault in, and zero, every page first
+        # go in through its file where there is one (Linux): writing through the mapping
+        # would fault in, and zero, every page first
         shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
-        as_file = f"/dev/shm/{name}"
+        as_file = shm_file(name)
 
         def fill() -> str:
-            if os.path.exists(as_file):
+            if as_file is not None:
                 return _pack_file(state, metas, as_file, max(size, 1), create=False, sync=False)
             # NOTE: the view is made and dropped inside the thread: an idle worker thread keeps
             # its last arguments, and a view of the segment held there would block its close()

@@ -43,6 +43,7 @@ from rlfabric.tensors import (
     CollectiveGroup,
     buffer_size,
     digest,
+    shm_file,
 )
 
 log = logging.getLogger("rlfabric.worker.weights")
@@ -136,8 +137,7 @@ class WeightSync:
                 try:
                     if isinstance(t, SharedMemory):
                         buf = keep.enter_context(_open_shm(t.name))
-                        if await anyio.Path(f"/dev/shm/{t.name}").exists():  # Linux: a file
-                            path = f"/dev/shm/{t.name}"
+                        path = shm_file(t.name)
                     elif isinstance(t, Filesystem):
                         buf = await self._read_fs(t, cmd.deadline)
                         path = os.path.join(t.path, WEIGHTS_FILE)
@@ -272,8 +272,8 @@ async def _digest_in_thread(view: memoryview) -> str:
 
 @contextlib.contextmanager
 def _open_shm(name: str) -> Any:
-    as_file = f"/dev/shm/{name}"  # where POSIX shared memory lives on Linux
-    if hasattr(mmap, "MAP_POPULATE") and os.path.exists(as_file):
+    as_file = shm_file(name)
+    if hasattr(mmap, "MAP_POPULATE") and as_file is not None:
         # mapped with every page in place at once, not a fault per 4 KiB page as it is read
         fd = os.open(as_file, os.O_RDWR)
         try:
