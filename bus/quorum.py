@@ -113,6 +113,7 @@ class Fanout:
         self._news = Signal()
         self._wake_at = 0
         self._codec = codec_for(Ack)
+        self._ok = {spans.CMD_OP: op_of(cmd), "status": "ok"}  # an ok ack's metric attributes
         self.span: Span = INVALID_SPAN  # the broadcast's `send` span, while open
 
     def _on_ack(self, msg: Msg) -> None:
@@ -125,8 +126,8 @@ class Fanout:
             return
         got[ack.worker_id] = ack
         elapsed = time.monotonic() - self.t0
-        instruments.current.ack_duration.record(
-            elapsed, {spans.CMD_OP: op_of(self.cmd), "status": ack.status})
+        instruments.current.ack_duration.record(elapsed, self._ok if ack.status == "ok" else
+                                                {**self._ok, "status": ack.status})
         if self.span.is_recording():
             self.span.add_event("ack", {spans.WORKER_ID: ack.worker_id, "phase": ack.phase,
                                         "status": ack.status, "elapsed_s": elapsed})

@@ -55,6 +55,8 @@ from rlfabric.trainer.rollouts import RolloutPlane
 
 #: samples a request message holds at least when what is queued is spread over the workers
 MIN_SPREAD = 8
+#: requests a request message holds at most
+MAX_BATCH = 64
 
 if TYPE_CHECKING:  # the weight path imports torch: loaded on the first weight call
     from rlfabric.trainer.staging import Staged
@@ -77,13 +79,19 @@ class FabricClient:
         spread over every worker (16 requests to 2 workers: 2 messages of 8, not one that
         leaves a worker idle), but not below `MIN_SPREAD` samples a message (4 one-sample
         requests to 4 workers go as one message: every message costs a pull, a store and an
-        ack, and a batching engine serves the 4 sequences together), at most half the
-        smallest worker's capacity, at most 64."""
+        ack, and a batching engine serves the 4 sequences together), and at most an equal
+        part of the smallest worker's capacity no larger than `MAX_BATCH` (capacity 32: 32;
+        100: 50, so two messages fill a worker and none leaves lanes that only a smaller one
+        could use). A whole capacity's worth queued together goes as one message: an engine
+        that batches statically runs it as one batch, not as two halves that stay a batch
+        apart."""
         caps = [m.capacity for m in self.watcher.members.values()]
         if not caps:
             return 8
         share = max(-(-queued // len(caps)), -(-MIN_SPREAD // max(1, first.sampling.n)))
-        return max(1, min(share, 64, min(caps) // 2))
+        cap = max(1, min(caps))
+        part = -(-cap // -(-cap // MAX_BATCH))
+        return max(1, min(share, part))
 
     @classmethod
     @contextlib.asynccontextmanager

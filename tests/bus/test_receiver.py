@@ -166,3 +166,32 @@ async def test_expired_command_is_refused_not_run(fabric) -> None:
         await acks.until(lambda: len(acks) == 1)
         assert acks[0].error_code == "deadline_exceeded"
         assert rec.ran == []
+
+
+async def test_a_handler_running_from_its_live_copy_has_ended_when_the_receiver_stops(
+        fabric) -> None:
+    """A live copy in order is applied in its subscription's callback (no hop to the loop);
+    stopping the receiver cancels that handler and returns only once it has unwound."""
+    started, unwound = anyio.Event(), []
+
+    async def stuck(cmd, ctx) -> AckFields:
+        started.set()
+        try:
+            await anyio.sleep_forever()
+        finally:  # a cleanup that takes a while (an engine's abort, say)
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(0.2)
+            unwound.append(cmd.cmd_id)
+        return AckFields()
+
+    async with fabric() as (bus, _watcher, bc, _tg):
+        r = CommandReceiver(bus, "w1", stuck)
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as inner:
+                await inner.start(r.run)
+                cmd = await bc._publish(Pause(cmd_id=new_cmd_id()))  # stored, then live
+                with anyio.fail_after(10):
+                    await started.wait()
+                assert (r.applied_live, r.caught_up) == (1, 0)  # from its live copy
+                scope.cancel()
+        assert unwound == [cmd.cmd_id]  # not still unwinding after the worker went on

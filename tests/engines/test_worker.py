@@ -87,6 +87,20 @@ async def test_300_requests_over_3_workers_once_each_and_spread(client, workers)
     assert min(share.values()) >= 45, share
 
 
+async def test_requests_sent_together_to_one_worker_go_as_one_message(client, workers) -> None:
+    """32 requests for one worker of capacity 32: one message, so the torch engine (which
+    batches statically) runs them as one batch; two halves would stay a batch apart."""
+    workers(["m0"], "--capacity", "32")
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        sent = fabric.rollouts.outbox.messages
+        out = await collect(fabric, [req(f"m{i}", [256, i, 7], max_tokens=4, seed=i)
+                                     for i in range(32)])
+        assert fabric.rollouts.outbox.messages - sent == 1
+    assert sorted(r.request_id for r in out) == sorted(f"m{i}" for i in range(32))
+    assert all(isinstance(r, RolloutResult) for r in out)
+
+
 async def test_sigkilled_worker_mid_generation_loses_nothing(client, workers, nats_url) -> None:
     procs = dict(zip(["k0", "k1", "k2"], workers(["k0", "k1", "k2"], "--capacity", "6"),
                      strict=True))
