@@ -8,8 +8,8 @@ every worker in one hop, so the common case costs no JetStream round trip on the
 Each worker keeps `next_seq`, the stream sequence it applies next (at start: the stream's end,
 so it begins from the desired state it read at join, not from stale commands).
 - a live copy with `seq == next_seq` is applied at once: in the live subscription's callback
-  when nothing else is queued or being applied (no hop to the loop: that hop cost a sixth of a
-  worker's CPU per command), else by the loop, in order;
+  when nothing else is queued or being applied (no hop to the loop: with it, a simulated
+  worker spent 46 us of CPU per command, without it 37), else by the loop, in order;
 - `seq > next_seq` is a gap (a live copy lost or overtaken: a slow consumer, a reconnect, two
   senders): the missing commands are read from the stream in order (`catch-up`), then this one;
 - `seq < next_seq` was applied already: ignored;
