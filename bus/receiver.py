@@ -193,8 +193,8 @@ class CommandReceiver:
     # ---- the loop ----
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         s = self.bus.subjects
-        # the subscription callbacks only queue; one loop applies live copies and runs
-        # catch-ups, in this task group (a handler is cancelled with the worker)
+        # the live callback applies a copy that is next in order when nothing is queued or
+        # being applied; everything else is queued for one loop, in this task group
         self._queue = queue = deque[_Item]()
         self.live_sub = live = await self.bus.nc.subscribe(s.live_all, cb=self._on_live)
         pings = await self.bus.nc.subscribe(s.ping(self.worker_id), cb=self._on_ping)
