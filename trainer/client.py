@@ -90,8 +90,8 @@ class FabricClient:
             return 8
         share = max(-(-queued // len(caps)), -(-MIN_SPREAD // max(1, first.sampling.n)))
         cap = max(1, min(caps))
-        part = -(-cap // -(-cap // MAX_BATCH))
-        return max(1, min(share, part))
+        parts = -(-cap // MAX_BATCH)  # messages a full worker holds, each at most MAX_BATCH
+        return max(1, min(share, -(-cap // parts)))
 
     @classmethod
     @contextlib.asynccontextmanager
