@@ -39,7 +39,6 @@ from rlfabric.bus.session import Bus
 from rlfabric.bus.sync import Signal, beside
 from rlfabric.schemas import (
     CMD_ID_HEADER,
-    SEQ_HEADER,
     Ack,
     Command,
     FanoutReport,
@@ -118,7 +117,9 @@ class Fanout:
 
     def _on_ack(self, msg: Msg) -> None:
         try:
-            ack = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
+            # an ack without headers answers a command its worker decoded: of our major
+            ack = self._codec.decode(msg.data, msg.headers, subject=msg.subject,
+                                     check_version=msg.headers is not None)
         except SchemaError:
             return  # not an ack of ours; the sender's log would only be noise here
         got = self.acks.setdefault(ack.phase, {})
@@ -349,8 +350,9 @@ class Broadcaster:
                 "with a new cmd_id (`new_cmd_id()`)"
             )
         # a duplicate after a retry: stored by an attempt whose PubAck was lost; that seq is ours
-        hdrs[SEQ_HEADER] = str(ack.seq)
-        await self.bus.nc.publish(s.live(op), data, headers=hdrs)
+        # the live copy: its seq and schema major in the subject, headers only for a trace
+        await self.bus.nc.publish(s.live_copy(op, ack.seq), data,
+                                  headers=self.bus.headers() if spans.enabled() else None)
         return msgspec.structs.replace(cmd, seq=ack.seq)
 
     @contextlib.asynccontextmanager

@@ -2,8 +2,10 @@
 
 The control stream is the durable, ordered log of commands; a command's sequence there is
 its place in the order. The sender persists a command, then publishes a copy of it on core
-NATS (`<prefix>.live.<op>`, the stream sequence in the `rlf-seq` header): that copy reaches
-every worker in one hop, so the common case costs no JetStream round trip on the worker.
+NATS (`<prefix>.live.<op>.<schema major>.<seq>`, no headers unless tracing is on): that copy
+reaches every worker in one hop, so the common case costs no JetStream round trip on the
+worker. A copy of another schema major, or one that does not decode, is never acted on: the
+stream is read instead, where the stored command's headers say what it is.
 
 Each worker keeps `next_seq`, the stream sequence it applies next (at start: the stream's end,
 so it begins from the desired state it read at join, not from stale commands).
@@ -56,7 +58,7 @@ from rlfabric.bus.subjects import check_token
 from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.schemas import (
     CMD_ID_HEADER,
-    SEQ_HEADER,
+    SCHEMA_MAJOR,
     Ack,
     Command,
     ErrorEvent,
@@ -122,6 +124,7 @@ class CommandReceiver:
         self._remember = remember
         self._buffer = buffer
         self._codec = codec_for(Command)
+        self._ack_codec = codec_for(Ack)
         #: the control-stream sequence applied next
         self.next_seq = 0
         #: the sequence of the last command applied (0: none yet)
@@ -178,9 +181,14 @@ class CommandReceiver:
                                              "rlfabric.ack.status": ack.status}):
             await self._publish_ack(subject, ack)
 
-    async def _publish_ack(self, subject: str, ack: Ack) -> None:
+    async def _publish_ack(self, subject: str, ack: Ack, *, bare: bool = True) -> None:
+        """`bare`: the ack of a command this worker decoded goes without headers unless
+        tracing is on (see `rlfabric.schemas.codec`); a rejection carries them."""
         try:
-            await self.bus.publish(subject, ack)
+            if bare and not spans.enabled():
+                await self.bus.nc.publish(subject, self._ack_codec.encode(ack))
+            else:
+                await self.bus.publish(subject, ack)
         except nats.errors.Error as exc:  # the sender's probe asks again (see `_on_ping`)
             log.warning("%s: ack of %s not sent (%s); sent again when asked", self.worker_id,
                         ack.cmd_id, exc)
@@ -217,8 +225,8 @@ class CommandReceiver:
                         elif seq > self.next_seq:
                             await self._catch_up()  # reads up to the stream's end, this too
                         elif seq == self.next_seq:
-                            self.applied_live += 1
-                            await self._apply(seq, msg.subject, msg.data, msg.headers, "live")
+                            await self._apply(seq, self._live_name(msg), msg.data, msg.headers,
+                                              "live")
                         # seq < next_seq: applied already (read from the stream first)
                     finally:
                         self._busy = False
@@ -250,21 +258,21 @@ class CommandReceiver:
             self._sync_queued = self._enqueue((0, None))
 
     async def _on_live(self, msg: Msg) -> None:
-        try:
-            seq = int((msg.headers or {})[SEQ_HEADER])
-        except (KeyError, ValueError):
-            self._flood.warning("%s: a live command on %s without a valid %s header; reading "
-                                "the stream instead", self.worker_id, msg.subject, SEQ_HEADER)
+        parts = self.bus.subjects.live_parts(msg.subject)
+        if parts is None or parts[1] != SCHEMA_MAJOR:
+            self._flood.warning("%s: a live command on %s is not a live copy of schema %d.x; "
+                                "reading the stream instead", self.worker_id, msg.subject,
+                                SCHEMA_MAJOR)
             self._sync()
             return
+        subject, _, seq = parts
         queue = self._queue  # None: stopped
         if seq == self.next_seq and not self._busy and queue is not None and not queue:
             # in order, nothing before it waiting: applied here, in nats-py's task for this
             # subscription (its next live copy waits meanwhile; pings have their own)
             self._busy = True
             try:
-                self.applied_live += 1
-                await self._apply(seq, msg.subject, msg.data, msg.headers, "live")
+                await self._apply(seq, subject, msg.data, msg.headers, "live")
             finally:
                 self._busy = False
                 if self._queue is None or self._queue:  # stopping, or queued meanwhile
@@ -328,14 +336,25 @@ class CommandReceiver:
             headers = {str(k): str(v) for k, v in raw.headers.items()} if raw.headers else None
             await self._apply(raw.seq, raw.subject or "", raw.data or b"", headers, "stream")
 
+    def _live_name(self, msg: Msg) -> str:
+        parts = self.bus.subjects.live_parts(msg.subject)
+        return parts[0] if parts is not None else msg.subject
+
     async def _apply(self, seq: int, subject: str, data: bytes,
                      headers: dict[str, str] | None, path: str) -> None:
-        self.next_seq = seq + 1
-        try:
-            cmd = self._codec.decode(data, headers, subject=subject)
+        try:  # a live copy's major was read from its subject
+            cmd = self._codec.decode(data, headers, subject=subject,
+                                     check_version=path != "live")
         except SchemaError as exc:
+            if path == "live":  # the stored command's headers say what it is
+                await self._catch_up()
+                return
+            self.next_seq = seq + 1
             await self._reject(subject, headers, exc)
             return
+        self.next_seq = seq + 1
+        if path == "live":
+            self.applied_live += 1
         cmd = msgspec.structs.replace(cmd, seq=seq)
         self._seq_ids[seq] = cmd.cmd_id
         if len(self._seq_ids) > self._remember:  # one in, one out
@@ -406,4 +425,4 @@ class CommandReceiver:
         if cmd_id:
             ack = Ack(cmd_id=cmd_id, worker_id=self.worker_id, status="error", error_code=code,
                       error_message=str(exc))
-            await self._publish_ack(self.bus.subjects.ack(cmd_id), ack)
+            await self._publish_ack(self.bus.subjects.ack(cmd_id), ack, bare=False)

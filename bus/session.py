@@ -10,6 +10,7 @@ receiver or registration runs it in a task group of their own.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -152,8 +153,17 @@ class Bus:
         PubAck. A reconnect before the PubAck came (it may be lost with the old connection)
         or none within `timeout` raises a `TRANSIENT` error: retry with the same
         `Nats-Msg-Id` (`persist`) and a stored one is dropped as a duplicate."""
+        return await self._pub_ack(await self._send_stored(subject, data, headers), timeout)
+
+    async def _send_stored(self, subject: str, data: bytes | memoryview,
+                           headers: dict[str, str] | None) -> asyncio.Future[PubAck]:
+        """Send a JetStream publish; its PubAck comes on the returned future (failed by a
+        reconnect: see `Link.pending_acks`). Await it with `_pub_ack`, or `discard` it."""
         fut = await self.js.publish_async(subject, data, headers=headers)  # type: ignore[arg-type]  # any buffer goes; a view spares a copy
         self.link.pending_acks.add(fut)
+        return fut
+
+    async def _pub_ack(self, fut: asyncio.Future[PubAck], timeout: float) -> PubAck:
         try:
             with anyio.fail_after(timeout):
                 return await fut
@@ -273,11 +283,47 @@ class Bus:
                                 within: float = STATE_WRITE_WITHIN) -> None:
         """Write the job's desired state, retried through a reconnect or a cluster's leader
         election for up to `within` seconds (a KV put is a publish to the bucket's stream)."""
+        await self._put_state(*self._state_put(state), within=within)
+
+    @contextlib.asynccontextmanager
+    async def desired_state_written(self, state: DesiredState, *,
+                                    within: float = STATE_WRITE_WITHIN) -> AsyncIterator[None]:
+        """Write the job's desired state while the body runs: sent on entry, and once the
+        body is done its PubAck awaited (missing: sent again as `put_desired_state` does, for
+        up to `within` seconds). A body that raises leaves the write unconfirmed (it may be
+        stored). No task runs beside the body: a pipelined publish is all it costs."""
+        subject, data, hdrs = self._state_put(state)
+        fut = None
+        first = subject not in self._cleared
+        if first:  # not written through this connection yet: stored first, a refusal looked for
+            await self._put_state(subject, data, hdrs, within=within)
+        elif self.nc.is_connected:
+            with contextlib.suppress(*TRANSIENT):
+                fut = await self._send_stored(subject, data, hdrs)
+        try:
+            yield
+        except BaseException:
+            if fut is not None:
+                self.link.pending_acks.discard(fut)
+            raise
+        if first:
+            return  # stored above
+        if fut is not None:
+            with contextlib.suppress(*TRANSIENT):
+                await self._pub_ack(fut, timeout=5.0)
+                return
+        # no PubAck (a reconnect, a leader election): a stored one is dropped as a duplicate
+        await self._put_state(subject, data, hdrs, within=within)
+
+    def _state_put(self, state: DesiredState) -> tuple[str, bytes, dict[str, str]]:
+        return (f"$KV.{self.subjects.state_bucket}.{STATE_KEY}", encode(state),
+                {"Nats-Msg-Id": f"state-{uuid.uuid4().hex}"})
+
+    async def _put_state(self, subject: str, data: bytes, hdrs: dict[str, str], *,
+                         within: float) -> None:
         bucket = self.subjects.state_bucket
         try:
-            await self.persist(f"$KV.{bucket}.{STATE_KEY}", encode(state),
-                               {"Nats-Msg-Id": f"state-{uuid.uuid4().hex}"},
-                               until=time.time() + within)
+            await self.persist(subject, data, hdrs, until=time.time() + within)
         except TRANSIENT as exc:
             raise BusError(
                 f"the job's desired state was not stored within {within}s (bucket {bucket}: "

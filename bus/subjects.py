@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from rlfabric.bus.errors import InvalidName
+from rlfabric.schemas import SCHEMA_MAJOR
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -84,9 +85,23 @@ class Subjects:
         return f"{self.prefix}.control.>"
 
     def live(self, op: str) -> str:
-        """Core NATS: the copy of a persisted command sent straight to every worker, with
-        its control-stream sequence in the `rlf-seq` header."""
+        """Core NATS: where the copies of persisted `op` commands go straight to every worker
+        (what spans name). Each copy's subject adds the schema major it is written in and
+        its control-stream sequence (`live_copy`): read from the subject's tokens, no header
+        to parse per worker and command."""
         return f"{self.prefix}.live.{op}"
+
+    def live_copy(self, op: str, seq: int) -> str:
+        return f"{self.live(op)}.{SCHEMA_MAJOR}.{int(seq)}"
+
+    @staticmethod
+    def live_parts(subject: str) -> tuple[str, int, int] | None:
+        """`(live(op), schema major, seq)` of a `live_copy` subject; None if it is not one."""
+        head, _, rest = subject.rpartition(".")
+        base, _, major = head.rpartition(".")
+        if not (rest.isdigit() and major.isdigit() and base):
+            return None
+        return base, int(major), int(rest)
 
     @property
     def live_all(self) -> str:

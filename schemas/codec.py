@@ -3,7 +3,10 @@
 One long-lived msgpack Encoder and one Decoder per message type (`codec_for(T)`), as msgspec
 recommends. Every message carries the header `rlf-schema: <major>.<minor>`; a reader accepts
 any minor of its own major (new fields have defaults) and rejects another major with
-`UnknownSchemaVersion` before looking at the payload.
+`UnknownSchemaVersion` before looking at the payload. Two messages sent once per worker and
+command go without headers unless tracing is on (parsing them cost more than the rest of
+the message): a command's live copy, whose subject carries the major (`Subjects.live_copy`),
+and the `Ack` of a command the worker decoded, which is of the sender's major by then.
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ CLIENT_ID_HEADER = "rlf-client-id"
 REQUEST_ID_HEADER = "rlf-request-id"
 #: on a `RolloutRequests` message: how many requests it holds
 COUNT_HEADER = "rlf-count"
-#: on the live copy of a command: its sequence in the control stream
-SEQ_HEADER = "rlf-seq"
 #: on a message combining items of several traced calls: each item's `traceparent`, in order
 TRACEPARENTS_HEADER = "rlf-traceparents"
 SCHEMA_VERSION = "1.0"

@@ -16,7 +16,6 @@ import anyio
 import msgspec
 
 from rlfabric.bus import Bus
-from rlfabric.bus.sync import beside
 from rlfabric.schemas import DesiredState
 
 
@@ -38,13 +37,13 @@ class DesiredStateWriter:
     @contextlib.asynccontextmanager
     async def during(self, *, rollback: bool, **changes: Any) -> AsyncIterator[DesiredState]:
         """Write `changes` while the body runs (a worker joining meanwhile starts from the new
-        state, and the call pays no extra round trip). If the body raises and `rollback`, the
-        state from before is written back: the fleet never looks updated by a failed call."""
+        state; only a connection's first write is a round trip before the body). If the body
+        raises and `rollback`, the state from before is written back: the fleet never looks
+        updated by a failed call."""
         before = self.state
         self.state = msgspec.structs.replace(before, updated_at=time.time(), **changes)
         try:
-            async with beside() as tg:
-                tg.start_soon(self.bus.put_desired_state, self.state)
+            async with self.bus.desired_state_written(self.state):
                 yield self.state
         except Exception:
             if rollback:

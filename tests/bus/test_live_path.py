@@ -1,5 +1,6 @@
 """The live path of commands keeps the guarantees of the log: every worker applies the same
-gapless sequence exactly once, whatever reached it live and whatever it had to read back."""
+gapless sequence exactly once, whatever reached it live and whatever it had to read back.
+What goes on the wire per worker and command carries no headers (tracing off)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,21 @@ from rlfabric.bus import (
 )
 from rlfabric.bus.receiver import CommandContext
 from rlfabric.bus.sync import Signal
-from rlfabric.schemas import Command, Describe, Pause, ResetPrefixCache, Resume, Sleep, Wake
+from rlfabric.schemas import (
+    CMD_ID_HEADER,
+    SCHEMA_HEADER,
+    SCHEMA_MAJOR,
+    SCHEMA_VERSION,
+    Command,
+    Describe,
+    Pause,
+    ResetPrefixCache,
+    Resume,
+    Sleep,
+    Wake,
+    encode,
+    headers,
+)
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -200,3 +215,84 @@ async def test_a_long_handler_keeps_later_commands_in_order_and_ends_with_the_wo
             with anyio.fail_after(10):
                 await stopped.wait()
         assert ended == ["released", "cancelled"]
+
+
+class Wire:
+    """Every message on one subject pattern, as sent: subject and headers."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, str] | None]] = []
+        self._news = Signal()
+
+    async def cb(self, msg) -> None:
+        self.seen.append((msg.subject, msg.headers))
+        self._news.fire()
+
+    async def until(self, n: int) -> None:
+        with anyio.fail_after(10):
+            while len(self.seen) < n:
+                await self._news.event().wait()
+
+
+async def test_live_copies_and_acks_carry_no_headers_their_seq_and_major_in_the_subject(
+        fabric):
+    log = Log()
+    async with fabric() as (bus, watcher, bc, tg):
+        s = bus.subjects
+        live, acks = Wire(), Wire()
+        await bus.nc.subscribe(s.live_all, cb=live.cb)
+        await bus.nc.subscribe(s.ack_all, cb=acks.cb)
+        r = CommandReceiver(bus, "w1", log.handle)
+        await tg.start(r.run)
+        await tg.start(Registration(bus, new_worker_info("w1", engine="t", model="m")).run)
+        await watcher.wait_until(lambda snap: snap.worker_ids == ("w1",), timeout=10)
+        rep = await bc.broadcast(Pause(cmd_id=new_cmd_id()), QuorumPolicy(timeout=10))
+        assert rep.ok == ("w1",) and r.applied_live == 1
+        await live.until(1)
+        await acks.until(1)
+        [(subject, hdrs)] = live.seen
+        assert s.live_parts(subject) == (s.live("pause"), SCHEMA_MAJOR, log.applied[0][0])
+        assert subject == f"{s.prefix}.live.pause.{SCHEMA_MAJOR}.{log.applied[0][0]}"
+        assert hdrs is None
+        assert acks.seen == [(s.ack(rep.cmd_id), None)]
+
+
+async def test_a_live_copy_not_readable_here_is_not_acted_on_the_stored_command_is(fabric):
+    """A live copy of another schema major, or one that does not decode, is passed over for
+    the stored command (whose headers say what it is): a valid one is applied from the
+    stream, once; a bad one is rejected with an error ack that carries `rlf-schema`."""
+    log = Log()
+    async with fabric() as (bus, _watcher, _bc, tg):
+        s = bus.subjects
+        acks = Wire()
+        await bus.nc.subscribe(s.ack_all, cb=acks.cb)
+        r = CommandReceiver(bus, "w1", log.handle, poll=3600)  # only a live copy moves it
+        await tg.start(r.run)
+
+        async def store(data: bytes, cmd_id: str) -> int:
+            ack = await bus.js.publish(s.control("pause"), data,
+                                       headers=headers({CMD_ID_HEADER: cmd_id}))
+            return ack.seq
+
+        good = Pause(cmd_id=new_cmd_id())
+        seq = await store(encode(good), good.cmd_id)
+        await bus.nc.publish(s.live_copy("pause", seq), b"\xc1 not msgpack")
+        await acks.until(1)
+        assert log.applied == [(seq, good.cmd_id)]
+        assert r.applied_live == 0 and r.caught_up == 1
+
+        other = Resume(cmd_id=new_cmd_id())
+        seq = await store(encode(other), other.cmd_id)
+        await bus.nc.publish(f"{s.live('resume')}.{SCHEMA_MAJOR + 1}.{seq}", encode(other))
+        await acks.until(2)
+        assert log.applied[1] == (seq, other.cmd_id)
+        assert r.applied_live == 0 and r.caught_up == 2
+
+        seq = await store(b"\xc1 not msgpack", "garbage1")
+        await bus.nc.publish(s.live_copy("pause", seq), b"\xc1 not msgpack")
+        await acks.until(3)
+        assert len(log.applied) == 2 and r.rejected == 1 and r.next_seq == seq + 1
+        assert [subj for subj, _ in acks.seen] == [s.ack(good.cmd_id), s.ack(other.cmd_id),
+                                                   s.ack("garbage1")]
+        assert acks.seen[0][1] is None and acks.seen[1][1] is None  # applied: no headers
+        assert acks.seen[2][1] == {SCHEMA_HEADER: SCHEMA_VERSION}  # a rejection: the major
