@@ -102,8 +102,8 @@ class CommandContext:
 
 Handler = Callable[[Command, CommandContext], Awaitable[AckFields | None]]
 StateFn = Callable[[], tuple[int, str]]
-#: queued for the loop: (seq, live copy), or (0, None) for a catch-up from the stream
-_Item = tuple[int, Msg | None]
+#: queued for the loop: (seq, `live(op)`, live copy), or (0, "", None) for a catch-up
+_Item = tuple[int, str, Msg | None]
 _READ_FAILED: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
 
 
@@ -216,7 +216,7 @@ class CommandReceiver:
                     if not queue or self._busy:
                         await self._queued.event().wait()
                         continue
-                    seq, msg = queue.popleft()
+                    seq, subject, msg = queue.popleft()
                     self._busy = True
                     try:
                         if msg is None:
@@ -225,8 +225,7 @@ class CommandReceiver:
                         elif seq > self.next_seq:
                             await self._catch_up()  # reads up to the stream's end, this too
                         elif seq == self.next_seq:
-                            await self._apply(seq, self._live_name(msg), msg.data, msg.headers,
-                                              "live")
+                            await self._apply(seq, subject, msg.data, msg.headers, "live")
                         # seq < next_seq: applied already (read from the stream first)
                     finally:
                         self._busy = False
@@ -255,7 +254,7 @@ class CommandReceiver:
     def _sync(self) -> None:
         """Ask the loop for a catch-up from the stream (one queued at a time)."""
         if not self._sync_queued:
-            self._sync_queued = self._enqueue((0, None))
+            self._sync_queued = self._enqueue((0, "", None))
 
     async def _on_live(self, msg: Msg) -> None:
         parts = self.bus.subjects.live_parts(msg.subject)
@@ -278,7 +277,7 @@ class CommandReceiver:
                 if self._queue is None or self._queue:  # stopping, or queued meanwhile
                     self._queued.fire()
             return
-        if seq >= self.next_seq and not self._enqueue((seq, msg)):
+        if seq >= self.next_seq and not self._enqueue((seq, subject, msg)):
             self._sync()  # we are slow (the queue is full): the stream has it
 
     async def _on_ping(self, msg: Msg) -> None:
@@ -335,10 +334,6 @@ class CommandReceiver:
             # ASCII comes back as an `email.header.Header`, not a str
             headers = {str(k): str(v) for k, v in raw.headers.items()} if raw.headers else None
             await self._apply(raw.seq, raw.subject or "", raw.data or b"", headers, "stream")
-
-    def _live_name(self, msg: Msg) -> str:
-        parts = self.bus.subjects.live_parts(msg.subject)
-        return parts[0] if parts is not None else msg.subject
 
     async def _apply(self, seq: int, subject: str, data: bytes,
                      headers: dict[str, str] | None, path: str) -> None:

@@ -303,7 +303,8 @@ class Bus:
         try:
             yield
         except BaseException:
-            if fut is not None:
+            if fut is not None:  # nobody awaits its PubAck: its pending slot is freed now
+                fut.cancel()
                 self.link.pending_acks.discard(fut)
             raise
         if first:
