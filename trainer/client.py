@@ -76,20 +76,26 @@ class FabricClient:
 
     def _batch_limit(self, queued: int, first: RolloutRequest) -> int:
         """Requests per persisted message (a message goes to one worker): what is queued
-        spread over every worker (16 requests to 2 workers: 2 messages of 8, not one that
-        leaves a worker idle), but not below `MIN_SPREAD` samples a message (4 one-sample
-        requests to 4 workers go as one message: every message costs a pull, a store and an
-        ack, and a batching engine serves the 4 sequences together), and at most an equal
-        part of the smallest worker's capacity no larger than `MAX_BATCH` (capacity 32: 32;
-        100: 50, so two messages fill a worker and none leaves lanes that only a smaller one
-        could use). A whole capacity's worth queued together goes as one message: an engine
-        that batches statically runs it as one batch, not as two halves that stay a batch
-        apart."""
-        caps = [m.capacity for m in self.watcher.members.values()]
-        if not caps:
+        spread over every worker (16 requests to 2 idle workers: 2 messages of 8, not one
+        that leaves a worker idle), or this client's fair share per worker of all it has
+        outstanding (queued here or being served) where that is larger and a worker has the
+        room for it (the 16 that a client with 64 outstanding over 4 workers queues as results
+        come back go as one message, to a worker that freed the room, not as two that each
+        cost a pull, a store and an ack). Not below `MIN_SPREAD` samples a message (4
+        one-sample requests to 4 workers go as one: a batching engine serves the 4 sequences
+        together), and at most an equal part of the smallest worker's capacity no larger than
+        `MAX_BATCH` (capacity 32: 32; 100: 50, so two messages fill a worker and none leaves
+        lanes that only a smaller one could use). A whole capacity's worth queued together
+        goes as one message: an engine that batches statically runs it as one batch, not as
+        two halves that stay a batch apart."""
+        members = self.watcher.members.values()
+        if not members:
             return 8
-        share = max(-(-queued // len(caps)), -(-MIN_SPREAD // max(1, first.sampling.n)))
-        cap = max(1, min(caps))
+        n = len(members)
+        room = max(m.capacity - m.in_flight for m in members)  # as last reported
+        fair = min(-(-max(queued, self.rollouts.outstanding) // n), room)
+        share = max(-(-queued // n), fair, -(-MIN_SPREAD // max(1, first.sampling.n)))
+        cap = max(1, min(m.capacity for m in members))
         parts = -(-cap // MAX_BATCH)  # messages a full worker holds, each at most MAX_BATCH
         return max(1, min(share, -(-cap // parts)))
 

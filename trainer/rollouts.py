@@ -104,6 +104,11 @@ class RolloutPlane:
         else:
             self._take(reply)
 
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and still awaiting a result (queued here or at a worker)."""
+        return len(self._waiting)
+
     def _take(self, reply: RolloutReply) -> None:
         w = self._waiting.get(reply.request_id)
         if w is None or reply.submission_id != w.request.submission_id:

@@ -101,6 +101,55 @@ async def test_requests_sent_together_to_one_worker_go_as_one_message(client, wo
     assert all(isinstance(r, RolloutResult) for r in out)
 
 
+async def test_a_busy_client_queues_its_fair_share_per_worker_as_one_message(
+        client, workers) -> None:
+    """16 requests from an idle client to 2 workers: 2 messages of 8 (none leaves a worker
+    idle). 16 more while those 16 are outstanding: the client's share per worker is 16 of its
+    32, so one message (a pull, a store and an ack, not two). Nothing is lost or doubled."""
+    workers(["h0", "h1"], "--capacity", "64")
+    async with client() as fabric:
+        await fabric.wait_for_workers(2, timeout=60)
+        assert (await fabric.pause()).ok == ("h0", "h1")  # nothing is taken: all stay outstanding
+        send, recv = anyio.create_memory_object_stream[object](64)
+        with send, recv:
+            sent = fabric.rollouts.outbox.messages
+            await fabric.submit([req(f"i{i}", [256, i], max_tokens=2) for i in range(16)], send)
+            idle = fabric.rollouts.outbox.messages - sent
+            await fabric.submit([req(f"b{i}", [256, i], max_tokens=2) for i in range(16)], send)
+            busy = fabric.rollouts.outbox.messages - sent - idle
+            assert (idle, busy) == (2, 1)
+            assert (await fabric.resume()).ok == ("h0", "h1")
+            with anyio.fail_after(60):
+                out = [await recv.receive() for _ in range(32)]
+    assert sorted(r.request_id for r in out) == sorted(
+        [f"i{i}" for i in range(16)] + [f"b{i}" for i in range(16)])
+    assert all(isinstance(r, RolloutResult) for r in out)
+
+
+async def test_a_busy_clients_message_is_no_larger_than_a_worker_has_room_for(
+        client, workers) -> None:
+    """The fair share is bounded by the room a worker last reported: 2 workers of capacity
+    24 each holding 18 long requests, 16 more go as 2 messages of 8 (no worker has room for
+    16: one message would wait for a whole worker to free up), not one."""
+    workers(["g0", "g1"], "--capacity", "24", "--threads", "1")
+    async with client() as fabric:
+        await fabric.wait_for_workers(2, timeout=60)
+        send, recv = anyio.create_memory_object_stream[object](64)
+        with send, recv:
+            await fabric.submit([req(f"l{i}", [256, i], max_tokens=400) for i in range(36)],
+                                send)
+            await fabric.watcher.wait_until(
+                lambda s: [m.in_flight for m in s.members] == [18, 18], timeout=30)
+            sent = fabric.rollouts.outbox.messages
+            await fabric.submit([req(f"s{i}", [256, i], max_tokens=2) for i in range(16)], send)
+            assert fabric.rollouts.outbox.messages - sent == 2
+            with anyio.fail_after(120):
+                out = [await recv.receive() for _ in range(52)]
+    assert Counter(r.request_id[0] for r in out) == {"l": 36, "s": 16}
+    assert len({r.request_id for r in out}) == 52
+    assert all(isinstance(r, RolloutResult) for r in out)
+
+
 async def test_sigkilled_worker_mid_generation_loses_nothing(client, workers, nats_url) -> None:
     procs = dict(zip(["k0", "k1", "k2"], workers(["k0", "k1", "k2"], "--capacity", "6"),
                      strict=True))
