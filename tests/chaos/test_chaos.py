@@ -96,8 +96,7 @@ async def test_chaos_10000_rollouts_6_worker_kills_2_broker_restarts(
             # the queue is empty; the killed ones have left the membership (their keys expired
             # and they do not answer), so the describe() below addresses exactly the live ones
             await fabric.wait_for_workers(3, timeout=90)
-            snap = await fabric.watcher.wait_until(
-                lambda s: set(s.worker_ids) == set(live), timeout=90)
+            await fabric.watcher.wait_until(lambda s: set(s.worker_ids) == set(live), timeout=90)
             after = [r async for r in fabric.generate(
                 [RolloutRequest(request_id=f"after{i}", prompt_token_ids=[256, 1],
                                 sampling=SamplingParams(max_tokens=4)) for i in range(30)],
@@ -133,7 +132,6 @@ async def test_chaos_10000_rollouts_6_worker_kills_2_broker_restarts(
     assert counts["worker kills"] == 6 and counts["broker restarts"] == 2
     assert lost == 0 and duplicated == 0
     assert counts["results"] == TOTAL, counts
-    assert set(snap.worker_ids) == set(live)
     assert not wedged and set(rep.ok) == set(live), (rep.ok, rep.missing)
     assert all(isinstance(r, RolloutResult) for r in after) and len(after) == 30
     assert ci.num_pending == 0 and ci.num_ack_pending == 0

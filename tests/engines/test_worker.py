@@ -105,7 +105,8 @@ async def test_a_busy_client_queues_its_fair_share_per_worker_as_one_message(
         client, workers) -> None:
     """16 requests from an idle client to 2 workers: 2 messages of 8 (none leaves a worker
     idle). 16 more while those 16 are outstanding: the client's share per worker is 16 of its
-    32, so one message (a pull, a store and an ack, not two). Nothing is lost or doubled."""
+    32, so one message (one pull, store and ack, not two of each). Nothing is lost or
+    doubled."""
     workers(["h0", "h1"], "--capacity", "64")
     async with client() as fabric:
         await fabric.wait_for_workers(2, timeout=60)
