@@ -49,6 +49,8 @@ PingResult = Literal["alive", "dead", "silent"]
 STATE_KEY = "desired"
 #: seconds a desired-state write keeps retrying (a cluster's leader election takes 5-7 s)
 STATE_WRITE_WITHIN = 15.0
+#: seconds a pipelined JetStream publish waits for its PubAck before it counts as lost
+PUB_ACK_TIMEOUT = 5.0
 log = logging.getLogger("rlfabric.bus")
 _garbage = RateLimited(log)
 _retrying = RateLimited(log)
@@ -148,7 +150,7 @@ class Bus:
 
     async def publish_stored(self, subject: str, data: bytes | memoryview,
                              headers: dict[str, str] | None = None, *,
-                             timeout: float = 5.0) -> PubAck:
+                             timeout: float = PUB_ACK_TIMEOUT) -> PubAck:
         """A JetStream publish that others may be in flight beside (pipelined); returns its
         PubAck. A reconnect before the PubAck came (it may be lost with the old connection)
         or none within `timeout` raises a `TRANSIENT` error: retry with the same
@@ -311,7 +313,7 @@ class Bus:
             return  # stored above
         if fut is not None:
             with contextlib.suppress(*TRANSIENT):
-                await self._pub_ack(fut, timeout=5.0)
+                await self._pub_ack(fut, timeout=PUB_ACK_TIMEOUT)
                 return
         # no PubAck (a reconnect, a leader election): a stored one is dropped as a duplicate
         await self._put_state(subject, data, hdrs, within=within)

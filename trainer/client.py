@@ -78,10 +78,10 @@ class FabricClient:
         """Requests per persisted message (a message goes to one worker): what is queued
         spread over every worker (16 requests to 2 idle workers: 2 messages of 8, not one
         that leaves a worker idle), or this client's fair share per worker of all it has
-        outstanding (queued here or being served) where that is larger and a worker has the
-        room for it (the 16 that a client with 64 outstanding over 4 workers queues as results
-        come back go as one message, to a worker that freed the room, not as two that each
-        cost a pull, a store and an ack). Not below `MIN_SPREAD` samples a message (4
+        outstanding (queued here or being served) where that is larger, up to the most room a
+        worker last reported (the 16 that a client with 64 outstanding over 4 workers queues
+        as results come back go as one message, to a worker that freed the room, not as two
+        that each cost a pull, a store and an ack). Not below `MIN_SPREAD` samples a message (4
         one-sample requests to 4 workers go as one: a batching engine serves the 4 sequences
         together), and at most an equal part of the smallest worker's capacity no larger than
         `MAX_BATCH` (capacity 32: 32; 100: 50, so two messages fill a worker and none leaves
