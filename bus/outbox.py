@@ -3,6 +3,7 @@
     outbox = Outbox(bus, combine=lambda msgs: RolloutReplies(replies=msgs), headers=...)
     await tg.start(outbox.run)
     await outbox.send(subject, [(msg, msg_id)], until=deadline)   # returns once stored
+    outbox.post(subject, [(msg, msg_id)], on_done=callback)       # returns at once
 
 Whatever is queued while earlier messages are on their way goes out as one message (up to
 `max_items`, a number or a function of how many items are queued and the first of them, asked
@@ -27,7 +28,7 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -41,14 +42,16 @@ from rlfabric.schemas import TRACEPARENTS_HEADER, encode
 from rlfabric.telemetry import spans
 
 
-@dataclass(eq=False)
-class _Ticket:
-    """The items of one `send` call until they are all stored."""
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """The items of one `post` (or `send`) call until they are all stored: `on_done` is
+    called once, with None or the error that stopped one."""
 
     left: int
     until: float | None
-    done: anyio.Event = field(default_factory=anyio.Event)
+    on_done: Callable[[BaseException | None], None] | None
     error: BaseException | None = None
+    finished: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -57,7 +60,7 @@ class _Item:
     msg: Any
     msg_id: str
     data: bytes
-    ticket: _Ticket
+    ticket: Ticket
     trace: dict[str, str] | None
 
 
@@ -85,20 +88,35 @@ class Outbox:
         stored). Cancelled before they went out, they are not sent."""
         if not items:
             return
+        stored = anyio.Event()
+        ticket = self.post(subject, items, until=until, on_done=lambda _: stored.set())
+        try:
+            await stored.wait()
+        except BaseException:
+            self.withdraw(ticket)
+            raise
+        if ticket.error is not None:
+            raise ticket.error
+
+    def post(self, subject: str, items: list[tuple[Any, str]], *, until: float | None = None,
+             on_done: Callable[[BaseException | None], None] | None = None) -> Ticket:
+        """`send` without the wait: queue the items and return; `on_done(error)` is called
+        (from the outbox's task) once all are stored (`error` None) or one failed for good.
+        For hot paths that have something else to await anyway: no event, no task switch."""
         if self._tg is None:
-            raise RuntimeError("Outbox.send before Outbox.run started")
-        ticket = _Ticket(left=len(items), until=until)
+            raise RuntimeError("Outbox.post before Outbox.run started")
+        ticket = Ticket(left=len(items), until=until, on_done=on_done)
         trace = spans.carrier() if spans.enabled() else None
         for msg, msg_id in items:
             self._queue.append(_Item(subject, msg, msg_id, encode(msg), ticket, trace))
         self._queued.fire()
-        try:
-            await ticket.done.wait()
-        except BaseException:
+        return ticket
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """Drop the items of `ticket` not yet taken into a message (their sender gave up);
+        its `on_done` is then never called."""
+        if any(i.ticket is ticket for i in self._queue):
             self._queue = deque(i for i in self._queue if i.ticket is not ticket)
-            raise
-        if ticket.error is not None:
-            raise ticket.error
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
@@ -162,8 +180,10 @@ class Outbox:
             t.left -= 1
             if error is not None and t.error is None:
                 t.error = error
-            if t.left == 0 or t.error is not None:
-                t.done.set()
+            if (t.left == 0 or t.error is not None) and not t.finished:
+                t.finished = True
+                if t.on_done is not None:
+                    t.on_done(t.error)
 
 
 def batch_id(ids: list[str]) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.trace import ProxyTracerProvider, Span, SpanKind, Tracer
+from opentelemetry.trace import ProxyTracerProvider, Span, SpanKind, Status, StatusCode, Tracer
 
 SYSTEM = "messaging.system"
 DESTINATION = "messaging.destination.name"
@@ -94,6 +94,24 @@ def producer_span(subject: str, *, message_id: str = "",
         return _NOOP
     return t.start_as_current_span(f"send {subject}", kind=SpanKind.PRODUCER,
                                    attributes=_messaging(subject, "send", message_id, attributes))
+
+
+def start_producer(subject: str, *, attributes: Mapping[str, Any] | None = None) -> Span:
+    """`send <subject>` started now and ended by the caller (`end(s, error)`), not made
+    current: for a send whose end (stored) comes in a callback."""
+    t = tracer()
+    if t is None:
+        return trace.INVALID_SPAN
+    return t.start_span(f"send {subject}", kind=SpanKind.PRODUCER,
+                        attributes=_messaging(subject, "send", "", attributes))
+
+
+def end(s: Span, error: BaseException | None = None) -> None:
+    """End `s`, recording `error` as its status (what a `with` block's span does)."""
+    if error is not None and s.is_recording():
+        s.record_exception(error)
+        s.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    s.end()
 
 
 def consumer_span(subject: str, headers: Mapping[str, str] | None, *, message_id: str = "",

@@ -3,8 +3,10 @@ exactly once, samples still missing at their deadline as typed errors.
 
 Requests submitted together (one call's batch, or concurrent calls: whatever is queued while
 the previous message is being stored) are persisted as one `RolloutRequests` message of up to
-`max_batch` requests; several such messages are in flight at once (PubAcks pipelined), and a
-call returns once every one of its requests is stored.
+`max_batch` requests; several such messages are in flight at once (PubAcks pipelined).
+`submit` returns once every one of its requests is stored; `generate` does not wait for that
+on its own (no result can come before it): a store that fails for good raises out of it, and
+requests it gave up on before they went out are not sent.
 
 Results arrive on `<prefix>.rollout.result.<client_id>` through an ordered consumer on the
 results stream, singly or coalesced (`RolloutReplies`); a redelivered request can produce a
@@ -17,8 +19,10 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 import anyio.lowlevel
@@ -29,7 +33,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from rlfabric.bus import Bus
-from rlfabric.bus.outbox import Outbox
+from rlfabric.bus.outbox import Outbox, Ticket
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     COUNT_HEADER,
@@ -48,12 +52,52 @@ from rlfabric.telemetry import instruments, spans
 from rlfabric.trainer.continuation import continuation, merge
 
 
+class _Sink(Protocol):
+    def send_nowait(self, item: RolloutReply, /) -> None: ...
+
+
+class _Inbox:
+    """Where one `generate` call's results land. Unlike a memory object stream, whose every
+    `receive` yields to the event loop first, `get` returns what is there at once and waits
+    (on an event made then) only when nothing is: one task switch a result at most."""
+
+    __slots__ = ("_arrived", "_error", "_items")
+
+    def __init__(self) -> None:
+        self._items: deque[RolloutReply] = deque()
+        self._error: BaseException | None = None
+        self._arrived: anyio.Event | None = None
+
+    def send_nowait(self, item: RolloutReply, /) -> None:
+        self._items.append(item)
+        self._wake()
+
+    def stored(self, error: BaseException | None) -> None:
+        """The call's requests are stored; or they could not be (`error`): `get` raises it."""
+        if error is not None:
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._arrived is not None:
+            self._arrived.set()
+            self._arrived = None
+
+    async def get(self) -> RolloutReply:
+        while not self._items:
+            if self._error is not None:
+                raise self._error
+            self._arrived = arrived = anyio.Event()
+            await arrived.wait()
+        return self._items.popleft()
+
+
 @dataclass(eq=False)
 class _Waiting:
     """One submitted request: which samples arrived, and where its results go."""
 
     request: RolloutRequest
-    sink: MemoryObjectSendStream[RolloutReply]
+    sink: _Sink
     got: set[int] = field(default_factory=set)
 
     @property
@@ -146,7 +190,31 @@ class RolloutPlane:
     async def submit(self, requests: Iterable[RolloutRequest],
                      sink: MemoryObjectSendStream[RolloutReply], *,
                      timeout: float | None = None) -> list[RolloutRequest]:
-        # every request checked before any is sent: a bad one refuses the whole call
+        outcome: list[BaseException | None] = []
+        stored = anyio.Event()
+
+        def done(error: BaseException | None) -> None:
+            outcome.append(error)
+            stored.set()
+
+        prepared, ticket = self._post(requests, sink, timeout, done)
+        if ticket is None:
+            return prepared
+        try:  # persisted (and retried through a reconnect) before this returns
+            await stored.wait()
+        except BaseException:  # cancelled: what did not go out yet is not sent
+            self.outbox.withdraw(ticket)
+            raise
+        if outcome[0] is not None:
+            raise outcome[0]
+        return prepared
+
+    def _post(self, requests: Iterable[RolloutRequest], sink: _Sink, timeout: float | None,
+              on_stored: Callable[[BaseException | None], None]
+              ) -> tuple[list[RolloutRequest], Ticket | None]:
+        """Check every request (a bad one refuses the whole call: nothing is sent), register
+        where its results go, and queue the lot for the request stream; `on_stored(error)`
+        once stored or failed for good. The ticket is None when there was nothing to send."""
         prepared = [self._prepare(req, timeout) for req in requests]
         ids = [r.request_id for r in prepared]
         if len(set(ids)) != len(ids) or any(rid in self._waiting for rid in ids):
@@ -154,6 +222,8 @@ class RolloutPlane:
             raise InvalidRequest(f"request_id {', '.join(map(repr, twice[:5]))} is already in "
                                  "flight from this client: ids must be unique among the "
                                  "requests awaiting results")
+        if not prepared:
+            return prepared, None
         for req in prepared:
             self._waiting[req.request_id] = _Waiting(req, sink)
         instruments.current.queue_depth.set(len(self._waiting), {"rlfabric.role": "trainer"})
@@ -161,11 +231,16 @@ class RolloutPlane:
                  else max(r.deadline for r in prepared))
         subject = self.bus.subjects.rollout_request
         # the span a worker's `process` span hangs from: ends once the requests are stored
-        with spans.producer_span(subject, attributes={spans.BATCH_COUNT: len(prepared)}):
-            # persisted (and retried through a reconnect) before this returns
-            await self.outbox.send(subject, [(r, r.submission_id) for r in prepared],
-                                   until=until)
-        return prepared
+        sent = spans.start_producer(subject, attributes={spans.BATCH_COUNT: len(prepared)})
+
+        def stored(error: BaseException | None) -> None:
+            spans.end(sent, error)
+            on_stored(error)
+
+        with spans.within(sent):
+            ticket = self.outbox.post(subject, [(r, r.submission_id) for r in prepared],
+                                      until=until, on_done=stored)
+        return prepared, ticket
 
     def _request_headers(self, reqs: list[RolloutRequest]) -> dict[str, str]:
         if len(reqs) == 1:
@@ -176,42 +251,42 @@ class RolloutPlane:
                        timeout: float | None = None) -> AsyncIterator[RolloutReply]:
         reqs = list(requests)
         total = sum(r.sampling.n for r in reqs)
-        send, recv = anyio.create_memory_object_stream[RolloutReply](max(total, 1))
+        inbox = _Inbox()
         # NOTE: started, not current: an async generator's body runs in its consumer's
         # context between yields
         span = spans.start("generate", attributes={"rlfabric.requests": len(reqs),
                                                    "rlfabric.samples": total})
         try:
             with spans.within(span):
-                sent = await self.submit(reqs, send, timeout=timeout)
+                # not awaited: no result comes before its request is stored, and a request
+                # that cannot be stored raises out of `inbox.get`
+                sent, ticket = self._post(reqs, inbox, timeout, inbox.stored)
         except BaseException:  # e.g. InvalidRequest: nothing was sent
-            send.close()
-            recv.close()
             span.end()
             raise
         ids = [r.request_id for r in sent]
         yielded = 0
         try:
-            async with recv:
-                while yielded < total:
-                    wait = self._next_deadline(ids)
-                    if wait is None:  # no deadline, no cancel scope (14 us each here)
-                        reply: RolloutReply | None = await recv.receive()
-                    else:
-                        reply = None
-                        with anyio.move_on_after(wait):
-                            reply = await recv.receive()
-                    if reply is None:
-                        for err in self._expire(ids):
-                            yielded += 1
-                            yield err
-                        continue
-                    yielded += 1
-                    yield reply
+            while yielded < total:
+                wait = self._next_deadline(ids)
+                if wait is None:  # no deadline, no cancel scope (14 us each here)
+                    reply: RolloutReply | None = await inbox.get()
+                else:
+                    reply = None
+                    with anyio.move_on_after(wait):
+                        reply = await inbox.get()
+                if reply is None:
+                    for err in self._expire(ids):
+                        yielded += 1
+                        yield err
+                    continue
+                yielded += 1
+                yield reply
         finally:
+            if ticket is not None and not ticket.finished:
+                self.outbox.withdraw(ticket)  # given up before it went out: not sent
             for rid in ids:
                 self._waiting.pop(rid, None)
-            send.close()
             span.set_attribute("rlfabric.results", yielded)
             span.end()
 

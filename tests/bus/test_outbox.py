@@ -11,6 +11,7 @@ import nats.errors
 import pytest
 
 from rlfabric.bus import Bus, EmbeddedNats
+from rlfabric.bus.errors import TRANSIENT
 from rlfabric.bus.outbox import Outbox, batch_id
 from rlfabric.schemas import COUNT_HEADER, RolloutRequest, RolloutRequests, codec_for
 
@@ -70,6 +71,52 @@ async def test_a_message_that_starts_with_a_repeated_item_still_stores_its_new_o
     assert stored == [["a", "b"], ["a", "c"]]
     assert batch_id(["a", "b"]) != batch_id(["a", "c"]) != batch_id(["c", "a"])
     assert batch_id(["a", "c"]).startswith("a+2.")
+
+
+async def test_post_calls_back_once_when_stored_or_failed_and_a_withdrawn_post_is_not_sent(
+        nats_url, prefix) -> None:
+    """`post` returns at once; its callback comes once for all its items, with None when all
+    are stored or with the error that stopped them (even when they spread over several
+    messages); items withdrawn before they went out are never sent."""
+    async with Bus.connect(nats_url, prefix=prefix) as bus:
+        s = bus.subjects
+        outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs), max_items=4,
+                        headers=lambda reqs: {COUNT_HEADER: str(len(reqs))} if len(reqs) > 1
+                        else {})
+        reqs = [RolloutRequest(request_id=f"r{i}", prompt_token_ids=[1, i]) for i in range(10)]
+        called: dict[str, list[BaseException | None]] = {"ok": [], "gone": [], "bad": []}
+        both = anyio.Event()
+
+        def on(name: str):
+            def done(error: BaseException | None) -> None:
+                called[name].append(error)
+                if called["ok"] and called["bad"]:
+                    both.set()
+            return done
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(outbox.run)
+            ok = outbox.post(s.rollout_request, [(r, r.request_id) for r in reqs],
+                             on_done=on("ok"))
+            gone = outbox.post(s.rollout_request, [(reqs[0], "gone")], on_done=on("gone"))
+            outbox.withdraw(gone)  # before the outbox's task took it
+            # no stream holds this subject: retried until `until`, then failed for good
+            bad = outbox.post(f"{prefix}.nostream", [(r, f"b{r.request_id}") for r in reqs[:6]],
+                              until=time.time() + 1.0, on_done=on("bad"))
+            with anyio.fail_after(30):
+                await both.wait()
+            tg.cancel_scope.cancel()
+        info = await bus.js.stream_info(s.rollout_stream)
+        many = codec_for(RolloutRequests)
+        stored: list[str] = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            raw = await bus.js.get_msg(s.rollout_stream, seq)
+            stored += [r.request_id for r in many.decode(raw.data, raw.headers).requests]
+    assert called["ok"] == [None] and ok.finished and ok.error is None
+    assert stored == [r.request_id for r in reqs]  # in order, 4 + 4 + 2, and not "gone"
+    assert called["gone"] == [] and not gone.finished
+    assert len(called["bad"]) == 1 and isinstance(called["bad"][0], TRANSIENT)
+    assert bad.error is called["bad"][0]
 
 
 async def test_a_pub_ack_that_never_comes_is_a_transient_error(tmp_path) -> None:
