@@ -51,10 +51,10 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 from opentelemetry.trace import INVALID_SPAN, Span, StatusCode
 
-from rlfabric.bus.errors import TRANSIENT, BusError, CommandFailed
+from rlfabric.bus.errors import TRANSIENT, CommandFailed
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
-from rlfabric.bus.subjects import check_token
+from rlfabric.bus.subjects import check_token, is_token
 from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.schemas import (
     CMD_ID_HEADER,
@@ -62,6 +62,7 @@ from rlfabric.schemas import (
     Ack,
     Command,
     ErrorEvent,
+    MalformedMessage,
     SchemaError,
     UnknownSchemaVersion,
     codec_for,
@@ -340,6 +341,11 @@ class CommandReceiver:
         try:  # a live copy's major was read from its subject
             cmd = self._codec.decode(data, headers, subject=subject,
                                      check_version=path != "live")
+            if not is_token(cmd.cmd_id):  # its acks could not be sent: not a command
+                raise MalformedMessage(
+                    f"command cmd_id {cmd.cmd_id[:80]!r} on {subject!r} cannot name its ack "
+                    "subject: 1-64 characters from A-Z a-z 0-9 _ -", subject=subject,
+                    type_name="Command")
         except SchemaError as exc:
             if path == "live":  # the stored command's headers say what it is
                 await self._catch_up()
@@ -412,12 +418,7 @@ class CommandReceiver:
         with contextlib.suppress(nats.errors.Error):
             await self.bus.emit(ErrorEvent(source=self.worker_id, code=code, message=str(exc),
                                            subject=subject, cmd_id=cmd_id, at=time.time()))
-        if cmd_id:
-            try:
-                check_token(cmd_id, "command id")
-            except BusError:
-                cmd_id = ""
-        if cmd_id:
+        if cmd_id and is_token(cmd_id):
             ack = Ack(cmd_id=cmd_id, worker_id=self.worker_id, status="error", error_code=code,
                       error_message=str(exc))
             await self._publish_ack(self.bus.subjects.ack(cmd_id), ack, bare=False)

@@ -14,9 +14,14 @@ from rlfabric.schemas import SCHEMA_MAJOR
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
+def is_token(value: str) -> bool:
+    """Whether `value` can be one NATS subject token and a JetStream name."""
+    return _TOKEN.match(value) is not None
+
+
 def check_token(value: str, what: str) -> str:
     """Return `value` if it can be one NATS subject token and a JetStream name; else raise."""
-    if not _TOKEN.match(value):
+    if not is_token(value):
         raise InvalidName(
             f"{what} {value!r} is not usable on the bus: use 1-64 characters from "
             "A-Z a-z 0-9 _ - (no dots, spaces or wildcards)"

@@ -133,27 +133,34 @@ async def test_malformed_commands_give_typed_errors_then_a_valid_one_runs(fabric
         # 4. valid msgpack, a pause with a field of the wrong type
         bad_field = msgspec.msgpack.encode({"op": "pause", "cmd_id": "typed1", "mode": 5})
         await bus.js.publish(subj, bad_field, headers=headers({CMD_ID_HEADER: "typed1"}))
-        # 5. then a valid command
+        # 5. a well-formed pause whose cmd_id cannot name an ack subject (found by the fuzz
+        # test: the worker died sending the ack)
+        await bus.js.publish(subj, encode(Pause(cmd_id="\xcc\xfc\x18 a.b")),
+                             headers=headers({CMD_ID_HEADER: "badid1"}))
+        # 6. then a valid command
         good = Pause(cmd_id=new_cmd_id())
         await bus.js.publish(subj, encode(good), headers=headers({CMD_ID_HEADER: good.cmd_id}))
-        await events.until(lambda: len(events) == 4)
+        await events.until(lambda: len(events) == 5)
         await acks.until(lambda: any(a.cmd_id == good.cmd_id for a in acks))
         assert [e.code for e in events] == ["malformed", "malformed", "unknown_schema_version",
-                                            "malformed"]
-        assert [e.cmd_id for e in events] == ["garbage1", "wrong1", "future1", "typed1"]
+                                            "malformed", "malformed"]
+        assert [e.cmd_id for e in events] == ["garbage1", "wrong1", "future1", "typed1",
+                                              "badid1"]
+        assert "cmd_id" in events[4].message
         assert all(e.source == "w1" and e.subject == subj for e in events)
         assert "2.0" in events[2].message
         assert "mode" in events[3].message  # says where
         by_id = {a.cmd_id: a for a in acks}
         assert by_id["garbage1"].status == "error" and by_id["garbage1"].error_code == "malformed"
         assert by_id["future1"].error_code == "unknown_schema_version"
+        assert by_id["badid1"].error_code == "malformed"
         assert by_id[good.cmd_id].status == "ok"
         assert [c for _, _, c in rec.ran] == [good.cmd_id]  # only the valid one ran
-        assert r.rejected == 4
-        # all five were read from the log (none had a live copy) and passed over, in order
+        assert r.rejected == 5
+        # all six were read from the log (none had a live copy) and passed over, in order
         info = await bus.js.stream_info(bus.subjects.control_stream)
         assert r.next_seq == info.state.last_seq + 1
-        assert r.caught_up == 5 and r.applied_live == 0
+        assert r.caught_up == 6 and r.applied_live == 0
 
 
 async def test_expired_command_is_refused_not_run(fabric) -> None:
