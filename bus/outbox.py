@@ -90,6 +90,11 @@ class Outbox:
             return
         stored = anyio.Event()
         ticket = self.post(subject, items, until=until, on_done=lambda _: stored.set())
+        await self.settle(ticket, stored)
+
+    async def settle(self, ticket: Ticket, stored: anyio.Event) -> None:
+        """Wait for `stored` (set by `ticket`'s `on_done`), then raise the error that stopped
+        one of its items. Cancelled meanwhile: what did not go out yet is not sent."""
         try:
             await stored.wait()
         except BaseException:

@@ -190,23 +190,10 @@ class RolloutPlane:
     async def submit(self, requests: Iterable[RolloutRequest],
                      sink: MemoryObjectSendStream[RolloutReply], *,
                      timeout: float | None = None) -> list[RolloutRequest]:
-        outcome: list[BaseException | None] = []
         stored = anyio.Event()
-
-        def done(error: BaseException | None) -> None:
-            outcome.append(error)
-            stored.set()
-
-        prepared, ticket = self._post(requests, sink, timeout, done)
-        if ticket is None:
-            return prepared
-        try:  # persisted (and retried through a reconnect) before this returns
-            await stored.wait()
-        except BaseException:  # cancelled: what did not go out yet is not sent
-            self.outbox.withdraw(ticket)
-            raise
-        if outcome[0] is not None:
-            raise outcome[0]
+        prepared, ticket = self._post(requests, sink, timeout, lambda _: stored.set())
+        if ticket is not None:  # persisted (and retried through a reconnect) before this returns
+            await self.outbox.settle(ticket, stored)
         return prepared
 
     def _post(self, requests: Iterable[RolloutRequest], sink: _Sink, timeout: float | None,

@@ -18,13 +18,17 @@ from rlfabric.schemas import COUNT_HEADER, RolloutRequest, RolloutRequests, code
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
 
+def _requests_outbox(bus: Bus, max_items: int = 64) -> Outbox:
+    """An outbox of rollout requests, combined as the trainer combines them."""
+    return Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs), max_items=max_items,
+                  headers=lambda reqs: {COUNT_HEADER: str(len(reqs))} if len(reqs) > 1 else {})
+
+
 async def test_a_burst_goes_out_in_few_messages_and_every_item_is_stored_once(
         nats_url, prefix) -> None:
     async with Bus.connect(nats_url, prefix=prefix) as bus:
         s = bus.subjects
-        outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs), max_items=16,
-                        headers=lambda reqs: {COUNT_HEADER: str(len(reqs))} if len(reqs) > 1
-                        else {})
+        outbox = _requests_outbox(bus, max_items=16)
         reqs = [RolloutRequest(request_id=f"r{i}", prompt_token_ids=[1, i]) for i in range(100)]
         async with anyio.create_task_group() as tg:
             await tg.start(outbox.run)
@@ -53,9 +57,7 @@ async def test_a_message_that_starts_with_a_repeated_item_still_stores_its_new_o
     must be stored: the combined message's id is not the first item's id and the count."""
     async with Bus.connect(nats_url, prefix=prefix) as bus:
         s = bus.subjects
-        outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs),
-                        headers=lambda reqs: {COUNT_HEADER: str(len(reqs))} if len(reqs) > 1
-                        else {})
+        outbox = _requests_outbox(bus)
         a, b, c = (RolloutRequest(request_id=x, prompt_token_ids=[1]) for x in "abc")
         async with anyio.create_task_group() as tg:
             await tg.start(outbox.run)
@@ -80,9 +82,7 @@ async def test_post_calls_back_once_when_stored_or_failed_and_a_withdrawn_post_i
     messages); items withdrawn before they went out are never sent."""
     async with Bus.connect(nats_url, prefix=prefix) as bus:
         s = bus.subjects
-        outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs), max_items=4,
-                        headers=lambda reqs: {COUNT_HEADER: str(len(reqs))} if len(reqs) > 1
-                        else {})
+        outbox = _requests_outbox(bus, max_items=4)
         reqs = [RolloutRequest(request_id=f"r{i}", prompt_token_ids=[1, i]) for i in range(10)]
         called: dict[str, list[BaseException | None]] = {"ok": [], "gone": [], "bad": []}
         both = anyio.Event()
