@@ -353,11 +353,18 @@ class Bus:
 
 
 async def _close(nc: NATS) -> None:
+    """Drain, or close if draining fails. A connection already lost (the broker or its node
+    gone) is no error here: a process stopping then must not die of it, nor hide behind it
+    the error it is stopping for."""
     if nc.is_closed:
         return
     try:
         with anyio.fail_after(5):
             await nc.drain()
     except Exception:
-        await nc.close()
+        try:
+            await nc.close()
+        except (OSError, nats.errors.Error) as exc:
+            log.info("closing a connection already lost (%s: %s): what it still held for the "
+                     "server is dropped", type(exc).__name__, exc)
 

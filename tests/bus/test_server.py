@@ -75,3 +75,26 @@ def test_given_store_dir_is_kept(tmp_path) -> None:
     with EmbeddedNats(store_dir=str(store)) as srv:
         assert srv.store_dir == str(store)
     assert store.is_dir()
+
+
+@pytest.mark.anyio
+async def test_leaving_a_bus_whose_server_died_with_data_unsent_raises_nothing() -> None:
+    """A worker stopped while its broker is gone (SIGTERM during an outage, or the broker
+    stopped first) exits cleanly: closing a lost connection with data still buffered for it
+    is no error, and cannot hide the error a process may be stopping for."""
+    from rlfabric.bus import Bus
+
+    srv = EmbeddedNats().start()
+    try:
+        async with Bus.connect(ConnectOptions.from_url(srv.url, connect_wait=2)) as bus:
+            await bus.nc.flush(timeout=2)
+            await anyio.to_thread.run_sync(srv.kill)
+            with anyio.fail_after(10):
+                # the read loop finds the socket closed; nothing fires an event for that
+                while bus.nc.is_connected:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            await bus.nc.publish("lost", b"x" * 1024)  # buffered for the next server
+            assert bus.nc.pending_data_size > 0
+        assert bus.nc.is_closed
+    finally:
+        srv.stop()

@@ -49,7 +49,10 @@ async def test_ray_actors_join_serve_update_and_a_killed_one_is_missing_within_2
     await anyio.to_thread.run_sync(fleet.start)
     try:
         async with client(rollout_ack_wait=2.0) as fabric:
-            await fabric.wait_for_workers(2, timeout=120)
+            # a member is listed from the moment it answers commands; "ready" (serving) is
+            # its next state
+            await fabric.watcher.wait_until(
+                lambda s: [m.state for m in s.members] == ["ready", "ready"], timeout=120)
             # one placement group, a 1-CPU bundle per worker, each actor in its own process
             table = ray.util.placement_group_table(fleet.pg)
             assert table["state"] == "CREATED"
