@@ -4,7 +4,7 @@ token. It takes the model out of a measurement, leaving the fabric's own costs."
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
@@ -47,14 +47,26 @@ class NullEngine(RuntimeCollective):
                        worker_id: str = "") -> AsyncIterator[RolloutResult]:
         self.check(request)
         await self._resumed.wait()
+        for res in self._echo(request, worker_id):
+            yield res
+
+    async def generate_many(self, requests: list[RolloutRequest], *,
+                            worker_id: str = "") -> AsyncGenerator[RolloutResult, None]:
+        if not self._resumed.is_set():
+            await self._resumed.wait()
+        for request in requests:
+            for res in self._echo(request, worker_id):
+                yield res
+
+    def _echo(self, request: RolloutRequest, worker_id: str) -> list[RolloutResult]:
         ids = PackedI32(request.prompt_token_ids.numpy()[: request.sampling.max_tokens])
         zeros = PackedF32([0.0] * len(ids))
-        for i in range(request.sampling.n):
-            yield RolloutResult(
-                request_id=request.request_id, sample_index=i, worker_id=worker_id,
-                completion_token_ids=ids, logprobs=zeros, finish_reason="length",
-                version_spans=(VersionSpan(version=self._version, start=0, end=len(ids)),),
-                group_id=request.group_id, prompt_len=len(request.prompt_token_ids))
+        version_spans = (VersionSpan(version=self._version, start=0, end=len(ids)),)
+        return [RolloutResult(
+            request_id=request.request_id, sample_index=i, worker_id=worker_id,
+            completion_token_ids=ids, logprobs=zeros, finish_reason="length",
+            version_spans=version_spans, group_id=request.group_id,
+            prompt_len=len(request.prompt_token_ids)) for i in range(request.sampling.n)]
 
     async def pause(self, mode: PauseMode) -> None:
         # wait / abort: what is in flight finishes at once anyway; keep: it freezes

@@ -6,7 +6,7 @@ no docstrings of their own for these methods.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol, runtime_checkable
 
 import anyio
@@ -164,4 +164,19 @@ class Engine(Protocol):
         ...
 
 
-__all__ = ["Engine", "PauseMode", "RequestRejected", "WeightLoadError"]
+@runtime_checkable
+class ServesMany(Protocol):
+    """An engine that can take a delivered message's requests in one call. The worker then
+    serves such a message with one task, not a task per request (with tracing off: a traced
+    request keeps its own span on a lane). Optional: `VllmEngine` has no such call."""
+
+    def generate_many(self, requests: list[RolloutRequest], *,
+                      worker_id: str) -> AsyncGenerator[RolloutResult, None]:
+        """`generate` for several requests at once, each of which passed `check` and has its
+        own `request_id`: yield every sample's result as it finishes, in any order across
+        requests (`request_id` and `sample_index` say whose). Pausing, aborting and
+        `version_spans` work as in `generate`."""
+        ...
+
+
+__all__ = ["Engine", "PauseMode", "RequestRejected", "ServesMany", "WeightLoadError"]

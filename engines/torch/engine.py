@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import anyio
 import torch
@@ -85,21 +86,36 @@ class TorchEngine(RuntimeCollective):
     async def generate(self, request: RolloutRequest, *,
                        worker_id: str = "") -> AsyncIterator[RolloutResult]:
         self.check(request)
-        sp = request.sampling
-        base_seed = sp.seed if sp.seed is not None else random.getrandbits(62)
-        send, recv = anyio.create_memory_object_stream[RolloutResult](sp.n)
-        prompt = request.prompt_token_ids.tolist()
-        stops = frozenset(sp.stop_token_ids) | self.runner.eos_ids
+        # closed with this generator, not when collected: its samples are cancelled at once
+        async with contextlib.aclosing(self.generate_many([request], worker_id=worker_id)) as many:
+            async for res in many:
+                yield res
+
+    async def generate_many(self, requests: list[RolloutRequest], *,
+                            worker_id: str = "") -> AsyncGenerator[RolloutResult, None]:
+        total = sum(r.sampling.n for r in requests)
+        send, recv = anyio.create_memory_object_stream[RolloutResult](total)
         seqs = []
-        for i in range(sp.n):
-            gen = torch.Generator(device=self.device).manual_seed(base_seed + i)
-            seqs.append(Sequence(request=request, sample_index=i, prompt=prompt, generator=gen,
-                                 sink=send, stop_ids=stops, worker_id=worker_id))
+        for request in requests:
+            sp = request.sampling
+            base_seed = sp.seed if sp.seed is not None else random.getrandbits(62)
+            prompt = request.prompt_token_ids.tolist()
+            stops = frozenset(sp.stop_token_ids) | self.runner.eos_ids
+            for i in range(sp.n):
+                gen = torch.Generator(device=self.device).manual_seed(base_seed + i)
+                seqs.append(Sequence(request=request, sample_index=i, prompt=prompt,
+                                     generator=gen, sink=send, stop_ids=stops,
+                                     worker_id=worker_id))
         self.scheduler.admit(seqs)
         try:
             async with recv:
-                for _ in range(sp.n):
-                    yield await recv.receive()
+                for _ in range(total):
+                    try:  # a batch's results all at once: a receive that yields would let
+                        # each go out as its own message
+                        res = recv.receive_nowait()
+                    except anyio.WouldBlock:
+                        res = await recv.receive()
+                    yield res
         finally:
             for s in seqs:
                 s.cancelled = True

@@ -6,8 +6,11 @@ serve them on a fixed set of lanes, publish each result before acking its reques
 - A message holds one request or several (`RolloutRequests`, header `rlf-count`); credits
   are messages, sized by the average number of requests a message brought (one credit until
   the first message came).
-- `capacity` serving lanes take the requests (no task per request); one sweeper sends
-  in-progress acks for messages generating longer than a third of `ack_wait`.
+- An engine that serves many requests in one call (`ServesMany`: the null and torch engines)
+  gets a message's requests together, one task per message; otherwise (vLLM, or tracing on)
+  `capacity` serving lanes take the requests one by one (no task per request). Either way a
+  request's capacity comes back once its results are stored. One sweeper sends in-progress
+  acks for messages generating longer than a third of `ack_wait`.
 - Every result is persisted (PubAck) before its message is acked, so a worker that dies
   mid-request loses nothing: the message is redelivered to another (and the client drops
   results it already has). Results that finish together go out as one `RolloutReplies` per
@@ -22,16 +25,18 @@ serve them on a fixed set of lanes, publish each result before acking its reques
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import msgspec
 import nats.errors
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 from nats.aio.msg import Msg
 
@@ -41,7 +46,7 @@ from rlfabric.bus.outbox import Outbox
 from rlfabric.bus.pull import Puller
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.sync import Signal
-from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected
+from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected, ServesMany
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     COUNT_HEADER,
@@ -80,6 +85,17 @@ class _Delivery:
 _Work = tuple[_Delivery, RolloutRequest, dict[str, str] | None]
 
 
+@dataclass(eq=False)
+class _Many:
+    """A message's requests in one `generate_many` call: per request id, its samples not yet
+    stored (or never to come), and its first store error."""
+
+    left: dict[str, int]
+    posted: dict[str, int]
+    errors: dict[str, BaseException] = field(default_factory=dict)
+    settled: anyio.Event = field(default_factory=anyio.Event)
+
+
 class RolloutServer:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, reg: Registration, *,
                  capacity: int) -> None:
@@ -110,6 +126,8 @@ class RolloutServer:
         #: results go out through it, coalesced per client (`outbox.messages`, `.items`)
         self.outbox = Outbox(bus, combine=lambda replies: RolloutReplies(replies=replies))
         self._flood = RateLimited(log)
+        self._many: ServesMany | None = engine if isinstance(engine, ServesMany) else None
+        self._tg: TaskGroup | None = None
 
     # ---- what the runtime's commands change ----
     def hold(self) -> None:
@@ -174,11 +192,16 @@ class RolloutServer:
             self.in_flight += len(reqs)
             self._idle = anyio.Event()
             self._load.fire()  # a message at a time: the fleet sees the load it took
+            if (self._many is not None and self._tg is not None and not spans.enabled()
+                    and len({r.request_id for r in reqs}) == len(reqs)):
+                self._tg.start_soon(self._serve_many, d, reqs)
+                return
             traced = _traces(msg.headers, len(reqs)) if spans.enabled() else None
             for i, req in enumerate(reqs):
                 send.send_nowait((d, req, traced[i] if traced else None))
 
         async with anyio.create_task_group() as tg:
+            self._tg = tg
             await tg.start(self.outbox.run)
             for _ in range(self.capacity):
                 tg.start_soon(self._lane, recv.clone())
@@ -282,14 +305,113 @@ class RolloutServer:
                     await self._reply_error(d.msg, req, "engine_error",
                                             f"{type(exc).__name__}: {exc}", retryable=True)
                 finally:
-                    self.in_flight -= 1
-                    self._wake.fire()
-                    if self.in_flight == 0:
-                        self._idle.set()
-                        self._load.fire()  # idle: said at once too
+                    self._request_done()
                 d.left -= 1
                 if d.left == 0:
                     await self._finish(d)
+
+    def _request_done(self) -> None:
+        """A request's capacity is free again (its results stored, or it was answered)."""
+        self.in_flight -= 1
+        self._wake.fire()
+        if self.in_flight == 0:
+            self._idle.set()
+            self._load.fire()  # idle: said at once too
+
+    async def _serve_many(self, d: _Delivery, reqs: list[RolloutRequest]) -> None:
+        """A message's requests through one `generate_many` call; each result is stored as it
+        comes (no wait), and the message is acked (or naked, see `_finish`) once all are."""
+        todo: dict[str, tuple[RolloutRequest, str]] = {}
+        try:
+            for req in reqs:
+                try:
+                    subject = await self._admit(d, req)
+                except _HAND_BACK as exc:
+                    log.debug("request %s handed back: %r", req.request_id, exc)
+                    d.back = max(d.back or 0.0, 0.25)
+                    subject = None
+                except Exception as exc:  # never let one request take the worker down
+                    log.exception("request %s failed", req.request_id)
+                    await self._reply_error(d.msg, req, "engine_error",
+                                            f"{type(exc).__name__}: {exc}", retryable=True)
+                    subject = None
+                if subject is None:
+                    self._request_done()
+                else:
+                    todo[req.request_id] = (req, subject)
+            if todo:
+                await self._generate_many(d, todo)
+        except anyio.get_cancelled_exc_class():
+            # stopped (an engine died, a drain ran out of grace): hand it back now
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await d.msg.nak()
+            raise
+        d.left = 0
+        await self._finish(d)
+
+    async def _generate_many(self, d: _Delivery,
+                             todo: dict[str, tuple[RolloutRequest, str]]) -> None:
+        assert self._many is not None
+        many = _Many(left={rid: req.sampling.n for rid, (req, _) in todo.items()},
+                     posted=dict.fromkeys(todo, 0))
+
+        def settle(rid: str, samples: int = 1) -> None:
+            if rid not in many.left:  # an engine that yields a sample twice: nothing left
+                return
+            many.left[rid] -= samples
+            if many.left[rid] == 0:
+                del many.left[rid]
+                self._request_done()
+                if not many.left:
+                    many.settled.set()
+
+        def stored(rid: str) -> Callable[[BaseException | None], None]:
+            def on_done(error: BaseException | None) -> None:
+                if error is not None:
+                    many.errors.setdefault(rid, error)
+                settle(rid)
+            return on_done
+
+        attempt = d.msg.metadata.num_delivered or 1
+        tokens = instruments.current.tokens
+        who = {spans.WORKER_ID: self.worker_id}
+        failed: Exception | None = None
+        try:
+            results = self._many.generate_many([req for req, _ in todo.values()],
+                                               worker_id=self.worker_id)
+            async with contextlib.aclosing(results):
+                async for res in results:
+                    req, subject = todo[res.request_id]
+                    res = msgspec.structs.replace(res, attempt=attempt,
+                                                  submission_id=req.submission_id)
+                    tokens.add(len(res.completion_token_ids), who)
+                    many.posted[req.request_id] += 1
+                    # past its deadline + a margin nobody waits for a result: stop retrying
+                    self.outbox.post(subject, [(res, _result_id(req, res.sample_index))],
+                                     until=req.deadline + 10.0 if req.deadline else None,
+                                     on_done=stored(req.request_id))
+        except _HAND_BACK as exc:  # not the requests' fault: the message goes back
+            log.debug("%d requests handed back: %r", len(todo), exc)
+            d.back = max(d.back or 0.0, 0.25)
+        except Exception as exc:  # never let one message take the worker down
+            log.exception("requests %s failed", ", ".join(todo))
+            failed = exc
+        # samples that will not come (generation ended early) settle now
+        for rid, (req, _) in todo.items():
+            if many.posted[rid] < req.sampling.n:
+                if failed is not None:
+                    many.errors.setdefault(rid, failed)
+                settle(rid, req.sampling.n - many.posted[rid])
+        if many.left:
+            await many.settled.wait()
+        self.served += sum(1 for rid, (req, _) in todo.items()
+                           if many.posted[rid] == req.sampling.n and rid not in many.errors)
+        for rid, err in many.errors.items():
+            if isinstance(err, _HAND_BACK):
+                d.back = max(d.back or 0.0, 0.25)
+            else:
+                await self._reply_error(d.msg, todo[rid][0], "engine_error",
+                                        f"{type(err).__name__}: {err}", retryable=True)
 
     async def _finish(self, d: _Delivery) -> None:
         """Every request of the message answered: ack it; or, if one must be served again
@@ -310,7 +432,9 @@ class RolloutServer:
                 "rlfabric.request.id": req.request_id, "rlfabric.client.id": req.client_id,
                 "rlfabric.samples": req.sampling.n}
 
-    async def _serve_one(self, d: _Delivery, req: RolloutRequest) -> None:
+    async def _admit(self, d: _Delivery, req: RolloutRequest) -> str | None:
+        """The subject `req`'s results go to, if it is to be served now; None once it was
+        answered with an error or is to come back later (`d.back`)."""
         msg = d.msg
         subject = self._result_subjects.get(req.client_id)
         if subject is None:
@@ -319,19 +443,26 @@ class RolloutServer:
             except ValueError:
                 await self._reply_error(msg, req, "bad_request", "request has no usable "
                                         f"client_id ({req.client_id!r})")
-                return
+                return None
             self._result_subjects[req.client_id] = subject
         if req.deadline and time.time() > req.deadline:  # nobody waits for it: out of the queue
             await self._reply_error(msg, req, "deadline_exceeded",
                                     f"request {req.request_id} expired before a worker took it")
-            return
+            return None
         if req.min_weight_version > self.engine.version:
             await self._not_yet(d, req)
-            return
+            return None
         try:
             self.engine.check(req)
         except RequestRejected as exc:
             await self._reply_error(msg, req, exc.code, str(exc))
+            return None
+        return subject
+
+    async def _serve_one(self, d: _Delivery, req: RolloutRequest) -> None:
+        msg = d.msg
+        subject = await self._admit(d, req)
+        if subject is None:
             return
         attempt = msg.metadata.num_delivered or 1
         # past its deadline + a margin nobody waits for a result: stop retrying the publish

@@ -1,4 +1,5 @@
-"""The torch reference engine in-process (no bus): sampling and stopping."""
+"""The torch reference engine in-process (no bus): sampling, stopping, serving many at once
+(and the null engine's `generate_many` beside it)."""
 
 from __future__ import annotations
 
@@ -87,3 +88,25 @@ async def test_stopping_the_engine_aborts_a_running_batch_at_once() -> None:
     assert stop_s < 2.0, stop_s
     (res,) = out
     assert res.finish_reason == "abort" and 0 <= len(res.completion_token_ids) < 480
+
+
+@pytest.mark.parametrize("kind", ["torch", "null"])
+async def test_generate_many_gives_every_sample_once_and_what_generate_gives(kind) -> None:
+    from rlfabric.engines.protocol import ServesMany
+
+    reqs = [req("a", [256, 5, 6], max_tokens=12, seed=3, n=2),
+            req("b", [256, 7], max_tokens=5, seed=4),
+            req("c", [256, 8, 9, 10], max_tokens=9, seed=5, n=3)]
+    async with running(make_engine(kind, "tiny" if kind == "torch" else "none")) as engine:
+        assert isinstance(engine, ServesMany)
+        alone = {(r.request_id, res.sample_index): res.completion_token_ids.tolist()
+                 for r in reqs async for res in engine.generate(r, worker_id="w")}
+        many = [(res.request_id, res.sample_index, res.completion_token_ids.tolist(),
+                 res.worker_id)
+                async for res in engine.generate_many(reqs, worker_id="w")]
+    assert sorted((rid, i) for rid, i, _, _ in many) == sorted(alone)  # each once, none more
+    assert {(rid, i): toks for rid, i, toks, _ in many} == alone
+    assert {w for *_, w in many} == {"w"}
+    # torch: max_tokens each (no EOS this short); null: the prompt, cut at max_tokens
+    want = [5, 9] if kind == "torch" else [2, 4]
+    assert [len(alone[("b", 0)]), len(alone[("c", 2)])] == want

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import signal
+import time
 from collections import Counter
 
 import anyio
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -99,6 +101,37 @@ async def test_requests_sent_together_to_one_worker_go_as_one_message(client, wo
         assert fabric.rollouts.outbox.messages - sent == 1
     assert sorted(r.request_id for r in out) == sorted(f"m{i}" for i in range(32))
     assert all(isinstance(r, RolloutResult) for r in out)
+
+
+async def test_a_message_of_ready_and_waiting_requests_gives_each_result_once(
+        client, workers) -> None:
+    """One message holding requests a worker can serve now and one that waits for a newer
+    weight version: the ready ones come back at once, the message goes back to the stream for
+    the other, which is served once that version arrives; each result reaches the caller
+    once."""
+    workers(["g0"], "--capacity", "16", engine="null")
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        await fabric.update_weights(0, module=build_model("tiny"), transport="nats",
+                                    verify="off")
+        ready = [req(f"r{i}", [256, i + 1, 7], max_tokens=3, n=2) for i in range(5)]
+        later = msgspec.structs.replace(req("later", [256, 9], max_tokens=2),
+                                        min_weight_version=1, deadline=time.time() + 60)
+        sent = fabric.rollouts.outbox.messages
+        got: list = []
+        async for r in fabric.generate([*ready, later], timeout=60):
+            got.append(r)
+            if len(got) == 10:  # every ready sample: now the version the other waits for
+                assert "later" not in {g.request_id for g in got}
+                await fabric.update_weights(1, module=build_model("tiny"), transport="nats",
+                                            verify="off")
+        assert fabric.rollouts.outbox.messages - sent == 1
+    assert all(isinstance(r, RolloutResult) for r in got), got
+    assert sorted((r.request_id, r.sample_index) for r in got) == sorted(
+        [(f"r{i}", s) for i in range(5) for s in range(2)] + [("later", 0)])
+    assert got[-1].request_id == "later"
+    assert [v.version for v in got[-1].version_spans] == [1]
+    assert {v.version for r in got[:-1] for v in r.version_spans} == {0}
 
 
 async def test_a_busy_client_queues_its_fair_share_per_worker_as_one_message(
