@@ -1,5 +1,6 @@
 """A worker's rollout data plane: pull requests from the workers' shared durable consumer,
-serve them on a fixed set of lanes, publish each result before acking its request.
+serve them (a message at a time, or one request at a time on a fixed set of lanes), publish
+each result before acking its request.
 
 - Pull requests are kept out for exactly the free capacity (`Puller`), none while held
   (paused, asleep) or draining; a request that lands as a pause does goes back (`nak`).
@@ -76,7 +77,7 @@ class _Delivery:
     """One delivered message and its requests still being served."""
 
     msg: Msg
-    left: int
+    left: int  # requests the lanes still serve (a message served at once counts in `_Many`)
     t0: float
     back: float | None = None  # set: nak with this delay once all are done (serve again)
 
@@ -88,7 +89,7 @@ _Work = tuple[_Delivery, RolloutRequest, dict[str, str] | None]
 @dataclass(eq=False)
 class _Many:
     """A message's requests in one `generate_many` call: per request id, its samples not yet
-    stored (or never to come), and its first store error."""
+    stored (or never to come), its samples generated, and the first error that stopped one."""
 
     left: dict[str, int]
     posted: dict[str, int]
@@ -295,20 +296,25 @@ class RolloutServer:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                         await d.msg.nak()
                     raise
-                except _HAND_BACK as exc:
-                    # not the request's fault (the engine died, the bus hiccuped): its message
-                    # goes back to the stream for another try
-                    log.debug("request %s handed back: %r", req.request_id, exc)
-                    d.back = max(d.back or 0.0, 0.25)
                 except Exception as exc:  # never let one request take the worker down
-                    log.exception("request %s failed", req.request_id)
-                    await self._reply_error(d.msg, req, "engine_error",
-                                            f"{type(exc).__name__}: {exc}", retryable=True)
+                    await self._request_failed(d, req, exc)
                 finally:
                     self._request_done()
                 d.left -= 1
                 if d.left == 0:
                     await self._finish(d)
+
+    async def _request_failed(self, d: _Delivery, req: RolloutRequest, exc: Exception) -> None:
+        """`req` raised `exc`. Not the request's fault (the engine died, the bus hiccuped): its
+        message goes back to the stream for another try. Otherwise it is answered with an
+        `engine_error`."""
+        if isinstance(exc, _HAND_BACK):
+            log.debug("request %s handed back: %r", req.request_id, exc)
+            d.back = max(d.back or 0.0, 0.25)
+            return
+        log.error("request %s failed", req.request_id, exc_info=exc)
+        await self._reply_error(d.msg, req, "engine_error", f"{type(exc).__name__}: {exc}",
+                                retryable=True)
 
     def _request_done(self) -> None:
         """A request's capacity is free again (its results stored, or it was answered)."""
@@ -326,14 +332,8 @@ class RolloutServer:
             for req in reqs:
                 try:
                     subject = await self._admit(d, req)
-                except _HAND_BACK as exc:
-                    log.debug("request %s handed back: %r", req.request_id, exc)
-                    d.back = max(d.back or 0.0, 0.25)
-                    subject = None
                 except Exception as exc:  # never let one request take the worker down
-                    log.exception("request %s failed", req.request_id)
-                    await self._reply_error(d.msg, req, "engine_error",
-                                            f"{type(exc).__name__}: {exc}", retryable=True)
+                    await self._request_failed(d, req, exc)
                     subject = None
                 if subject is None:
                     self._request_done()
@@ -346,7 +346,6 @@ class RolloutServer:
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                 await d.msg.nak()
             raise
-        d.left = 0
         await self._finish(d)
 
     async def _generate_many(self, d: _Delivery,
