@@ -236,8 +236,9 @@ async def test_sleep_and_collective_are_refused_at_once_on_cpu(two_vllm: Fleet) 
         t0 = time.monotonic()
         with pytest.raises(QuorumNotReached, match=r"vl0 \(unsupported: sleep.*frees no"):
             await fabric.sleep(1, policy=QuorumPolicy(timeout=30))
+        # the call stops at the first refusal, which may be either worker's
         with pytest.raises(QuorumNotReached,
-                           match=r"refused by vl0 \(unsupported: this group speaks rlfabric's"):
+                           match=r"refused by vl[01] \(unsupported: this group speaks rlfabric's"):
             await fabric.init_transport("gloo", timeout=20)
         assert time.monotonic() - t0 < 30
         rep = await fabric.describe()  # still serving, not asleep
