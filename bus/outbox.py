@@ -33,6 +33,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from rlfabric.bus.errors import TRANSIENT
@@ -161,7 +162,9 @@ class Outbox:
         if len(batch) == 1:
             data, msg_id = batch[0].data, batch[0].msg_id
         else:
-            data, msg_id = encode(self.combine(msgs)), batch_id([i.msg_id for i in batch])
+            # the items as `post` encoded them, not encoded again (msgspec writes a Raw as is)
+            data = encode(self.combine([msgspec.Raw(i.data) for i in batch]))
+            msg_id = batch_id([i.msg_id for i in batch])
         extra = self.extra_headers(msgs) if self.extra_headers else {}
         hdrs = self.bus.headers({**extra, "Nats-Msg-Id": msg_id})
         _trace_headers(hdrs, batch)

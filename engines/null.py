@@ -59,8 +59,9 @@ class NullEngine(RuntimeCollective):
                 yield res
 
     def _echo(self, request: RolloutRequest, worker_id: str) -> list[RolloutResult]:
-        ids = PackedI32(request.prompt_token_ids.numpy()[: request.sampling.max_tokens])
-        zeros = PackedF32([0.0] * len(ids))
+        # bytes, not numpy: the null engine measures the fabric, so its own share stays small
+        ids = PackedI32(request.prompt_token_ids.tobytes()[: 4 * request.sampling.max_tokens])
+        zeros = PackedF32(bytes(4 * len(ids)))  # float32 0.0 is four zero bytes
         version_spans = (VersionSpan(version=self._version, start=0, end=len(ids)),)
         return [RolloutResult(
             request_id=request.request_id, sample_index=i, worker_id=worker_id,
