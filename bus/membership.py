@@ -46,6 +46,8 @@ log = logging.getLogger("rlfabric.bus.membership")
 #: seconds after a (re)connect during which a worker that does not answer may still be
 #: reconnecting itself (its reconnect wait, 0.5 s by default, plus a margin)
 RECONNECT_SETTLE = 2.0
+#: seconds a new watch waits for keys the bucket listed that it has not delivered yet
+INITIAL_SETTLE_S = 2.0
 #: seconds after which `Registration.run` checks again that its worker id is free
 RECHECK_AFTER_S = 5.0
 _REWATCH: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
@@ -239,6 +241,15 @@ class MembershipWatcher:
         elif self.members.pop(key, None) is not None:
             self._set_changed()
 
+    async def _keys_now(self) -> set[str]:
+        """The members bucket's keys as listed now; none if the listing fails (the watch's own
+        end mark then stands)."""
+        try:
+            return set(await self.bus.member_keys())
+        except _REWATCH as exc:
+            log.debug("could not list the members bucket's keys: %s", exc)
+            return set()
+
     async def _verify_gone(self, key: str) -> None:
         """A key expired (no heartbeat reached the server for a TTL): drop the member unless
         it answers a ping (a broker restart, not a death; its next heartbeat re-puts it)."""
@@ -288,23 +299,38 @@ class MembershipWatcher:
                       started: Callable[[], None]) -> None:
         """Fold one watch's entries in until the connection is re-established. Its initial
         values are the whole member set: a member we hold that it does not list left while we
-        were away (verified by ping, as an expiry)."""
+        were away (verified by ping, as an expiry).
+
+        nats-py marks the end of the initial values too early when entries are still on their
+        way (most often while members heartbeat; nats.py #842). So at that mark the bucket's
+        keys are listed, and the initial values count as in once the watch has delivered each
+        of them, or after `INITIAL_SETTLE_S` (a key whose marker the server dropped since)."""
         link = self.bus.link
         listed: set[str] | None = set()  # keys of the initial values; None once they are in
+        delivered: set[str] = set()  # every key the watch delivered, deleted ones included
+        awaited: set[str] | None = None  # the bucket's keys at the end mark, once listed
+        settle_by = math.inf
         while link.reconnects == reconnects:
+            if listed is not None and awaited is not None and (
+                    awaited <= delivered or anyio.current_time() >= settle_by):
+                for key in set(self.members) - listed:
+                    tg.start_soon(self._verify_gone, key)
+                listed = None
+                started()
             try:
-                entry = await watcher.updates(timeout=0.5)
+                entry = await watcher.updates(
+                    timeout=0.05 if listed is not None and awaited is not None else 0.5)
             except TimeoutError:
                 continue
-            if entry is None:  # end of the initial values
-                if listed is not None:
-                    for key in set(self.members) - listed:
-                        tg.start_soon(self._verify_gone, key)
-                    listed = None
-                    started()
+            if entry is None:  # the watch's mark: the initial values are in
+                if listed is not None and awaited is None:
+                    awaited = await self._keys_now()
+                    settle_by = anyio.current_time() + INITIAL_SETTLE_S
                 continue
-            if listed is not None and entry.operation is None and entry.value:
-                listed.add(entry.key)
+            if listed is not None:
+                delivered.add(entry.key)
+                if entry.operation is None and entry.value:
+                    listed.add(entry.key)
             if entry.operation == "PURGE":  # the TTL's marker: verify before dropping
                 if entry.key in self.members:
                     tg.start_soon(self._verify_gone, entry.key)

@@ -229,6 +229,20 @@ class Bus:
         return "alive"
 
     # ---- membership and desired state, read once ----
+    async def member_keys(self) -> list[str]:
+        """The members bucket's keys, sorted, from its stream's subject list (one request).
+        A key that was deleted or expired is listed while its marker is held.
+
+        nats-py's `KeyValue.keys()` is not used: its watch can report the end of the listing
+        while entries are still on their way, most often while members heartbeat, and then
+        misses keys (nats.py #842)."""
+        if self._buckets is None:
+            return []
+        bucket = self.subjects.members_bucket
+        pre = f"$KV.{bucket}."
+        listed = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{pre}>")
+        return sorted(subject[len(pre):] for subject in listed.state.subjects or {})
+
     async def members(self) -> dict[str, WorkerInfo]:
         """The current members as stored in the KV bucket (one read, no watch)."""
         if self._buckets is None:
@@ -236,11 +250,7 @@ class Bus:
         kv = self._buckets.members
         codec = codec_for(WorkerInfo)
         out: dict[str, WorkerInfo] = {}
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return out
-        for key in keys:
+        for key in await self.member_keys():
             try:
                 entry = await kv.get(key)
             except nats.js.errors.KeyNotFoundError:

@@ -78,3 +78,43 @@ async def test_a_worker_checks_its_id_once_so_its_receiver_does_not_stall_its_jo
             await tg.start(reg.run)
         await watcher.wait_until(lambda s: s.worker_ids == ("w1",), timeout=5)
         tg.cancel_scope.cancel()
+
+
+async def test_members_and_a_new_watcher_list_every_member_while_they_heartbeat(
+        fabric, nats_url, prefix) -> None:
+    """While members re-put their keys every few ms, `Bus.members()` (what `rlfabric status`
+    prints) lists all of them at every read, and a `MembershipWatcher` holds all of them once
+    started (a trainer's quorum counts on it). Both read the bucket through a KV watch's
+    initial values before, which nats-py ends too early while entries are on their way
+    (nats.py #842): 2-4% of reads and starts missed members here, and this test failed."""
+    from rlfabric.bus import Bus, MembershipWatcher
+    from rlfabric.schemas import WorkerInfo, codec_for
+
+    ids = [f"h{i}" for i in range(4)]
+    infos = {i: codec_for(WorkerInfo).encode(new_worker_info(i, engine="null", model="m"))
+             for i in ids}
+    async with fabric() as (writer, _watcher, _bc, tg):
+        async def beat(key: str) -> None:
+            while True:
+                await writer.buckets.members.put(key, infos[key])
+                await anyio.sleep(0.005)
+
+        for i in ids:
+            await writer.buckets.members.put(i, infos[i])
+            tg.start_soon(beat, i)
+        async with Bus.connect(nats_url, prefix=prefix, provision_streams=False) as reader:
+            missed = []
+            for n in range(300):
+                listed = sorted(await reader.members())
+                if listed != ids:
+                    missed.append(("members()", n, listed))
+            for n in range(150):
+                async with anyio.create_task_group() as own:
+                    watcher = MembershipWatcher(reader)
+                    with anyio.fail_after(10):
+                        await own.start(watcher.run)
+                    held = list(watcher.snapshot().worker_ids)
+                    own.cancel_scope.cancel()
+                if held != ids:
+                    missed.append(("watcher", n, held))
+        assert missed == [], f"{len(missed)} reads or starts missed members: {missed[:5]}"
