@@ -84,9 +84,9 @@ async def test_members_and_a_new_watcher_list_every_member_while_they_heartbeat(
         fabric, nats_url, prefix) -> None:
     """While members re-put their keys every few ms, `Bus.members()` (what `rlfabric status`
     prints) lists all of them at every read, and a `MembershipWatcher` holds all of them once
-    started (a trainer's quorum counts on it). Both read the bucket through a KV watch's
-    initial values before, which nats-py ends too early while entries are on their way
-    (nats.py #842): 2-4% of reads and starts missed members here, and this test failed."""
+    started (a trainer's quorum counts on it). Both used to trust a KV watch's end-of-initial-
+    values mark, which nats-py can give while entries are still on their way (nats.py #842):
+    2-4% of reads and starts missed members here, and this test failed."""
     from rlfabric.bus import Bus, MembershipWatcher
     from rlfabric.schemas import WorkerInfo, codec_for
 
