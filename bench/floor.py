@@ -7,9 +7,10 @@ Responder processes (the trainer side of each pattern lives in its benchmark mod
         N core subscriptions on S.>; each answers every message with a few bytes published
         to the subject in the message's `ack-to` header.
     python -m rlfabric.bench.floor rollout --nats URL --subject S
-        pulls from the durable consumer `FLOOR` of the stream holding S: every message is a
-        batch of packed requests (msgspec); it answers with as many packed results, persisted
-        with one JetStream publish to the subject in the `reply-to` header, then acks.
+        pulls from the durable consumer `FLOOR` of the stream holding S (one standing pull
+        request, renewed as it ends): every message is a batch of packed requests (msgspec);
+        it answers with as many packed results, persisted with one JetStream publish to the
+        subject in the `reply-to` header, then acks.
     python -m rlfabric.bench.floor weights --nats URL --subject S
         answers a request on S (JSON: stream, subject, chunks, chunk_bytes, size) once it has
         read every chunk of that subject from the stream (an ordered push consumer) into one
@@ -31,6 +32,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 ACK_TO = "ack-to"
+PULL_BATCH = 1024  # messages one pull request of the rollout responder asks for
 REPLY_TO = "reply-to"
 
 
@@ -57,7 +59,6 @@ def echo(req: FloorRequest) -> FloorResult:
 async def serve(args: argparse.Namespace) -> None:
     nc = await nats.connect(args.nats, name="rlfabric-floor", pending_size=64 * 1024 * 1024)
     subs = []
-    puller: asyncio.Future[None] | None = None
     if args.pattern == "control":
         for i in range(args.count):
             me = f"f{i}".encode()
@@ -70,24 +71,43 @@ async def serve(args: argparse.Namespace) -> None:
         js = nc.jetstream(publish_async_max_pending=4096)
         dec = msgspec.msgpack.Decoder(list[FloorRequest])
         enc = msgspec.msgpack.Encoder()
-        psub = await js.pull_subscribe(args.subject, durable="FLOOR")
+        stream = await js.find_stream_name_by_subject(args.subject)
+        # NOTE: one standing pull request, renewed as it ends, not `fetch`: nats-py's fetch
+        # waits out its timeout for a full batch once the first message came, which stalls
+        # lanes that wait for their results (a second at every start from idle)
+        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.FLOOR"
+        inbox = nc.new_inbox()
+        left = 0
+        acks: set[asyncio.Future[None]] = set()
 
-        async def pull() -> None:
-            while True:
-                try:
-                    msgs = await psub.fetch(16, timeout=1.0)
-                except nats.errors.TimeoutError:
-                    continue
-                futs = []
-                for msg in msgs:
-                    results = [echo(r) for r in dec.decode(msg.data)]
-                    futs.append(await js.publish_async((msg.headers or {})[REPLY_TO],
-                                                       enc.encode(results)))
-                for fut, msg in zip(futs, msgs, strict=True):
-                    await fut  # persisted before the request is acked
-                    await msg.ack()
+        async def ask() -> None:
+            nonlocal left
+            left = PULL_BATCH
+            await nc.publish(next_subject, json.dumps(
+                {"batch": PULL_BATCH, "expires": int(5e9)}).encode(), reply=inbox)
 
-        puller = asyncio.ensure_future(pull())
+        async def ack_once_stored(fut: asyncio.Future, msg: Msg) -> None:
+            await fut  # persisted before the request is acked
+            await msg.ack()
+
+        async def on_msg(msg: Msg) -> None:
+            nonlocal left
+            status = (msg.headers or {}).get("Status")
+            if status is not None:
+                if status != "100":  # the pull request ended (expired, ...): a new one
+                    await ask()
+                return
+            results = [echo(r) for r in dec.decode(msg.data)]
+            fut = await js.publish_async((msg.headers or {})[REPLY_TO], enc.encode(results))
+            task = asyncio.ensure_future(ack_once_stored(fut, msg))
+            acks.add(task)
+            task.add_done_callback(acks.discard)
+            left -= 1
+            if left == 0:
+                await ask()
+
+        subs.append(await nc.subscribe(inbox, cb=on_msg))
+        await ask()
     elif args.pattern == "weights":
         js = nc.jetstream()
 
@@ -117,8 +137,6 @@ async def serve(args: argparse.Namespace) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
             break
-    if puller is not None:
-        puller.cancel()
     for sub in subs:
         await sub.unsubscribe()
     await nc.close()

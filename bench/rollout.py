@@ -16,18 +16,28 @@ the client and every worker, written to a file (its `spans` column counts them).
 runs `--concurrency` lanes, each sending one request at a time, so latency is one
 request's round trip and throughput is what the fleet sustains.
 
-    rlfabric bench rollout [--workers 1,4] [--engines null,torch] [--trace DIR] [--json]
+Every path's fleet (and the direct engine) is started and warmed once per fleet size; then
+`--rounds` rounds run every path once each, in a rotating order. A row is the median of its
+rounds (latency percentiles over all of them); `x http` and `x direct` are the medians of the
+per-round ratios. One run of each path lasts a second or less on these shared machines, where
+a slow second is common: alternating rounds put it in one round of each path, not on one path.
+The traced row, and vLLM's direct row, run their rounds on their own (see `run`).
+
+    rlfabric bench rollout [--workers 1,4] [--engines null,torch] [--rounds 5] [--trace DIR]
     rlfabric bench rollout --engine vllm --workers 1,2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
+import statistics
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -45,6 +55,8 @@ WORKLOAD = {  # engine -> (requests, concurrency, max_tokens)
     "torch": (384, 32, 16),
     "vllm": (384, 32, 32),
 }
+#: one run of one path, at most (seconds): a stuck path ends the bench with its fleet's output
+MEASURE_TIMEOUT_S = 300.0
 #: vLLM's CPU build rejects the 16-wide heads of `tiny`
 MODEL = {"null": "tiny", "torch": "tiny", "vllm": "tiny64"}
 
@@ -61,8 +73,11 @@ def requests(n: int, max_tokens: int, tag: str) -> list[RolloutRequest]:
             for i in range(n)]
 
 
-async def run_lanes(reqs: list[RolloutRequest], concurrency: int,
-                    one: Callable[[RolloutRequest], Awaitable[int]]) -> dict[str, float]:
+#: one request through a path; returns the tokens it got back
+One = Callable[[RolloutRequest], Awaitable[int]]
+
+
+async def run_lanes(reqs: list[RolloutRequest], concurrency: int, one: One) -> dict[str, Any]:
     it = iter(reqs)
     lat: list[float] = []
     tokens = 0
@@ -80,11 +95,15 @@ async def run_lanes(reqs: list[RolloutRequest], concurrency: int,
         for _ in range(concurrency):
             tg.start_soon(lane)
     elapsed = time.perf_counter() - t0
-    return {"results_s": len(lat) / elapsed, "tokens_s": tokens / elapsed,
-            "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
+    return {"results_s": len(lat) / elapsed, "tokens_s": tokens / elapsed, "latencies": lat}
 
 
-async def bench_direct(engine_kind: str, n: int, conc: int, max_tokens: int) -> dict:
+@contextlib.asynccontextmanager
+async def direct_path(engine_kind: str, torch_threads: int) -> AsyncIterator[One]:
+    if engine_kind != "vllm":  # as the workers' and HTTP servers' `--threads`
+        import torch
+
+        torch.set_num_threads(torch_threads)
     async with running(make_engine(engine_kind, MODEL[engine_kind])) as engine:
         async def one(req: RolloutRequest) -> int:
             got = 0
@@ -92,16 +111,17 @@ async def bench_direct(engine_kind: str, n: int, conc: int, max_tokens: int) -> 
                 got += len(res.completion_token_ids)
             return got
 
-        await run_lanes(requests(50, max_tokens, "w"), conc, one)
-        return await run_lanes(requests(n, max_tokens, "r"), conc, one)
+        yield one
 
 
-async def bench_http(engine_kind: str, workers: int, n: int, conc: int, max_tokens: int) -> dict:
+@contextlib.asynccontextmanager
+async def http_path(engine_kind: str, workers: int, conc: int,
+                    torch_threads: int) -> AsyncIterator[One]:
     import aiohttp
 
     ports = free_ports(workers)
     cmds = [["rlfabric.bench.http_server", "--engine", engine_kind, "--port", str(p),
-             "--threads", str(threads(workers))] for p in ports]
+             "--threads", str(torch_threads)] for p in ports]
     async with children(cmds, ready="http server ready"):
         urls = itertools.cycle([f"http://127.0.0.1:{p}/generate" for p in ports])
         conn = aiohttp.TCPConnector(limit=conc * 2)
@@ -115,31 +135,17 @@ async def bench_http(engine_kind: str, workers: int, n: int, conc: int, max_toke
                     out = await resp.json()
                 return sum(len(o["token_ids"]) for o in out)
 
-            await run_lanes(requests(50, max_tokens, "w"), conc, one)
-            return await run_lanes(requests(n, max_tokens, "r"), conc, one)
+            yield one
 
 
-async def bench_fabric(engine_kind: str, workers: int, n: int, conc: int,
-                       max_tokens: int, trace: str | None = None) -> dict:
-    """`trace`: spans of the workers and of this client go to that file (`--trace`)."""
-    from rlfabric.telemetry import Telemetry, configure
-
-    tel = configure(role="trainer", trace_path=trace) if trace else Telemetry()
-    try:
-        out = await _bench_fabric(engine_kind, workers, n, conc, max_tokens, trace)
-    finally:
-        tel.shutdown()
-    if trace:
-        with open(trace, "rb") as f:
-            out["spans"] = sum(1 for _ in f)
-    return out
-
-
-async def _bench_fabric(engine_kind: str, workers: int, n: int, conc: int,
-                        max_tokens: int, trace: str | None) -> dict:
+@contextlib.asynccontextmanager
+async def fabric_path(engine_kind: str, workers: int, conc: int, torch_threads: int,
+                      trace: str | None = None) -> AsyncIterator[One]:
+    """`trace`: the workers write their spans to that file (`--trace`; the client's are this
+    process's telemetry, configured by the caller)."""
     async with EmbeddedNats() as nats:
-        prefix = f"bench{engine_kind}{workers}"
-        per_engine = (["--threads", str(threads(workers))] if engine_kind != "vllm"
+        prefix = f"bench{engine_kind}{workers}{'t' if trace else ''}"
+        per_engine = (["--threads", str(torch_threads)] if engine_kind != "vllm"
                       else ["--threads-bind", "nobind"])
         cmds = [["rlfabric", "worker", "--nats", nats.url, "--prefix", prefix, "--engine",
                  engine_kind, "--model", MODEL[engine_kind], "--worker-id", f"w{i}",
@@ -157,11 +163,11 @@ async def _bench_fabric(engine_kind: str, workers: int, n: int, conc: int,
                     got += len(res.completion_token_ids)
                 return got
 
-            await run_lanes(requests(50, max_tokens, "w"), conc, one)
-            return await run_lanes(requests(n, max_tokens, "r"), conc, one)
+            yield one
 
 
-async def bench_floor(workers: int, n: int, conc: int, max_tokens: int) -> dict:
+@contextlib.asynccontextmanager
+async def floor_path(workers: int) -> AsyncIterator[One]:
     import msgspec
     import nats
     from nats.aio.msg import Msg
@@ -226,50 +232,139 @@ async def bench_floor(workers: int, n: int, conc: int, max_tokens: int) -> dict:
             async with children(cmds, ready="floor: rollout ready"), \
                     anyio.create_task_group() as tg:
                 tg.start_soon(sender)
-                await run_lanes(requests(50, max_tokens, "w"), conc, one)
-                out = await run_lanes(requests(n, max_tokens, "r"), conc, one)
+                yield one
                 tg.cancel_scope.cancel()
             await sub.unsubscribe()
-            return out
         finally:
             await nc.close()
 
 
-async def run(engines: list[str], sizes: list[int], scale: float,
-              trace_dir: str | None = None) -> list[dict[str, Any]]:
+class _Runs:
+    """Every run of one path in one fleet block: round -> its figures."""
+
+    def __init__(self) -> None:
+        #: (fleet size, round) -> what `run_lanes` measured; direct's keys match the fleet
+        #: paths' it ran beside
+        self.by_round: dict[tuple[int, int], dict[str, Any]] = {}
+        self.spans: int | None = None  # the traced row: spans written
+
+    def row(self) -> dict[str, Any]:
+        runs = list(self.by_round.values())
+        lat = [x for r in runs for x in r["latencies"]]
+        return {"results_s": statistics.median(r["results_s"] for r in runs),
+                "tokens_s": statistics.median(r["tokens_s"] for r in runs),
+                "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3,
+                "rounds": len(runs),
+                "results_s_rounds": [round(r["results_s"], 1) for r in runs]}
+
+
+def paired(a: _Runs, b: _Runs | None, key: str) -> float:
+    """The median, over the rounds both ran, of a's `key` over b's; with no round in common
+    (b measured on its own), the ratio of the medians."""
+    if b is None or not b.by_round:
+        return float("nan")
+    both = sorted(set(a.by_round) & set(b.by_round))
+    if both:
+        return statistics.median(a.by_round[r][key] / b.by_round[r][key] for r in both)
+    return (statistics.median(r[key] for r in a.by_round.values())
+            / statistics.median(r[key] for r in b.by_round.values()))
+
+
+async def measure(one: One, n: int, conc: int, max_tokens: int, tag: str) -> dict[str, Any]:
+    with anyio.fail_after(MEASURE_TIMEOUT_S):
+        return await run_lanes(requests(n, max_tokens, tag), conc, one)
+
+
+async def run(engines: list[str], sizes: list[int], scale: float, rounds: int = 1,
+              trace_dir: str | None = None, torch_threads: int = 0) -> list[dict[str, Any]]:
+    """Per engine and fleet size, every path's fleet is started and warmed once; then
+    `rounds` rounds each run every path once, in an order that rotates from round to round,
+    so every path meets the same host (these machines are shared: a slow second hits one
+    round of each path, not one path). A row gives the median over its rounds; its ratios
+    are the medians of the per-round ratios."""
     rows = []
     for eng in engines:
         n, conc, max_tokens = WORKLOAD[eng]
         n = max(conc, int(n * scale))
         base = {"engine": eng, "requests": n, "concurrency": conc}
-        fleet_rows = []
-        for k in sizes:
-            if eng != "vllm":  # the HTTP server serves the engines rlfabric ships in-process
-                fleet_rows.append({**base, "path": "http", "workers": k,
-                                   **await bench_http(eng, k, n, conc, max_tokens)})
-            fleet_rows.append({**base, "path": "rlfabric", "workers": k,
-                               **await bench_fabric(eng, k, n, conc, max_tokens)})
-            if trace_dir:  # the same, with every span written to a file
-                path = os.path.join(trace_dir, f"spans-{eng}-{k}.jsonl")
-                with open(path, "wb"):
-                    pass  # this run's spans only
-                fleet_rows.append({**base, "path": "rlfabric traced", "workers": k,
-                                   **await bench_fabric(eng, k, n, conc, max_tokens, path)})
-            if eng == "null":  # the transport alone: nothing to compare a model with
-                fleet_rows.append({**base, "path": "nats-py floor", "workers": k,
-                                   **await bench_floor(k, n, conc, max_tokens)})
-        # NOTE: measured last: an in-process vLLM sets environment variables (LD_PRELOAD, ...)
-        # that processes started after it would inherit
-        rows += [{**base, "path": "direct", "workers": 1,
-                  **await bench_direct(eng, n, conc, max_tokens)}, *fleet_rows]
-    http = {(r["engine"], r["workers"]): r["results_s"] for r in rows if r["path"] == "http"}
-    direct = {r["engine"]: r["tokens_s"] for r in rows if r["path"] == "direct"}
-    for r in rows:
-        ref = http.get((r["engine"], r["workers"]))
-        r["vs_http"] = r["results_s"] / ref if ref else float("nan")
-        r["vs_direct"] = r["tokens_s"] / direct[r["engine"]] if direct.get(r["engine"]) \
-            else float("nan")
+        # NOTE: an in-process vLLM sets environment variables (LD_PRELOAD, ...) that processes
+        # started after it would inherit, and two vLLMs on one CPU machine contend: its direct
+        # path is measured on its own, after every fleet is down
+        inline = eng != "vllm"
+        direct = _Runs()
+        blocks: list[tuple[int, dict[str, _Runs]]] = []
+        async with contextlib.AsyncExitStack() as engine_stack:
+            direct_one = (await engine_stack.enter_async_context(
+                direct_path(eng, torch_threads or threads(1))) if inline else None)
+            if direct_one is not None:
+                await measure(direct_one, 50, conc, max_tokens, "w")
+            for k in sizes:
+                runs: dict[str, _Runs] = {}
+                async with contextlib.AsyncExitStack() as stack:
+                    paths: dict[str, One] = {}
+                    if eng != "vllm":  # the HTTP server serves the engines rlfabric ships
+                        paths["http"] = await stack.enter_async_context(
+                            http_path(eng, k, conc, torch_threads or threads(k)))
+                    paths["rlfabric"] = await stack.enter_async_context(
+                        fabric_path(eng, k, conc, torch_threads or threads(k)))
+                    if eng == "null":  # the transport alone: nothing to compare a model with
+                        paths["nats-py floor"] = await stack.enter_async_context(floor_path(k))
+                    for one in paths.values():
+                        await measure(one, 50, conc, max_tokens, "w")
+                    if direct_one is not None:
+                        paths["direct"] = direct_one
+                    names = list(paths)
+                    for r in range(rounds):
+                        for i in range(len(names)):
+                            name = names[(r + i) % len(names)]
+                            measured = await measure(paths[name], n, conc, max_tokens,
+                                                     f"r{r}.")
+                            (direct if name == "direct" else
+                             runs.setdefault(name, _Runs())).by_round[(k, r)] = measured
+                if trace_dir:  # the rlfabric row again, every span written to a file
+                    runs["rlfabric traced"] = await _traced(
+                        eng, k, n, conc, max_tokens, rounds, trace_dir,
+                        torch_threads or threads(k))
+                blocks.append((k, runs))
+        if not inline:
+            async with direct_path(eng, torch_threads or threads(1)) as one:
+                await measure(one, 50, conc, max_tokens, "w")
+                for r in range(rounds):
+                    direct.by_round[(0, r)] = await measure(one, n, conc, max_tokens, f"r{r}.")
+        one_http = next((block.get("http") for size, block in blocks if size == 1), None)
+        rows.append({**base, "path": "direct", "workers": 1, **direct.row(),
+                     "vs_http": paired(direct, one_http, "results_s"), "vs_direct": 1.0})
+        for k, runs in blocks:
+            for name, path_runs in runs.items():
+                rows.append({**base, "path": name, "workers": k, **path_runs.row(),
+                             "vs_http": paired(path_runs, runs.get("http"), "results_s"),
+                             "vs_direct": paired(path_runs, direct, "tokens_s"),
+                             **({"spans": path_runs.spans} if path_runs.spans is not None
+                                else {})})
     return rows
+
+
+async def _traced(eng: str, k: int, n: int, conc: int, max_tokens: int, rounds: int,
+                  trace_dir: str, torch_threads: int) -> _Runs:
+    """The rlfabric path with OpenTelemetry spans on in this client and every worker, on its
+    own (tracing is this process's: it would trace the untraced rows too)."""
+    from rlfabric.telemetry import configure
+
+    path = os.path.join(trace_dir, f"spans-{eng}-{k}.jsonl")
+    with open(path, "wb"):
+        pass  # this run's spans only
+    runs = _Runs()
+    tel = configure(role="trainer", trace_path=path)
+    try:
+        async with fabric_path(eng, k, conc, torch_threads, path) as one:
+            await measure(one, 50, conc, max_tokens, "w")
+            for r in range(rounds):
+                runs.by_round[(-1, r)] = await measure(one, n, conc, max_tokens, f"r{r}.")
+    finally:
+        tel.shutdown()
+    with open(path, "rb") as f:
+        runs.spans = sum(1 for _ in f)
+    return runs
 
 
 def main(args: argparse.Namespace) -> int:
@@ -277,12 +372,16 @@ def main(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.workers.split(",") if x]
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
-    rows = anyio.run(run, engines, sizes, args.scale, args.trace)
+    if args.rounds < 1 or args.threads < 0:
+        print("rlfabric bench rollout: --rounds must be >= 1 and --threads >= 0",
+              file=sys.stderr)
+        return 2
+    rows = anyio.run(run, engines, sizes, args.scale, args.rounds, args.trace, args.threads)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     cols = [("engine", "engine", ""), ("path", "path", ""), ("workers", "workers", ""),
-            ("requests", "requests", ""), ("concurrency", "lanes", ""),
+            ("requests", "requests", ""), ("concurrency", "lanes", ""), ("rounds", "rounds", ""),
             ("results_s", "results/s", ".0f"), ("tokens_s", "tokens/s", ".0f"),
             ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
             ("vs_http", "x http", ".2f"), ("vs_direct", "x direct tok/s", ".2f")]
@@ -299,6 +398,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated: null,torch,vllm (vllm needs vLLM installed; its "
                    "rows are direct AsyncLLM in-process vs rlfabric workers, no HTTP row)")
     p.add_argument("--workers", default="1,4", help="fleet sizes (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="runs of every path, alternating (default %(default)s): a row is the "
+                   "median of its runs, its ratios the medians of the per-round ratios")
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="torch threads of every engine (direct, HTTP servers, workers; not "
+                   "vLLM's); default: the machine's cores shared out among a fleet's engines")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply the request counts (e.g. 0.1 for a quick look)")
     p.add_argument("--trace", metavar="DIR", default=None,

@@ -1,0 +1,62 @@
+"""`rlfabric bench rollout` in rounds: a row is the median of its rounds, a ratio the median of
+the per-round ratios; every path keeps serving after idling while the others run."""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import pytest
+
+from rlfabric.bench.rollout import _Runs, paired, run
+
+
+def runs(**by_round: float) -> _Runs:
+    """`r0=10, r1=30`: round 0 did 10 results/s, round 1 did 30 (fleet size 1)."""
+    out = _Runs()
+    for key, value in by_round.items():
+        out.by_round[(1, int(key[1:]))] = {"results_s": value, "tokens_s": 16 * value,
+                                           "latencies": [1 / value]}
+    return out
+
+
+def test_a_ratio_is_the_median_of_the_rounds_ratios_not_the_ratio_of_medians() -> None:
+    a, b = runs(r0=10, r1=30, r2=40), runs(r0=5, r1=10, r2=40)
+    # rounds: 2, 3 and 1; the ratio of the medians would say 30 / 10 = 3
+    assert paired(a, b, "results_s") == 2.0
+    assert paired(a, b, "tokens_s") == 2.0
+
+
+def test_without_a_round_in_common_a_ratio_is_of_the_medians() -> None:
+    a, b = runs(r0=10, r1=30), _Runs()
+    b.by_round[(0, 0)] = {"results_s": 4.0}  # measured on its own (vLLM's direct path)
+    b.by_round[(0, 1)] = {"results_s": 6.0}
+    assert paired(a, b, "results_s") == 20 / 5
+    assert math.isnan(paired(a, None, "results_s"))
+    assert math.isnan(paired(a, _Runs(), "results_s"))
+
+
+def test_a_row_is_the_median_of_its_rounds_with_percentiles_over_all() -> None:
+    r = runs(r0=10, r1=30, r2=20)
+    r.by_round[(1, 0)]["latencies"] = [0.001] * 98 + [0.5, 0.5]
+    row = r.row()
+    assert row["results_s"] == 20 and row["tokens_s"] == 320
+    assert row["rounds"] == 3 and row["results_s_rounds"] == [10.0, 30.0, 20.0]
+    assert row["p50_ms"] == pytest.approx(1.0)
+    assert row["p99_ms"] == pytest.approx(500.0)
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_every_path_serves_every_round_after_idling_between_them() -> None:
+    # real fleets: one aiohttp server, one rlfabric worker, one nats-py floor responder, the
+    # direct engine; each idles (seconds) while the others run and must not stall after it
+    rows = anyio.run(run, ["null"], [1], 0.05, 3)
+    by_path = {r["path"]: r for r in rows}
+    assert set(by_path) == {"direct", "http", "rlfabric", "nats-py floor"}
+    for r in rows:
+        assert r["requests"] == 150 and r["rounds"] == 3, r
+        assert len(r["results_s_rounds"]) == 3 and min(r["results_s_rounds"]) > 0, r
+        assert r["tokens_s"] == pytest.approx(16 * r["results_s"]), r
+    assert by_path["http"]["vs_http"] == 1.0 and by_path["direct"]["vs_direct"] == 1.0
+    assert by_path["rlfabric"]["vs_http"] > 0 and by_path["rlfabric"]["vs_direct"] > 0
