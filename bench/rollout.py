@@ -240,11 +240,11 @@ async def floor_path(workers: int) -> AsyncIterator[One]:
 
 
 class _Runs:
-    """Every run of one path in one fleet block: round -> its figures."""
+    """Every measured run of one path."""
 
     def __init__(self) -> None:
-        #: (fleet size, round) -> what `run_lanes` measured; direct's keys match the fleet
-        #: paths' it ran beside
+        #: (fleet size, round) -> what `run_lanes` measured; the direct path's keys are those
+        #: of the fleet paths it ran beside (the same round of the same block)
         self.by_round: dict[tuple[int, int], dict[str, Any]] = {}
         self.spans: int | None = None  # the traced row: spans written
 
