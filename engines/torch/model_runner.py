@@ -10,6 +10,7 @@ never inside one; the first step after they land recomputes the KV cache under t
 from __future__ import annotations
 
 import enum
+import inspect
 import threading
 import time
 from collections.abc import Mapping
@@ -49,6 +50,10 @@ class ModelRunner:
         self._state = RunnerState.IDLE
         self._may_run = True
         self._abort = False
+        # NOTE: transformers 5.24 renamed the KV cache's argument and output field from
+        # `past_key_values` to `cache` (the old name warns, and goes in 5.40)
+        self._cache_kw = ("cache" if "cache" in inspect.signature(self.module.forward).parameters
+                          else "past_key_values")
 
     # ---- what the event loop asks of the thread ----
     def set_state(self, state: RunnerState) -> None:
@@ -138,6 +143,13 @@ class ModelRunner:
                 self._state = RunnerState.RUNNING
             return not self._abort
 
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                 cache: DynamicCache) -> tuple[Any, DynamicCache]:
+        """One forward pass over `cache` (an empty one: prefill); the output and the cache."""
+        out = self.module(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                          **{self._cache_kw: cache})
+        return out, out[self._cache_kw]
+
     def _decode(self, batch: list[Sequence]) -> None:
         dev = self.device
         t0 = time.monotonic()
@@ -151,8 +163,7 @@ class ModelRunner:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         rows = list(batch)
         with self._step_lock:
-            out = self.module(input_ids=ids, attention_mask=mask, position_ids=pos,
-                              past_key_values=DynamicCache(), use_cache=True)
+            out, cache = self._forward(ids, mask, pos, DynamicCache())
             version = self.version
         while rows:
             if not self._boundary():
@@ -187,7 +198,7 @@ class ModelRunner:
                 return
             if len(keep) < len(rows):
                 idx = torch.tensor(keep, device=dev)
-                out.past_key_values.batch_select_indices(idx)
+                cache.batch_select_indices(idx)
                 mask, pos = mask[idx], pos[idx]
                 rows = [rows[r] for r in keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -198,11 +209,9 @@ class ModelRunner:
                     # cache holds keys and values of the old ones; recompute it, never reuse it
                     full = torch.tensor([[self.pad_id] * (width - len(s.prompt)) + s.prompt
                                          + s.tokens for s in rows], device=dev)
-                    out = self.module(input_ids=full, attention_mask=mask,
-                                      position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                                      past_key_values=DynamicCache(), use_cache=True)
+                    out, cache = self._forward(full, mask, (mask.cumsum(-1) - 1).clamp(min=0),
+                                               DynamicCache())
                 else:
-                    out = self.module(input_ids=torch.tensor(nxt, device=dev)[:, None],
-                                      attention_mask=mask, position_ids=pos,
-                                      past_key_values=out.past_key_values, use_cache=True)
+                    out, cache = self._forward(torch.tensor(nxt, device=dev)[:, None], mask,
+                                               pos, cache)
                 version = self.version
