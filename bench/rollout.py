@@ -100,7 +100,7 @@ async def run_lanes(reqs: list[RolloutRequest], concurrency: int, one: One) -> d
 
 @contextlib.asynccontextmanager
 async def direct_path(engine_kind: str, torch_threads: int) -> AsyncIterator[One]:
-    if engine_kind != "vllm":  # as the workers' and HTTP servers' `--threads`
+    if engine_kind == "torch":  # as the workers' and HTTP servers' `--threads`
         import torch
 
         torch.set_num_threads(torch_threads)
