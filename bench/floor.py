@@ -27,12 +27,13 @@ import signal
 import anyio
 import msgspec
 import nats
-import nats.errors
+from anyio.abc import TaskGroup
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 ACK_TO = "ack-to"
 PULL_BATCH = 1024  # messages one pull request of the rollout responder asks for
+PUBACK_WAIT_S = 10.0  # the rollout responder's wait for a result's PubAck
 REPLY_TO = "reply-to"
 
 
@@ -58,6 +59,13 @@ def echo(req: FloorRequest) -> FloorResult:
 
 async def serve(args: argparse.Namespace) -> None:
     nc = await nats.connect(args.nats, name="rlfabric-floor", pending_size=64 * 1024 * 1024)
+    async with anyio.create_task_group() as tg:  # the rollout responder's ack tasks
+        await _serve(args, nc, tg)
+        tg.cancel_scope.cancel()
+    await nc.close()
+
+
+async def _serve(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> None:
     subs = []
     if args.pattern == "control":
         for i in range(args.count):
@@ -78,7 +86,6 @@ async def serve(args: argparse.Namespace) -> None:
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.FLOOR"
         inbox = nc.new_inbox()
         left = 0
-        acks: set[asyncio.Future[None]] = set()
 
         async def ask() -> None:
             nonlocal left
@@ -87,8 +94,11 @@ async def serve(args: argparse.Namespace) -> None:
                 {"batch": PULL_BATCH, "expires": int(5e9)}).encode(), reply=inbox)
 
         async def ack_once_stored(fut: asyncio.Future, msg: Msg) -> None:
-            await fut  # persisted before the request is acked
-            await msg.ack()
+            # persisted before the request is acked; no PubAck in time: not acked, the
+            # server delivers the request again after its ack wait
+            with anyio.move_on_after(PUBACK_WAIT_S):
+                await fut
+                await msg.ack()
 
         async def on_msg(msg: Msg) -> None:
             nonlocal left
@@ -99,9 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
                 return
             results = [echo(r) for r in dec.decode(msg.data)]
             fut = await js.publish_async((msg.headers or {})[REPLY_TO], enc.encode(results))
-            task = asyncio.ensure_future(ack_once_stored(fut, msg))
-            acks.add(task)
-            task.add_done_callback(acks.discard)
+            tg.start_soon(ack_once_stored, fut, msg)
             left -= 1
             if left == 0:
                 await ask()
@@ -139,7 +147,6 @@ async def serve(args: argparse.Namespace) -> None:
             break
     for sub in subs:
         await sub.unsubscribe()
-    await nc.close()
 
 
 def main(argv: list[str] | None = None) -> int:
