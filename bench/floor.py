@@ -59,10 +59,12 @@ def echo(req: FloorRequest) -> FloorResult:
 
 async def serve(args: argparse.Namespace) -> None:
     nc = await nats.connect(args.nats, name="rlfabric-floor", pending_size=64 * 1024 * 1024)
-    async with anyio.create_task_group() as tg:  # the rollout responder's ack tasks
-        await _serve(args, nc, tg)
-        tg.cancel_scope.cancel()
-    await nc.close()
+    try:
+        async with anyio.create_task_group() as tg:  # the rollout responder's ack tasks
+            await _serve(args, nc, tg)
+            tg.cancel_scope.cancel()
+    finally:
+        await nc.close()
 
 
 async def _serve(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> None:
