@@ -14,7 +14,7 @@ Responder processes (the trainer side of each pattern lives in its benchmark mod
     python -m rlfabric.bench.floor weights --nats URL --subject S
         answers a request on S (JSON: stream, subject, chunks, chunk_bytes, size) once it has
         read every chunk of that subject from the stream (an ordered push consumer) into one
-        buffer.
+        buffer ("done"; after `READ_WAIT_S` without them all, how many came).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from nats.js.api import DeliverPolicy
 ACK_TO = "ack-to"
 PULL_BATCH = 1024  # messages one pull request of the rollout responder asks for
 PUBACK_WAIT_S = 10.0  # the rollout responder's wait for a result's PubAck
+READ_WAIT_S = 600.0  # the weights responder's wait for every chunk of one job
 REPLY_TO = "reply-to"
 
 
@@ -137,9 +138,14 @@ async def _serve(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> None
 
             sub = await js.subscribe(f"{job['subject']}.>", stream=job["stream"], cb=chunk,
                                      ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-            await done.wait()
-            await sub.unsubscribe()
-            await msg.respond(b"done")
+            try:
+                with anyio.move_on_after(READ_WAIT_S):
+                    await done.wait()
+            finally:
+                await sub.unsubscribe()
+            await msg.respond(b"done" if done.is_set() else
+                              f"read {got} of {job['chunks']} chunks in {READ_WAIT_S:.0f}s"
+                              .encode())
 
         subs.append(await nc.subscribe(args.subject, cb=read))
     await nc.flush()

@@ -75,6 +75,7 @@ async def nats_floor(url: str, sd: dict[str, torch.Tensor], nbytes: int, rounds:
     import nats
     from nats.js.api import StorageType, StreamConfig
 
+    from rlfabric.bench.floor import READ_WAIT_S
     from rlfabric.trainer.staging import NATS_CHUNK, NATS_WINDOW
 
     buf = bytearray(nbytes)
@@ -108,7 +109,10 @@ async def nats_floor(url: str, sd: dict[str, torch.Tensor], nbytes: int, rounds:
                     await fut
                 job = {"stream": stream, "subject": subject, "chunks": chunks,
                        "chunk_bytes": NATS_CHUNK, "size": nbytes}
-                await nc.request("floorw.go", _json.dumps(job).encode(), timeout=600)
+                reply = await nc.request("floorw.go", _json.dumps(job).encode(),
+                                         timeout=READ_WAIT_S + 10)
+                if reply.data != b"done":
+                    raise RuntimeError(f"nats-py floor: the reader {reply.data.decode()}")
                 best = min(best, time.perf_counter() - t0)
         await js.delete_stream(stream)
     finally:
