@@ -7,7 +7,11 @@
 - `nats`: 4 MiB chunks on `<prefix>.weights.<version>` in the weights stream (any host);
   older versions are purged once a newer one is in place. Staged by `update_weights`, the
   chunks are sent while the command is out: each worker's consumer reads a chunk as soon as
-  it is stored, so publish and read overlap (the command carries the chunk count).
+  it is stored, so publish and read overlap (the command carries the chunk count). The
+  buffer they are packed in is kept once they are stored, and the next version of the same
+  layout is packed into it: one buffer the size of the weights stays with the sender, and
+  an update does not pay for faulting in a fresh one (256 MiB: about 130 ms here, 7x its
+  packing).
 - `collective`: a flat buffer broadcast from rank 0 over an initialised group (gloo on CPU,
   NCCL on CUDA), two-phase (`ready`, then `done`).
 """
@@ -40,6 +44,7 @@ from rlfabric.schemas import (
     Nats,
     SharedMemory,
     Target,
+    TensorMeta,
     Transport,
     UpdateWeights,
 )
@@ -147,6 +152,27 @@ class WeightStager:
     def __init__(self, bus: Bus, *, fs_root: str | None = None) -> None:
         self.bus = bus
         self.fs_root = fs_root or os.path.join(tempfile.gettempdir(), "rlfabric-weights")
+        #: the last `nats` buffer whose chunks are all stored, and the layout packed in it
+        self._spare: tuple[tuple[TensorMeta, ...], bytearray] | None = None
+
+    async def _pack_nats(self, state: Mapping[str, Any], metas: tuple[TensorMeta, ...],
+                         size: int) -> tuple[bytearray, str]:
+        """Pack into the spare buffer if it holds this very layout (its padding still reads
+        zero, as `_pack` needs), else into a fresh one, made in the packing thread: zeroing
+        it there leaves the event loop free (a 14 GB buffer takes seconds). The spare is
+        taken either way: two stagings never share one."""
+        spare, self._spare = self._spare, None
+        # NOTE: handed over in a box the thread empties: an idle worker thread keeps the
+        # arguments of its last call, which would pin a buffer the next layout replaced
+        box = [spare[1] if spare is not None and spare[0] == metas else None]
+
+        def fill() -> tuple[bytearray, str]:
+            buf = box.pop()
+            if buf is None:
+                buf = bytearray(size)
+            return buf, _pack(state, metas, buf)
+
+        return await anyio.to_thread.run_sync(fill)
 
     async def stage(self, version: int, state: Mapping[str, Any], transport: str, *,
                     mark_stable: bool = True, group_epoch: int = 0,
@@ -223,8 +249,7 @@ class WeightStager:
     async def _stage_nats(self, version: int, state: Mapping[str, Any], metas: Any, size: int,
                           expected: str, send_now: bool) -> Staged:
         s = self.bus.subjects
-        buf = bytearray(size)
-        dg = await anyio.to_thread.run_sync(_pack, state, metas, buf)
+        buf, dg = await self._pack_nats(state, metas, size)
         subject = s.weights(version)
         js = self.bus.js
         await js.purge_stream(s.weights_stream, subject=f"{subject}.>")  # a re-send starts clean
@@ -256,6 +281,7 @@ class WeightStager:
                             window.release()
 
                     tg.start_soon(go)
+            self._spare = (metas, buf)  # every chunk stored: the next version packs here
 
         async def purge() -> None:
             await js.purge_stream(s.weights_stream, subject=f"{subject}.>")

@@ -195,7 +195,9 @@ class WeightSync:
     async def _read_nats(self, t: Nats, version: int, size: int) -> bytearray:
         """Every chunk of this version from the weights stream, into one buffer (an ordered
         push consumer: flow-controlled by the server, no pull round trips)."""
-        buf = bytearray(size)
+        # zeroed in a thread: on the event loop, a 14 GB buffer would stall heartbeats and
+        # pings for seconds (256 MiB: about 130 ms here)
+        buf = await anyio.to_thread.run_sync(bytearray, size)
         seen = bytearray(t.chunks)  # by chunk index: a chunk the sender stored twice counts once
         got = 0
         done = anyio.Event()
