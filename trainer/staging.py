@@ -10,7 +10,7 @@
   it is stored, so publish and read overlap (the command carries the chunk count). The
   buffer they are packed in is kept once they are stored, and the next version of the same
   layout is packed into it: one buffer the size of the weights stays with the sender, and
-  an update does not pay for faulting in a fresh one (256 MiB: about 130 ms here, 7x its
+  an update does not pay for faulting in a fresh one (256 MiB: about 130 ms here, 4x its
   packing).
 - `collective`: a flat buffer broadcast from rank 0 over an initialised group (gloo on CPU,
   NCCL on CUDA), two-phase (`ready`, then `done`).
