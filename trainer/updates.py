@@ -57,6 +57,7 @@ class WeightUpdates:
         self._last_epoch = 0
 
     async def close(self) -> None:
+        self.stager.close()
         if self._current is not None:
             await self._current.release()
         if self._group is not None:

@@ -59,3 +59,4 @@ async def test_next_version_of_a_layout_packs_into_the_last_buffer(client) -> No
         assert await stored_chunks(fabric, s2) == want
         for s in (s0, s1, s2):
             await s.release()
+    assert stager._spare is None  # the client's close gave the buffer back
