@@ -166,6 +166,9 @@ class Bus:
         return fut
 
     async def _pub_ack(self, fut: asyncio.Future[PubAck], timeout: float) -> PubAck:
+        if fut.done():  # come already (a write sent before what the caller awaited first)
+            self.link.pending_acks.discard(fut)
+            return fut.result()
         try:
             with anyio.fail_after(timeout):
                 return await fut
