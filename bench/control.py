@@ -8,17 +8,26 @@
 - `nats-py floor`: the same message pattern with nats-py alone, in the same process layout:
   one JetStream publish to a file stream, then one core publish that N subscribers receive,
   each answering to the address in a header; the caller counts N answers.
-Each round alternates pause and resume; latency is one call until all N answered. CPU time per
-call, in microseconds: `caller` is the calling process's (the trainer's cost), `server` the
+Calls alternate pause and resume; latency is one call until all N answered. Per size, every
+fleet is up at once and each path's calls are split into `--blocks` blocks, run interleaved in
+an order that rotates from block to block: the host's speed swings within a minute, and this
+way a slow stretch costs every path a block rather than one path its whole row. Every block
+starts with `SETTLE_CALLS` calls that are not measured. A row's latencies and CPU are over all
+its measured calls; `p50 / rlfabric p50` is the median over the blocks of the path's block p50
+over rlfabric's in the same block. CPU time per call, in
+microseconds: `caller` is the calling process's (the trainer's cost), `server` the
 nats-server's (all nodes of a cluster; none for HTTP), `responders` all responder processes'
-together (Linux /proc). A second table gives the same three with no calls (the job's idle cost:
-heartbeats, the trainer's membership watch), measured before each rlfabric row's rounds.
+together (Linux /proc). While another path runs, the rlfabric fleet's simulated workers are
+stopped (SIGSTOP, at most `FREEZE_MAX_S` a block), so their heartbeats and stream polls load
+no other row; a second table gives that idle cost (no calls: heartbeats, the trainer's
+membership watch), measured before any call, with only the rlfabric fleet up.
 
 With `--cluster 3`, `rlfabric` runs again on a 3-node loopback cluster (streams and buckets
 R3), in the same run. Above 250 responders the simulated workers spread over one process per
 250 at least (1000: 4 processes); httpx is left out above 256 (its pool's connects time out).
 
-    rlfabric bench control [--sizes 1,8,32,128] [--rounds 200] [--cluster 3] [--json]
+    rlfabric bench control [--sizes 1,8,32,128] [--rounds 200] [--blocks 10] [--cluster 3]
+                           [--json]
 """
 
 from __future__ import annotations
@@ -26,8 +35,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+import os
+import signal
+import statistics
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -39,6 +55,13 @@ from rlfabric.trainer import FabricClient
 PER_PROCESS = 250  # simulated workers per process, at most, unless --processes asks for fewer
 HTTPX_MAX = 256  # responders; above it httpx's connection pool times out on connect
 IDLE_S = 5.0  # seconds the idle cost of a job is measured over, before its calls
+BLOCKS = 10  # interleaved blocks a path's calls are split into
+#: an idle rlfabric fleet is stopped while another path runs, at most this long a block (its
+#: members' keys live 5 s past their last heartbeat, sent every 1.25 s)
+FREEZE_MAX_S = 2.5
+#: calls a block starts with, not measured: a fleet that was stopped sends its heartbeats and
+#: polls then, not in the first measured call
+SETTLE_CALLS = 2
 
 
 def split(items: list, parts: int) -> list[list]:
@@ -46,28 +69,123 @@ def split(items: list, parts: int) -> list[list]:
     return [items[i:i + per] for i in range(0, len(items), per)]
 
 
-async def timed(rounds: int, call: Callable[[int], Awaitable[None]], *,
-                servers: list[int], responders: list[int]) -> dict[str, float]:
-    """Latency of `call` over `rounds`, and the CPU per call of the caller (this process), of
-    the `servers` (nats-server pids; none for HTTP) and of the `responders` processes."""
-    for i in range(10):  # warm-up
-        await call(i)
-    lat = []
-    cpu0, srv0, rsp0 = time.process_time(), cpu_seconds(servers), cpu_seconds(responders)
-    for i in range(rounds):
-        t0 = time.perf_counter()
-        await call(i)
-        lat.append((time.perf_counter() - t0) * 1e3)
-    per_call = 1e6 / rounds
-    return {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "mean_ms": sum(lat) / len(lat),
-            "cpu_us": (time.process_time() - cpu0) * per_call,
-            "server_cpu_us": ((cpu_seconds(servers) - srv0) * per_call if servers
-                              else float("nan")),
-            "responders_cpu_us": (cpu_seconds(responders) - rsp0) * per_call}
+@dataclass(eq=False)
+class _Path:
+    """One path of a fleet size: its fleet's call, and what its blocks measured."""
+
+    name: str
+    calls: int  # calls in all, over every block
+    call: Callable[[int], Awaitable[None]]
+    servers: list[int]  # nats-server pids (none for HTTP)
+    responders: list[int]
+    extra: dict[str, float] = field(default_factory=dict)  # the idle cost, for rlfabric rows
+    #: processes that work while idle (the simulated workers' heartbeats and stream polls):
+    #: stopped (SIGSTOP) while another path runs, so no row carries another path's idle load
+    quiet: list[int] = field(default_factory=list)
+    lat: list[float] = field(default_factory=list)  # ms, every call
+    block_p50: list[float] = field(default_factory=list)  # ms, per block
+    cpu: float = 0.0  # seconds over all blocks: caller, servers, responders
+    server_cpu: float = 0.0
+    responders_cpu: float = 0.0
+    done: int = 0  # calls made so far (pause on even, resume on odd)
+
+    async def block(self, calls: int) -> None:
+        """`calls` calls, timed, with the CPU each process used meanwhile."""
+        lat = []
+        cpu0, srv0 = time.process_time(), cpu_seconds(self.servers)
+        rsp0 = cpu_seconds(self.responders)
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            await self.call(self.done)
+            lat.append((time.perf_counter() - t0) * 1e3)
+            self.done += 1
+        self.cpu += time.process_time() - cpu0
+        self.server_cpu += (cpu_seconds(self.servers) - srv0) if self.servers else math.nan
+        self.responders_cpu += cpu_seconds(self.responders) - rsp0
+        self.lat += lat
+        self.block_p50.append(pct(lat, 0.5))
+
+    def row(self, fabric: _Path) -> dict[str, Any]:
+        per_call = 1e6 / len(self.lat)
+        # block b of every path ran in the same round; a path with fewer calls than blocks
+        # has fewer blocks, paired with the first of rlfabric's
+        ratios = [b / f for b, f in zip(self.block_p50, fabric.block_p50, strict=False)]
+        return {"path": self.name, "rounds": len(self.lat), "blocks": len(self.block_p50),
+                "p50_ms": pct(self.lat, 0.5), "p99_ms": pct(self.lat, 0.99),
+                "mean_ms": sum(self.lat) / len(self.lat),
+                "cpu_us": self.cpu * per_call, "server_cpu_us": self.server_cpu * per_call,
+                "responders_cpu_us": self.responders_cpu * per_call,
+                "x_vs_fabric": statistics.median(ratios),
+                "p50_ms_blocks": [round(x, 3) for x in self.block_p50], **self.extra}
 
 
-async def bench_floor(url: str, n: int, rounds: int, processes: int,
-                      servers: list[int]) -> dict[str, float]:
+def block_sizes(calls: int, blocks: int) -> list[int]:
+    """`calls` split into `blocks` blocks as equal as can be (none empty: fewer blocks when
+    there are fewer calls)."""
+    blocks = max(1, min(blocks, calls))
+    return [calls // blocks + (1 if b < calls % blocks else 0) for b in range(blocks)]
+
+
+def rotations(names: list[str], blocks: int) -> list[list[str]]:
+    """The order the paths run in, per block: rotated by one each block, so no path always
+    runs first (after the idle of the others) or last."""
+    return [names[b % len(names):] + names[:b % len(names)] for b in range(blocks)]
+
+
+async def interleave(paths: list[_Path], blocks: int) -> None:
+    """Warm every path up, then run `blocks` blocks, each running a block of every path's
+    calls (its `calls` split evenly over the blocks) in an order that rotates, with the other
+    paths' `quiet` processes stopped (`_alone`). The host's speed swings within a minute; this
+    way a slow stretch hits a block of every path, not one path's whole row."""
+    for p in paths:
+        for _ in range(10):  # warm-up
+            await p.call(p.done)
+            p.done += 1
+    sizes = {p.name: block_sizes(p.calls, blocks) for p in paths}
+    n_blocks = max(len(v) for v in sizes.values())
+    try:
+        for b, order in enumerate(rotations([p.name for p in paths], n_blocks)):
+            for name in order:
+                p = next(x for x in paths if x.name == name)
+                if b < len(sizes[name]):
+                    await _alone(p, [pid for q in paths if q is not p for pid in q.quiet],
+                                 sizes[name][b])
+    finally:
+        _signal([pid for p in paths for pid in p.quiet], signal.SIGCONT)
+
+
+async def _alone(p: _Path, quiet: list[int], calls: int) -> None:
+    """A block of `p`, after `SETTLE_CALLS` unmeasured calls, with the other paths' `quiet`
+    processes stopped (for `FREEZE_MAX_S` at most: a longer block lets them go on, rather
+    than have their members expire)."""
+    _signal(quiet, signal.SIGSTOP)
+    try:
+        async with anyio.create_task_group() as tg:
+            async def thaw() -> None:
+                await anyio.sleep(FREEZE_MAX_S)
+                _signal(quiet, signal.SIGCONT)
+
+            if quiet:
+                tg.start_soon(thaw)
+            for _ in range(SETTLE_CALLS):  # not measured: p's fleet catches up if it was stopped
+                await p.call(p.done)
+                p.done += 1
+            await p.block(calls)
+            tg.cancel_scope.cancel()
+    finally:
+        _signal(quiet, signal.SIGCONT)
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+@contextlib.asynccontextmanager
+async def floor_fleet(url: str, n: int, processes: int
+                      ) -> AsyncIterator[tuple[Callable[[int], Awaitable[None]], list[int]]]:
+    """The nats-py floor: its responders up; yields its call and their pids."""
     import nats
     from nats.aio.msg import Msg
     from nats.js.api import StorageType, StreamConfig
@@ -104,18 +222,19 @@ async def bench_floor(url: str, n: int, rounds: int, processes: int,
                     await done[call_id].wait()
                 del done[call_id], counts[call_id]
 
-            out = await timed(rounds, call, servers=servers,
-                              responders=[p.pid for p in procs])
+            yield call, [p.pid for p in procs]
         await sub.unsubscribe()
         await js.delete_stream(tag.upper())
-        return out
     finally:
         await nc.close()
 
 
-async def bench_fabric(url: str, n: int, rounds: int, processes: int,
-                       servers: list[int]) -> dict[str, float]:
-    prefix = f"ctl{n}"
+@contextlib.asynccontextmanager
+async def fabric_fleet(url: str, n: int, processes: int, servers: list[int], prefix: str
+                       ) -> AsyncIterator[tuple[Callable[[int], Awaitable[None]], list[int],
+                                                dict[str, float]]]:
+    """rlfabric: N simulated workers joined; yields its call, their pids and the job's idle
+    cost (measured now, before any call)."""
     ids = [f"b{i:03d}" for i in range(n)]
     cmds = [["rlfabric.bench.sim", "--nats", url, "--prefix", prefix, "--ids", ",".join(part)]
             for part in split(ids, processes)]
@@ -129,7 +248,7 @@ async def bench_fabric(url: str, n: int, rounds: int, processes: int,
             rep = await (fabric.pause(mode="wait") if i % 2 == 0 else fabric.resume())
             assert len(rep.ok) == n
 
-        return {**await timed(rounds, call, servers=servers, responders=pids), **idle}
+        yield call, pids, idle
 
 
 async def idle_cpu(servers: list[int], responders: list[int], seconds: float = IDLE_S
@@ -144,33 +263,42 @@ async def idle_cpu(servers: list[int], responders: list[int], seconds: float = I
             "idle_responders_pct": (cpu_seconds(responders) - rsp0) * pct_of}
 
 
-async def bench_http(n: int, rounds: int, processes: int, client: str) -> dict[str, float]:
+@contextlib.asynccontextmanager
+async def http_fleet(n: int, processes: int, clients: list[str]
+                     ) -> AsyncIterator[tuple[dict[str, Callable[[int], Awaitable[None]]],
+                                              list[int]]]:
+    """N aiohttp servers up; yields a call per HTTP client (`aiohttp`, `httpx`: POST to
+    every URL concurrently, wait for every answer) and the servers' pids."""
     ports = free_ports(n)
     cmds = [["rlfabric.bench.http_fleet", "--ports", ",".join(map(str, part))]
             for part in split(ports, processes)]
-    async with children(cmds, ready="http fleet ready") as procs:
-        fleet = {"servers": [], "responders": [p.pid for p in procs]}
-        pause = [f"http://127.0.0.1:{p}/pause?mode=wait" for p in ports]
-        resume = [f"http://127.0.0.1:{p}/resume" for p in ports]
-        if client == "aiohttp":
+    pause = [f"http://127.0.0.1:{p}/pause?mode=wait" for p in ports]
+    resume = [f"http://127.0.0.1:{p}/resume" for p in ports]
+    async with contextlib.AsyncExitStack() as stack:
+        procs = await stack.enter_async_context(children(cmds, ready="http fleet ready"))
+        calls: dict[str, Callable[[int], Awaitable[None]]] = {}
+        if "aiohttp" in clients:
             import aiohttp
 
-            async with aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0)) as session:
-                async def post(u: str) -> None:
-                    async with session.post(u) as r:
-                        assert (await r.json())["ok"]
+            session = await stack.enter_async_context(aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0)))
 
-                async def call(i: int) -> None:
-                    async with anyio.create_task_group() as tg:
-                        for u in (pause if i % 2 == 0 else resume):
-                            tg.start_soon(post, u)
+            async def post(u: str) -> None:
+                async with session.post(u) as r:
+                    assert (await r.json())["ok"]
 
-                return await timed(rounds, call, **fleet)
-        import httpx
+            async def call(i: int) -> None:
+                async with anyio.create_task_group() as tg:
+                    for u in (pause if i % 2 == 0 else resume):
+                        tg.start_soon(post, u)
 
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(limits=limits) as hc:
+            calls["aiohttp"] = call
+        if "httpx" in clients:
+            import httpx
+
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            hc = await stack.enter_async_context(httpx.AsyncClient(limits=limits))
+
             async def hpost(u: str) -> None:
                 r = await hc.post(u)
                 assert r.json()["ok"]
@@ -180,10 +308,15 @@ async def bench_http(n: int, rounds: int, processes: int, client: str) -> dict[s
                     for u in (pause if i % 2 == 0 else resume):
                         tg.start_soon(hpost, u)
 
-            return await timed(rounds, hcall, **fleet)
+            calls["httpx"] = hcall
+        yield calls, [p.pid for p in procs]
 
 
-async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0) -> list[dict]:
+async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0,
+              blocks: int = BLOCKS) -> list[dict]:
+    """Per size, every path's fleet is started once (all up together), warmed, then measured
+    in `blocks` interleaved blocks (`interleave`). A row's latencies and CPU are over all its
+    calls; its ratio to rlfabric is the median of the per-block ratios of p50s."""
     rows = []
     async with contextlib.AsyncExitStack() as stack:
         nats = await stack.enter_async_context(EmbeddedNats())
@@ -193,21 +326,28 @@ async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0) -
             procs = min(n, max(processes, n // PER_PROCESS))
             r = max(20, rounds if n < 128 else rounds // 2)
             single = [nats.pid or 0]
-            fab = await bench_fabric(nats.url, n, r, procs, single)
-            paths = [("rlfabric", r, fab)]
-            if nodes is not None:  # the same job on the cluster: every stream and bucket R3
-                paths.append((f"rlfabric {cluster}-node cluster R{min(3, cluster)}", r,
-                              await bench_fabric(nodes.url, n, r, procs,
-                                                 [node.pid or 0 for node in nodes.nodes])))
-            paths.append(("nats-py floor", r, await bench_floor(nats.url, n, r, procs, single)))
-            paths.append(("aiohttp", r, await bench_http(n, r, procs, "aiohttp")))
-            if n <= HTTPX_MAX:
-                hr = max(10, r // (4 if n >= 32 else 1))
-                paths.append(("httpx", hr, await bench_http(n, hr, procs, "httpx")))
-            for path, used, res in paths:
-                rows.append({"responders": n, "processes": procs, "path": path,
-                             "rounds": used, **res,
-                             "x_vs_fabric": res["p50_ms"] / fab["p50_ms"]})
+            async with contextlib.AsyncExitStack() as fleets:
+                call, pids, idle = await fleets.enter_async_context(
+                    fabric_fleet(nats.url, n, procs, single, f"ctl{n}"))
+                paths = [_Path("rlfabric", r, call, single, pids, idle, quiet=pids)]
+                if nodes is not None:  # the same job on the cluster: every stream and bucket R3
+                    nodes_pids = [node.pid or 0 for node in nodes.nodes]
+                    call, pids, idle = await fleets.enter_async_context(
+                        fabric_fleet(nodes.url, n, procs, nodes_pids, f"ctl{n}c"))
+                    paths.append(_Path(f"rlfabric {cluster}-node cluster R{min(3, cluster)}",
+                                       r, call, nodes_pids, pids, idle, quiet=pids))
+                call, pids = await fleets.enter_async_context(
+                    floor_fleet(nats.url, n, procs))
+                paths.append(_Path("nats-py floor", r, call, single, pids))
+                clients = ["aiohttp", *(["httpx"] if n <= HTTPX_MAX else [])]
+                calls, pids = await fleets.enter_async_context(http_fleet(n, procs, clients))
+                paths.append(_Path("aiohttp", r, calls["aiohttp"], [], pids))
+                if "httpx" in calls:
+                    hr = max(10, r // (4 if n >= 32 else 1))
+                    paths.append(_Path("httpx", hr, calls["httpx"], [], pids))
+                await interleave(paths, blocks)
+            for p in paths:
+                rows.append({"responders": n, "processes": procs, **p.row(paths[0])})
     return rows
 
 
@@ -215,6 +355,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1,8,32,128")
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--blocks", type=int, default=BLOCKS, metavar="B",
+                   help="split every path's calls into B blocks, run interleaved (the order "
+                   "rotating block to block) with every fleet up, so a slow stretch of a shared "
+                   "host hits every path alike; a ratio is the median of the per-block ratios")
     p.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="also run rlfabric on an N-node (>= 3) loopback NATS cluster, every "
                    "stream and bucket with 3 copies: a row beside the single server's")
@@ -222,13 +366,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.blocks < 1 or args.rounds < 1:
+        print("rlfabric bench control: --blocks and --rounds must be >= 1", file=sys.stderr)
+        return 2
     rows = anyio.run(run, [int(x) for x in args.sizes.split(",")], args.rounds, args.processes,
-                     args.cluster)
+                     args.cluster, args.blocks)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(table(rows, [("responders", "responders", ""), ("processes", "procs", ""),
-                       ("path", "path", ""), ("rounds", "rounds", ""),
+                       ("path", "path", ""), ("rounds", "rounds", ""), ("blocks", "blocks", ""),
                        ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
                        ("mean_ms", "mean ms", ".2f"), ("cpu_us", "caller cpu us", ".0f"),
                        ("server_cpu_us", "server cpu us", ".0f"),

@@ -1,0 +1,105 @@
+"""`rlfabric bench control` in interleaved blocks: every path's calls split evenly, the order
+rotating from block to block, a ratio the median of the per-block ratios."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import anyio
+import pytest
+
+from rlfabric.bench.control import (
+    SETTLE_CALLS,
+    _Path,
+    block_sizes,
+    interleave,
+    rotations,
+    run,
+)
+
+
+def test_calls_split_into_blocks_as_equal_as_can_be() -> None:
+    assert block_sizes(100, 10) == [10] * 10
+    assert block_sizes(25, 10) == [3, 3, 3, 3, 3, 2, 2, 2, 2, 2]
+    assert block_sizes(3, 10) == [1, 1, 1]  # fewer calls than blocks: no empty block
+    assert sum(block_sizes(12, 5)) == 12
+
+
+def test_the_order_rotates_so_no_path_always_runs_first() -> None:
+    orders = rotations(["a", "b", "c"], 4)
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert {o[0] for o in orders} == {"a", "b", "c"}
+
+
+def test_blocks_interleave_and_a_ratio_is_the_median_of_the_blocks() -> None:
+    log: list[tuple[str, int]] = []
+    slow = {"a": [1.0, 1.0, 9.0], "b": [2.0, 2.0, 2.0]}  # a's third block ran on a slow host
+
+    def path(name: str, calls: int) -> _Path:
+        async def call(i: int) -> None:
+            log.append((name, i))
+
+        return _Path(name, calls, call, [], [])
+
+    a, b = path("a", 6), path("b", 3)
+    anyio.run(interleave, [a, b], 3)
+    after = [n for n, i in log if i >= 10]  # after the 10 warm-up calls of each
+    runs = [(n, len(list(g))) for n, g in itertools.groupby(after)]
+    # a's 6 calls in 3 blocks of 2, b's 3 in blocks of 1, each block after SETTLE_CALLS
+    # unmeasured ones; a first, then b first, then a first
+    s = SETTLE_CALLS
+    assert runs == [("a", s + 2), ("b", 2 * (s + 1)), ("a", 2 * (s + 2)), ("b", s + 1)]
+    # pause/resume alternation goes on across blocks: each path numbers its calls in turn
+    assert [i for n, i in log if n == "a"] == list(range(10 + 3 * (s + 2)))
+    assert len(a.lat) == 6 and len(a.block_p50) == 3 and len(b.block_p50) == 3
+    a.block_p50, b.block_p50 = slow["a"], slow["b"]
+    # per block: 2/1, 2/1, 2/9; the median is 2 (the ratio of the pooled p50s would not be)
+    assert b.row(a)["x_vs_fabric"] == 2.0
+    assert a.row(a)["x_vs_fabric"] == 1.0 and a.row(a)["blocks"] == 3
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (`T`: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_fleets_idle_processes_are_stopped_while_another_path_runs() -> None:
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        seen: dict[str, set[str]] = {"a": set(), "b": set()}
+
+        def path(name: str, quiet: list[int]) -> _Path:
+            async def call(i: int) -> None:
+                if i >= 10:  # measured calls (the warm-up runs before any block)
+                    seen[name].add(_state(idle.pid))
+
+            return _Path(name, 4, call, [], [], quiet=quiet)
+
+        anyio.run(interleave, [path("a", [idle.pid]), path("b", [])], 2)
+        assert seen["b"] == {"T"}  # a's fleet stopped while b ran
+        assert "T" not in seen["a"]  # and going while a ran
+        assert _state(idle.pid) != "T"  # going again after the last block
+    finally:
+        idle.kill()
+        idle.wait(timeout=10)
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_every_path_answers_in_every_block_with_every_fleet_up() -> None:
+    # real fleets: 2 simulated rlfabric workers, 2 floor responders, 2 aiohttp servers
+    rows = anyio.run(run, [2], 20, 2, 0, 4)
+    by_path = {r["path"]: r for r in rows}
+    assert set(by_path) == {"rlfabric", "nats-py floor", "aiohttp", "httpx"}
+    for r in rows:
+        assert r["responders"] == 2 and r["blocks"] == 4, r
+        assert r["rounds"] == 20, r
+        assert 0 < r["p50_ms"] <= r["p99_ms"], r
+        assert r["cpu_us"] > 0, r
+    assert by_path["rlfabric"]["x_vs_fabric"] == 1.0
+    assert "idle_server_pct" in by_path["rlfabric"]
+    assert "idle_server_pct" not in by_path["aiohttp"]
