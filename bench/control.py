@@ -20,7 +20,8 @@ nats-server's (all nodes of a cluster; none for HTTP), `responders` all responde
 together (Linux /proc). While another path runs, the rlfabric fleet's simulated workers are
 stopped (SIGSTOP, at most `FREEZE_MAX_S` a block), so their heartbeats and stream polls load
 no other row; a second table gives that idle cost (no calls: heartbeats, the trainer's
-membership watch), measured before any call, with only the rlfabric fleet up.
+membership watch), measured as each rlfabric fleet has joined, before any call and before the
+floor's and HTTP fleets start.
 
 With `--cluster 3`, `rlfabric` runs again on a 3-node loopback cluster (streams and buckets
 R3), in the same run. Above 250 responders the simulated workers spread over one process per
