@@ -281,7 +281,7 @@ class Fanout:
             if until is not None and now_t >= until:
                 return None
             wait = remaining if until is None else min(remaining, until - now_t)
-            # a timer that fires the signal, not a cancel scope (which cost about 10 us a wait)
+            # a timer that fires the signal, not a cancel scope (about 4 us more a wait)
             alarm = asyncio.get_running_loop().call_later(wait, self._news.fire)
             try:
                 await news.wait()

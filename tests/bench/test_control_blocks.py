@@ -1,5 +1,6 @@
 """`rlfabric bench control` in interleaved blocks: every path's calls split evenly, the order
-rotating from block to block, a ratio the median of the per-block ratios."""
+rotating from block to block, the other fleets' idle workers stopped meanwhile, a ratio the
+median of the per-block ratios."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def test_a_fleets_idle_processes_are_stopped_while_another_path_runs() -> None:
 
         def path(name: str, quiet: list[int]) -> _Path:
             async def call(i: int) -> None:
-                if i >= 10:  # measured calls (the warm-up runs before any block)
+                if i >= 10:  # calls in blocks (the 10 warm-up calls run before any)
                     seen[name].add(_state(idle.pid))
 
             return _Path(name, 4, call, [], [], quiet=quiet)
