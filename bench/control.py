@@ -44,7 +44,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -63,6 +63,8 @@ FREEZE_MAX_S = 2.5
 #: calls a block starts with, not measured: a fleet that was stopped sends its heartbeats and
 #: polls then, not in the first measured call
 SETTLE_CALLS = 2
+
+T = TypeVar("T")
 
 
 def split(items: list, parts: int) -> list[list]:
@@ -89,6 +91,11 @@ class _Path:
     server_cpu: float = 0.0
     responders_cpu: float = 0.0
     done: int = 0  # calls made so far (pause on even, resume on odd)
+
+    async def unmeasured(self, calls: int) -> None:
+        for _ in range(calls):
+            await self.call(self.done)
+            self.done += 1
 
     async def block(self, calls: int) -> None:
         """`calls` calls, timed, with the CPU each process used meanwhile."""
@@ -127,10 +134,10 @@ def block_sizes(calls: int, blocks: int) -> list[int]:
     return [calls // blocks + (1 if b < calls % blocks else 0) for b in range(blocks)]
 
 
-def rotations(names: list[str], blocks: int) -> list[list[str]]:
+def rotations(items: list[T], blocks: int) -> list[list[T]]:
     """The order the paths run in, per block: rotated by one each block, so no path always
     runs first (after the idle of the others) or last."""
-    return [names[b % len(names):] + names[:b % len(names)] for b in range(blocks)]
+    return [items[b % len(items):] + items[:b % len(items)] for b in range(blocks)]
 
 
 async def interleave(paths: list[_Path], blocks: int) -> None:
@@ -139,18 +146,14 @@ async def interleave(paths: list[_Path], blocks: int) -> None:
     paths' `quiet` processes stopped (`_alone`). The host's speed swings within a minute; this
     way a slow stretch hits a block of every path, not one path's whole row."""
     for p in paths:
-        for _ in range(10):  # warm-up
-            await p.call(p.done)
-            p.done += 1
-    sizes = {p.name: block_sizes(p.calls, blocks) for p in paths}
-    n_blocks = max(len(v) for v in sizes.values())
+        await p.unmeasured(10)  # warm-up
+    plan = [(p, block_sizes(p.calls, blocks)) for p in paths]
     try:
-        for b, order in enumerate(rotations([p.name for p in paths], n_blocks)):
-            for name in order:
-                p = next(x for x in paths if x.name == name)
-                if b < len(sizes[name]):
+        for b, order in enumerate(rotations(plan, max(len(sizes) for _, sizes in plan))):
+            for p, sizes in order:
+                if b < len(sizes):
                     await _alone(p, [pid for q in paths if q is not p for pid in q.quiet],
-                                 sizes[name][b])
+                                 sizes[b])
     finally:
         _signal([pid for p in paths for pid in p.quiet], signal.SIGCONT)
 
@@ -168,9 +171,7 @@ async def _alone(p: _Path, quiet: list[int], calls: int) -> None:
 
             if quiet:
                 tg.start_soon(thaw)
-            for _ in range(SETTLE_CALLS):  # not measured: p's fleet catches up if it was stopped
-                await p.call(p.done)
-                p.done += 1
+            await p.unmeasured(SETTLE_CALLS)  # p's fleet catches up if it was stopped
             await p.block(calls)
             tg.cancel_scope.cancel()
     finally:
