@@ -46,22 +46,22 @@ class SimWorker:
         self.receiver = CommandReceiver(bus, worker_id, self.handle,
                                         state=lambda: (self.version, f"sim-{self.version}"))
 
-    async def handle(self, cmd: Command, ctx: CommandContext) -> AckFields:
-        op = op_of(cmd)
+    async def handle(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
         self.executed.append(cmd.cmd_id)
-        if op in self.delays:
-            await self.bus.emit(StateEvent(source=self.worker_id, state=f"handling:{op}",
-                                           at=time.time()))
+        delay = self.delays.get(op_of(cmd)) if self.delays else None
+        if delay is not None:
+            await self.bus.emit(StateEvent(source=self.worker_id,
+                                           state=f"handling:{op_of(cmd)}", at=time.time()))
             await self.bus.nc.flush()
         two_phase = isinstance(cmd, TWO_PHASE) or (
             isinstance(cmd, UpdateWeights) and isinstance(cmd.transport, Collective))
         if two_phase:
             await ctx.ready()
-        if op in self.delays:
-            await anyio.sleep(self.delays[op])
+        if delay is not None:
+            await anyio.sleep(delay)
         if isinstance(cmd, UpdateWeights):
             self.version = cmd.version
-        return AckFields()
+        return None  # the ack reports `state()`
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self.reg.refuse_if_taken()  # before the receiver takes the id's ping subject

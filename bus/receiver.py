@@ -49,7 +49,7 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
-from opentelemetry.trace import INVALID_SPAN, Span, StatusCode
+from opentelemetry.trace import Span, StatusCode
 
 from rlfabric.bus.errors import TRANSIENT, CommandFailed
 from rlfabric.bus.ratelimit import RateLimited
@@ -126,6 +126,7 @@ class CommandReceiver:
         self._buffer = buffer
         self._codec = codec_for(Command)
         self._ack_codec = codec_for(Ack)
+        self._ack_prefix = bus.subjects.ack_prefix
         #: the control-stream sequence applied next
         self.next_seq = 0
         #: the sequence of the last command applied (0: none yet)
@@ -168,11 +169,15 @@ class CommandReceiver:
                    elapsed_s=time.monotonic() - ctx.t0, detail=detail)
 
     async def _send_ack(self, cmd_id: str, ack: Ack) -> None:
-        self._sent.setdefault(cmd_id, []).append(ack)
-        self._sent.move_to_end(cmd_id)
-        while len(self._sent) > self._remember:
-            self._sent.popitem(last=False)
-        subject = self.bus.subjects.ack(cmd_id)
+        """`cmd_id` is a command's that `_apply` took: it passed `is_token` there."""
+        sent = self._sent.get(cmd_id)
+        if sent is None:  # the first ack of a command: it is remembered from now on
+            self._sent[cmd_id] = [ack]
+            if len(self._sent) > self._remember:
+                self._sent.popitem(last=False)
+        else:
+            sent.append(ack)
+        subject = self._ack_prefix + cmd_id
         if not spans.enabled():  # the common case: not even the attributes are built
             await self._publish_ack(subject, ack)
             return
@@ -356,16 +361,18 @@ class CommandReceiver:
         self.next_seq = seq + 1
         if path == "live":
             self.applied_live += 1
+        cmd_id = cmd.cmd_id
         cmd = msgspec.structs.replace(cmd, seq=seq)
-        self._seq_ids[seq] = cmd.cmd_id
-        if len(self._seq_ids) > self._remember:  # one in, one out
-            self._seq_ids.popitem(last=False)
-        if cmd.cmd_id in self._sent:  # stored twice: answer as the first time
-            await self._resend(cmd.cmd_id)
+        seq_ids = self._seq_ids
+        seq_ids[seq] = cmd_id
+        if len(seq_ids) > self._remember:  # one in, one out
+            seq_ids.popitem(last=False)
+        if cmd_id in self._sent:  # stored twice: answer as the first time
+            await self._resend(cmd_id)
             return
         ctx = CommandContext(self, cmd)
         if not spans.enabled():  # the common case: not even the span's attributes are built
-            await self._handle(cmd, ctx, INVALID_SPAN)
+            await self._handle(cmd, ctx, None)
         else:  # `path`: how it came (its live copy, or read from the stream to fill a gap)
             with spans.consumer_span(subject, headers, message_id=cmd.cmd_id, attributes={
                     spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd.cmd_id,
@@ -375,8 +382,9 @@ class CommandReceiver:
         for fn in ctx._after_done:
             fn()
 
-    async def _handle(self, cmd: Command, ctx: CommandContext, span: Span) -> None:
-        """Run the handler (unless past its deadline) and send its `done` Ack."""
+    async def _handle(self, cmd: Command, ctx: CommandContext, span: Span | None) -> None:
+        """Run the handler (unless past its deadline) and send its `done` Ack (`span`: the
+        command's, None when tracing is off)."""
         if cmd.deadline and time.time() > cmd.deadline:
             ack = self._make_ack(ctx, "done", "error", None, code="deadline_exceeded",
                                  message=f"{op_of(cmd)} arrived "
@@ -389,7 +397,7 @@ class CommandReceiver:
         if ack.status != "ok":
             instruments.current.errors.add(1, {"code": ack.error_code,
                                                spans.WORKER_ID: self.worker_id})
-        if span.is_recording():
+        if span is not None and span.is_recording():
             span.set_attributes({spans.WEIGHT_VERSION: ack.weight_version,
                                  "rlfabric.ack.status": ack.status})
             if ack.status != "ok":

@@ -5,18 +5,20 @@ Two jobs on one NATS server use two prefixes and never see each other's traffic.
 
 from __future__ import annotations
 
-import re
+import string
 from dataclasses import dataclass
 
 from rlfabric.bus.errors import InvalidName
 from rlfabric.schemas import SCHEMA_MAJOR
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOKEN_CHARS = string.ascii_letters + string.digits + "_-"
 
 
 def is_token(value: str) -> bool:
-    """Whether `value` can be one NATS subject token and a JetStream name."""
-    return _TOKEN.match(value) is not None
+    """Whether `value` can be one NATS subject token and a JetStream name: 1-64 characters
+    from A-Z a-z 0-9 _ - (what remains once they are stripped from both ends is a character
+    outside them; a regex took 3x as long, and its `$` let a trailing newline through)."""
+    return 0 < len(value) <= 64 and not value.strip(_TOKEN_CHARS)
 
 
 def check_token(value: str, what: str) -> str:
@@ -102,18 +104,22 @@ class Subjects:
     @staticmethod
     def live_parts(subject: str) -> tuple[str, int, int] | None:
         """`(live(op), schema major, seq)` of a `live_copy` subject; None if it is not one."""
-        head, _, rest = subject.rpartition(".")
-        base, _, major = head.rpartition(".")
-        if not (rest.isdigit() and major.isdigit() and base):
+        parts = subject.rsplit(".", 2)
+        if len(parts) != 3 or not (parts[0] and parts[1].isdecimal() and parts[2].isdecimal()):
             return None
-        return base, int(major), int(rest)
+        return parts[0], int(parts[1]), int(parts[2])
 
     @property
     def live_all(self) -> str:
         return f"{self.prefix}.live.>"
 
     def ack(self, cmd_id: str) -> str:
-        return f"{self.prefix}.ack.{check_token(cmd_id, 'command id')}"
+        return self.ack_prefix + check_token(cmd_id, "command id")
+
+    @property
+    def ack_prefix(self) -> str:
+        """`ack(cmd_id)` is this + cmd_id (for a hot path whose cmd_id passed `is_token`)."""
+        return f"{self.prefix}.ack."
 
     @property
     def ack_all(self) -> str:

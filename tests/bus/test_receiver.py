@@ -86,6 +86,37 @@ async def test_command_delivered_twice_runs_once_and_acks_the_same(fabric) -> No
         assert r.handled == 1
 
 
+async def test_a_two_phase_command_delivered_twice_gets_both_acks_again(fabric) -> None:
+    """The acks a command produced are remembered in order (`ready`, then `done`) and sent
+    again, both, when it is delivered again; the handler runs once. Beyond `remember`
+    commands the oldest are forgotten: memory stays bounded."""
+    ran: list[str] = []
+
+    async def two_phase(cmd, ctx) -> None:
+        ran.append(cmd.cmd_id)
+        await ctx.ready()
+
+    async with fabric() as (bus, _watcher, _bc, tg):
+        r = CommandReceiver(bus, "w1", two_phase, remember=2)
+        await tg.start(r.run)
+        cmds = [Pause(cmd_id=new_cmd_id(), mode="wait") for _ in range(3)]
+        acks = await _collect(bus, bus.subjects.ack(cmds[1].cmd_id), Ack)
+        hdrs = headers({CMD_ID_HEADER: cmds[1].cmd_id})
+        for attempt in range(2):
+            await bus.js.publish(bus.subjects.control("pause"), encode(cmds[1]),
+                                 headers={**hdrs, "Nats-Msg-Id": f"{cmds[1].cmd_id}-{attempt}"})
+        await acks.until(lambda: len(acks) == 4)
+        assert ran == [cmds[1].cmd_id]
+        assert [a.phase for a in acks] == ["ready", "done", "ready", "done"]
+        assert acks[:2] == acks[2:]
+        # two more commands: the first one applied is forgotten, and runs again if stored again
+        for c in (cmds[0], cmds[2], cmds[1]):
+            await bus.js.publish(bus.subjects.control("pause"), encode(c),
+                                 headers=headers({CMD_ID_HEADER: c.cmd_id}))
+        await acks.until(lambda: len(acks) == 6)
+        assert ran == [cmds[1].cmd_id, cmds[0].cmd_id, cmds[2].cmd_id, cmds[1].cmd_id]
+
+
 async def test_commands_apply_in_seq_order(fabric) -> None:
     rec = Recorder()
     async with fabric() as (bus, watcher, bc, tg):
