@@ -144,6 +144,35 @@ async def test_a_worker_that_misses_live_copies_catches_up_in_order(fabric):
         assert rb.caught_up == 20 and rb.applied_live == 0
 
 
+async def test_no_stream_reads_while_live_copies_flow_and_a_stored_only_command_still_lands(
+        fabric):
+    """While live copies arrive in order the poll reads nothing from the stream (they show any
+    gap themselves); a command stored without a live copy once they stop is read by the next
+    quiet poll."""
+    log = Log()
+    async with fabric() as (bus, watcher, bc, tg):
+        r = CommandReceiver(bus, "w1", log.handle, poll=0.5)  # wakes every 0.25-0.75 s
+        await tg.start(r.run)
+        await tg.start(Registration(bus, new_worker_info("w1", engine="t", model="m")).run)
+        await watcher.wait_until(lambda s: s.worker_ids == ("w1",), timeout=10)
+        await bc.broadcast(Pause(cmd_id=new_cmd_id()), QuorumPolicy(timeout=10))
+        reads = r.stream_reads
+        sent = 1
+        with anyio.fail_after(20):
+            t_end = anyio.current_time() + 3.0  # four polls' worth, at least
+            while anyio.current_time() < t_end:
+                await bc.broadcast(Resume(cmd_id=new_cmd_id()), QuorumPolicy(timeout=10))
+                sent += 1
+                await anyio.sleep(0.02)
+        assert r.applied_live == sent and r.stream_reads == reads, (sent, r.stream_reads - reads)
+        stored = Pause(cmd_id=new_cmd_id())  # as another tool would store one: no live copy
+        seq = (await bus.js.publish(bus.subjects.control("pause"), encode(stored),
+                                    headers=headers({CMD_ID_HEADER: stored.cmd_id}))).seq
+        with anyio.fail_after(5):  # within two polls (1.5 s at most)
+            await log.until(sent + 1)
+        assert log.applied[-1] == (seq, stored.cmd_id) and r.caught_up == 1
+
+
 async def test_a_lost_live_copy_is_read_back_when_the_sender_probes(fabric):
     """No poll for a long while: the sender's probe (a ping carrying the seq) is what tells
     the worker to read the command from the stream."""
