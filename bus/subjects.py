@@ -5,20 +5,20 @@ Two jobs on one NATS server use two prefixes and never see each other's traffic.
 
 from __future__ import annotations
 
-import string
+import re
 from dataclasses import dataclass
 
 from rlfabric.bus.errors import InvalidName
 from rlfabric.schemas import SCHEMA_MAJOR
 
-_TOKEN_CHARS = string.ascii_letters + string.digits + "_-"
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def is_token(value: str) -> bool:
     """Whether `value` can be one NATS subject token and a JetStream name: 1-64 characters
-    from A-Z a-z 0-9 _ - (what remains once they are stripped from both ends is a character
-    outside them; a regex took 3x as long, and its `$` let a trailing newline through)."""
-    return 0 < len(value) <= 64 and not value.strip(_TOKEN_CHARS)
+    from A-Z a-z 0-9 _ - (the whole string: a `match` ending in `$` let a trailing newline
+    through)."""
+    return _TOKEN.fullmatch(value) is not None
 
 
 def check_token(value: str, what: str) -> str:
