@@ -315,11 +315,9 @@ class CommandReceiver:
         while True:
             reconnected = link.reconnected.event()
             await wait_any(reconnected, timeout=self.poll * random.uniform(0.5, 1.5))
-            if not reconnected.is_set() and self.applied_live != live:
-                live = self.applied_live  # in step with the live copies
-                continue
-            live = self.applied_live
-            self._sync()
+            before, live = live, self.applied_live
+            if reconnected.is_set() or live == before:  # else: in step with the live copies
+                self._sync()
 
     async def _stream_end(self) -> int:
         delay = 0.05
