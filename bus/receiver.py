@@ -50,12 +50,12 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
-from opentelemetry.trace import Span, StatusCode
+from opentelemetry.trace import StatusCode
 
 from rlfabric.bus.errors import TRANSIENT, CommandFailed
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
-from rlfabric.bus.subjects import check_token, is_token
+from rlfabric.bus.subjects import Subjects, check_token, is_token
 from rlfabric.bus.sync import Signal, wait_any
 from rlfabric.schemas import (
     CMD_ID_HEADER,
@@ -89,16 +89,21 @@ class CommandContext:
     two-phase command; `ctx.after_done(fn)` runs `fn` once the `done` Ack is sent (what must
     not start before the sender has heard back, e.g. leaving on `Shutdown`)."""
 
+    __slots__ = ("_after_done", "_r", "cmd", "t0")
+
     def __init__(self, receiver: CommandReceiver, cmd: Command) -> None:
         self._r = receiver
         self.cmd = cmd
         self.t0 = time.monotonic()
-        self._after_done: list[Callable[[], None]] = []
+        self._after_done: list[Callable[[], None]] | None = None
 
     async def ready(self, **fields: Any) -> None:
-        await self._r._send_ack(self.cmd.cmd_id, self._r._make_ack(self, "ready", "ok", fields))
+        await self._r._send_ack(self.cmd.cmd_id, self._r._make_ack(self, "ready", "ok", fields),
+                                traced=spans.enabled())
 
     def after_done(self, fn: Callable[[], None]) -> None:
+        if self._after_done is None:
+            self._after_done = []
         self._after_done.append(fn)
 
 
@@ -171,10 +176,11 @@ class CommandReceiver:
                    weight_version=version, weights_checksum=checksum,
                    elapsed_s=time.monotonic() - ctx.t0, detail=detail)
 
-    async def _send_ack(self, cmd_id: str, ack: Ack) -> None:
+    async def _send_ack(self, cmd_id: str, ack: Ack, *, traced: bool) -> None:
         """`cmd_id` is a command's that `_apply` took: it passed `is_token` there. The ack is
         remembered encoded, and sent again as is when asked (`_resend`): a list of `Ack`s per
-        command cost about 2 us more a command (16 receivers in one process)."""
+        command cost about 2 us more a command (16 receivers in one process). `traced`: as
+        `spans.enabled()` (asked once per command by the caller)."""
         data = self._ack_codec.encode(ack)
         sent = self._sent.get(cmd_id)
         if sent is None:  # the first ack of a command: it is remembered from now on
@@ -184,7 +190,7 @@ class CommandReceiver:
         else:
             self._sent[cmd_id] = (*sent, data)
         subject = self._ack_prefix + cmd_id
-        if not spans.enabled():  # the common case: no span, no headers
+        if not traced:  # the common case: no span, no headers
             await self._publish_ack(subject, data, cmd_id)
             return
         with spans.producer_span(subject, message_id=cmd_id,
@@ -268,7 +274,7 @@ class CommandReceiver:
             self._sync_queued = self._enqueue((0, "", None))
 
     async def _on_live(self, msg: Msg) -> None:
-        parts = self.bus.subjects.live_parts(msg.subject)
+        parts = Subjects.live_parts(msg.subject)
         if parts is None or parts[1] != SCHEMA_MAJOR:
             self._flood.warning("%s: a live command on %s is not a live copy of schema %d.x; "
                                 "reading the stream instead", self.worker_id, msg.subject,
@@ -386,49 +392,51 @@ class CommandReceiver:
             return
         ctx = CommandContext(self, cmd)
         if not spans.enabled():  # the common case: not even the span's attributes are built
-            await self._handle(cmd, ctx, None)
+            ack = await self._outcome(cmd, ctx)
+            await self._send_ack(cmd_id, ack, traced=False)
         else:  # `path`: how it came (its live copy, or read from the stream to fill a gap)
-            with spans.consumer_span(subject, headers, message_id=cmd.cmd_id, attributes={
-                    spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd.cmd_id,
+            with spans.consumer_span(subject, headers, message_id=cmd_id, attributes={
+                    spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd_id,
                     spans.CMD_OP: op_of(cmd), spans.CMD_SEQ: seq, "rlfabric.cmd.path": path},
                     ) as span:
-                await self._handle(cmd, ctx, span)
-        for fn in ctx._after_done:
-            fn()
+                ack = await self._outcome(cmd, ctx)
+                if span.is_recording():
+                    span.set_attributes({spans.WEIGHT_VERSION: ack.weight_version,
+                                         "rlfabric.ack.status": ack.status})
+                    if ack.status != "ok":
+                        span.set_status(StatusCode.ERROR,
+                                        f"{ack.error_code}: {ack.error_message}")
+                await self._send_ack(cmd_id, ack, traced=True)
+        if ctx._after_done:
+            for fn in ctx._after_done:
+                fn()
 
-    async def _handle(self, cmd: Command, ctx: CommandContext, span: Span | None) -> None:
-        """Run the handler (unless past its deadline) and send its `done` Ack (`span`: the
-        command's, None when tracing is off)."""
+    async def _outcome(self, cmd: Command, ctx: CommandContext) -> Ack:
+        """Run the handler (unless past its deadline); its `done` Ack, counted."""
         if cmd.deadline and time.time() > cmd.deadline:
             ack = self._make_ack(ctx, "done", "error", None, code="deadline_exceeded",
                                  message=f"{op_of(cmd)} arrived "
                                  f"{time.time() - cmd.deadline:.3f}s after its deadline; "
                                  "not applied")
         else:
-            ack = await self._run_handler(cmd, ctx)
+            try:
+                fields = await self.handler(cmd, ctx)
+            except CommandFailed as exc:
+                ack = self._make_ack(ctx, "done", "error", None, code=exc.code,
+                                     message=str(exc))
+            except Exception as exc:
+                log.exception("handler of %s %s failed on %s", op_of(cmd), cmd.cmd_id,
+                              self.worker_id)
+                ack = self._make_ack(ctx, "done", "error", None, code="handler_error",
+                                     message=f"{type(exc).__name__}: {exc}")
+            else:
+                ack = self._make_ack(ctx, "done", "ok", fields)
         self.applied_seq = cmd.seq
         self.handled += 1
         if ack.status != "ok":
             instruments.current.errors.add(1, {"code": ack.error_code,
                                                spans.WORKER_ID: self.worker_id})
-        if span is not None and span.is_recording():
-            span.set_attributes({spans.WEIGHT_VERSION: ack.weight_version,
-                                 "rlfabric.ack.status": ack.status})
-            if ack.status != "ok":
-                span.set_status(StatusCode.ERROR, f"{ack.error_code}: {ack.error_message}")
-        await self._send_ack(cmd.cmd_id, ack)
-
-    async def _run_handler(self, cmd: Command, ctx: CommandContext) -> Ack:
-        try:
-            fields = await self.handler(cmd, ctx)
-        except CommandFailed as exc:
-            return self._make_ack(ctx, "done", "error", None, code=exc.code, message=str(exc))
-        except Exception as exc:
-            log.exception("handler of %s %s failed on %s", op_of(cmd), cmd.cmd_id,
-                          self.worker_id)
-            return self._make_ack(ctx, "done", "error", None, code="handler_error",
-                                  message=f"{type(exc).__name__}: {exc}")
-        return self._make_ack(ctx, "done", "ok", fields)
+        return ack
 
     async def _reject(self, subject: str, headers: dict[str, str] | None,
                       exc: SchemaError) -> None:

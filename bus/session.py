@@ -29,6 +29,7 @@ from opentelemetry import propagate, trace
 from rlfabric.bus.connect import ConnectOptions, Link, connect
 from rlfabric.bus.errors import TRANSIENT, BusError, PermissionDenied
 from rlfabric.bus.provision import Buckets, Limits, bind_buckets, cluster_size, provision
+from rlfabric.bus.puback import PubAcks
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.subjects import Subjects
 from rlfabric.bus.sync import beside, wait_any
@@ -66,6 +67,7 @@ class Bus:
         self._buckets = buckets
         #: the connection's ups and downs (`link.reconnected` fires after each reconnect)
         self.link = link or Link()
+        self._pubacks = PubAcks(nc)
         self._cleared: set[str] = set()  # subjects a publish to went through
 
     @classmethod
@@ -78,7 +80,7 @@ class Bus:
         link = Link()
         nc = await connect(opts, link=link)
         try:
-            js = nc.jetstream(timeout=10.0, publish_async_max_pending=256)
+            js = nc.jetstream(timeout=10.0)
             if provision_streams:
                 # NOTE: nats-py keeps the server's INFO private; `connect_urls` in it is the
                 # one place that says how many servers the cluster has
@@ -158,14 +160,16 @@ class Bus:
         """A JetStream publish that others may be in flight beside (pipelined); returns its
         PubAck. A reconnect before the PubAck came (it may be lost with the old connection)
         or none within `timeout` raises a `TRANSIENT` error: retry with the same
-        `Nats-Msg-Id` (`persist`) and a stored one is dropped as a duplicate."""
+        `Nats-Msg-Id` (`persist`) and a stored one is dropped as a duplicate. A stream that
+        refuses the message raises its `APIError` at once."""
         return await self._pub_ack(await self._send_stored(subject, data, headers), timeout)
 
     async def _send_stored(self, subject: str, data: bytes | memoryview,
                            headers: dict[str, str] | None) -> asyncio.Future[PubAck]:
-        """Send a JetStream publish; its PubAck comes on the returned future (failed by a
-        reconnect: see `Link.pending_acks`). Await it with `_pub_ack`, or `discard` it."""
-        fut = await self.js.publish_async(subject, data, headers=headers)  # type: ignore[arg-type]  # any buffer goes; a view spares a copy
+        """Send a JetStream publish; its PubAck comes on the returned future (`PubAcks`;
+        failed by a reconnect: see `Link.pending_acks`). Await it with `_pub_ack`, or cancel
+        it and discard it from `Link.pending_acks`."""
+        fut = await self._pubacks.send(subject, data, headers)
         self.link.pending_acks.add(fut)
         return fut
 
@@ -173,8 +177,8 @@ class Bus:
         if fut.done():  # come already (a write sent before what the caller awaited first)
             self.link.pending_acks.discard(fut)
             return fut.result()
-        # no PubAck in `timeout`: a loop timer fails `fut` (nats-py then frees its pending
-        # slot; a late PubAck is dropped), not a cancel scope (one more per publish)
+        # no PubAck in `timeout`: a loop timer fails `fut` (its pending slot is freed; a late
+        # PubAck is dropped), not a cancel scope (one more per publish)
         timer = asyncio.get_running_loop().call_later(timeout, _time_out, fut)
         try:
             return await fut

@@ -104,10 +104,11 @@ class Subjects:
     @staticmethod
     def live_parts(subject: str) -> tuple[str, int, int] | None:
         """`(live(op), schema major, seq)` of a `live_copy` subject; None if it is not one."""
-        parts = subject.rsplit(".", 2)
-        if len(parts) != 3 or not (parts[0] and parts[1].isdecimal() and parts[2].isdecimal()):
+        head, _, seq = subject.rpartition(".")
+        live, _, major = head.rpartition(".")
+        if not (live and major.isdecimal() and seq.isdecimal()):
             return None
-        return parts[0], int(parts[1]), int(parts[2])
+        return live, int(major), int(seq)
 
     @property
     def live_all(self) -> str:
