@@ -16,14 +16,14 @@ import itertools
 
 import msgspec
 import nats.js.errors
+from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import PubAck
+from nats.js.api import Header, PubAck
 
 #: publishes awaiting their PubAck at most; one more waits for a slot (as nats-py's default)
 MAX_PENDING = 256
-_NO_RESPONDERS = "503"
 
 
 class _Error(msgspec.Struct):
@@ -91,7 +91,7 @@ class PubAcks:
         fut = self._waiting.get(msg.subject[len(self._prefix):])
         if fut is None or fut.done():  # timed out, cancelled, or failed by a reconnect
             return
-        if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
+        if msg.headers and msg.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
             fut.set_exception(nats.js.errors.NoStreamResponseError())
             return
         try:
