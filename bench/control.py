@@ -63,6 +63,8 @@ FREEZE_MAX_S = 2.5
 #: calls a block starts with, not measured: a fleet that was stopped sends its heartbeats and
 #: polls then, not in the first measured call
 SETTLE_CALLS = 2
+#: seconds a block waits, at most, for the fleets it stops to have stopped
+STOP_WAIT_S = 1.0
 
 T = TypeVar("T")
 
@@ -162,7 +164,7 @@ async def _alone(p: _Path, quiet: list[int], calls: int) -> None:
     """A block of `p`, after `SETTLE_CALLS` unmeasured calls, with the other paths' `quiet`
     processes stopped (for `FREEZE_MAX_S` at most: a longer block lets them go on, rather
     than have their members expire)."""
-    _signal(quiet, signal.SIGSTOP)
+    await _stop(quiet)
     try:
         async with anyio.create_task_group() as tg:
             async def thaw() -> None:
@@ -176,6 +178,31 @@ async def _alone(p: _Path, quiet: list[int], calls: int) -> None:
             tg.cancel_scope.cancel()
     finally:
         _signal(quiet, signal.SIGCONT)
+
+
+async def _stop(pids: list[int], timeout: float = STOP_WAIT_S) -> None:
+    """SIGSTOP `pids` and wait until each one has stopped: a process stops only once it next
+    runs, which on a busy host can be well into the block (seen: a fleet still running after
+    the block's first calls). On a host without /proc, only the signal is sent."""
+    _signal(pids, signal.SIGSTOP)
+    with anyio.move_on_after(timeout):
+        for pid in pids:
+            # no event marks another process stopping: its /proc state is read until it has
+            while _proc_state(pid) not in _STOPPED_OR_GONE:  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+
+
+#: /proc states after which a process runs no more: stopped, traced, zombie, dead, or
+#: unreadable (no /proc, or the process gone)
+_STOPPED_OR_GONE = frozenset("TtZX-")
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return "-"
 
 
 def _signal(pids: list[int], sig: signal.Signals) -> None:

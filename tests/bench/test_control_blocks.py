@@ -14,6 +14,7 @@ import pytest
 from rlfabric.bench.control import (
     SETTLE_CALLS,
     _Path,
+    _proc_state,
     block_sizes,
     interleave,
     rotations,
@@ -61,32 +62,30 @@ def test_blocks_interleave_and_a_ratio_is_the_median_of_the_blocks() -> None:
     assert a.row(a)["x_vs_fabric"] == 1.0 and a.row(a)["blocks"] == 3
 
 
-def _state(pid: int) -> str:
-    """The process's state letter from /proc (`T`: stopped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()[0]
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_fleets_idle_processes_are_stopped_while_another_path_runs() -> None:
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # busy processes: one that is running when SIGSTOP is sent stops only once the kernel
+    # next switches it, so a block that did not wait for the stop would see it still running
+    # (without that wait this test failed in every run here)
+    fleet = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
     try:
         seen: dict[str, set[str]] = {"a": set(), "b": set()}
 
         def path(name: str, quiet: list[int]) -> _Path:
             async def call(i: int) -> None:
                 if i >= 10:  # calls in blocks (the 10 warm-up calls run before any)
-                    seen[name].add(_state(idle.pid))
+                    seen[name].update(_proc_state(p.pid) for p in fleet)
 
             return _Path(name, 4, call, [], [], quiet=quiet)
 
-        anyio.run(interleave, [path("a", [idle.pid]), path("b", [])], 2)
+        anyio.run(interleave, [path("a", [p.pid for p in fleet]), path("b", [])], 2)
         assert seen["b"] == {"T"}  # a's fleet stopped while b ran
         assert "T" not in seen["a"]  # and going while a ran
-        assert _state(idle.pid) != "T"  # going again after the last block
+        assert all(_proc_state(p.pid) != "T" for p in fleet)  # going again after the last block
     finally:
-        idle.kill()
-        idle.wait(timeout=10)
+        for p in fleet:
+            p.kill()
+            p.wait(timeout=10)
 
 
 @pytest.mark.nats
