@@ -16,6 +16,7 @@ place that knows what is still awaited.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import uuid
@@ -31,6 +32,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
+from opentelemetry.trace import INVALID_SPAN
 
 from rlfabric.bus import Bus
 from rlfabric.bus.outbox import Outbox, Ticket
@@ -51,6 +53,10 @@ from rlfabric.schemas.validation import InvalidRequest, check_request
 from rlfabric.telemetry import instruments, spans
 from rlfabric.trainer.continuation import continuation, merge
 
+#: metric attributes of a result handed over, and of the trainer's queue depth
+_OK = {"outcome": "ok"}
+_TRAINER = {"rlfabric.role": "trainer"}
+
 
 class _Sink(Protocol):
     def send_nowait(self, item: RolloutReply, /) -> None: ...
@@ -59,14 +65,15 @@ class _Sink(Protocol):
 class _Inbox:
     """Where one `generate` call's results land. Unlike a memory object stream, whose every
     `receive` yields to the event loop first, `get` returns what is there at once and waits
-    (on an event made then) only when nothing is: one task switch a result at most."""
+    (on a loop future made then: an `anyio.Event` wraps an `asyncio.Event` that makes one)
+    only when nothing is: one task switch a result at most."""
 
-    __slots__ = ("_arrived", "_error", "_items")
+    __slots__ = ("_error", "_items", "_waiter")
 
     def __init__(self) -> None:
         self._items: deque[RolloutReply] = deque()
         self._error: BaseException | None = None
-        self._arrived: anyio.Event | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     def send_nowait(self, item: RolloutReply, /) -> None:
         self._items.append(item)
@@ -79,30 +86,28 @@ class _Inbox:
             self._wake()
 
     def _wake(self) -> None:
-        if self._arrived is not None:
-            self._arrived.set()
-            self._arrived = None
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # cancelled with its waiting task: nobody to wake
+                waiter.set_result(None)
 
     async def get(self) -> RolloutReply:
         while not self._items:
             if self._error is not None:
                 raise self._error
-            self._arrived = arrived = anyio.Event()
-            await arrived.wait()
+            self._waiter = waiter = asyncio.get_running_loop().create_future()
+            await waiter
         return self._items.popleft()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Waiting:
     """One submitted request: which samples arrived, and where its results go."""
 
     request: RolloutRequest
     sink: _Sink
-    got: set[int] = field(default_factory=set)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.got) >= self.request.sampling.n
+    got: set[int] = field(default_factory=set)  # complete at `request.sampling.n`
 
 
 class RolloutPlane:
@@ -166,18 +171,19 @@ class RolloutPlane:
                 for i in range(w.request.sampling.n) if i not in w.got]
         else:
             replies = [reply]
-        fresh = [r for r in replies if (r.sample_index or 0) not in w.got]
+        got = w.got
+        fresh = [r for r in replies if (r.sample_index or 0) not in got]
         if not fresh:
             self.duplicates_dropped += 1
             return
         results = instruments.current.results
         for r in fresh:
-            w.got.add(r.sample_index or 0)
+            got.add(r.sample_index or 0)
             w.sink.send_nowait(r)
-            results.add(1, {"outcome": r.code if isinstance(r, RolloutError) else "ok"})
-        if w.complete:
-            self._waiting.pop(reply.request_id, None)
-            instruments.current.queue_depth.set(len(self._waiting), {"rlfabric.role": "trainer"})
+            results.add(1, {"outcome": r.code} if isinstance(r, RolloutError) else _OK)
+        if len(got) >= w.request.sampling.n:
+            del self._waiting[reply.request_id]
+            instruments.current.queue_depth.set(len(self._waiting), _TRAINER)
 
     def _prepare(self, req: RolloutRequest, timeout: float | None) -> RolloutRequest:
         check_request(req)
@@ -204,19 +210,23 @@ class RolloutPlane:
         once stored or failed for good. The ticket is None when there was nothing to send."""
         prepared = [self._prepare(req, timeout) for req in requests]
         ids = [r.request_id for r in prepared]
-        if len(set(ids)) != len(ids) or any(rid in self._waiting for rid in ids):
-            twice = sorted({rid for rid in ids if ids.count(rid) > 1 or rid in self._waiting})
+        waiting = self._waiting
+        if len(set(ids)) != len(ids) or any(rid in waiting for rid in ids):
+            twice = sorted({rid for rid in ids if ids.count(rid) > 1 or rid in waiting})
             raise InvalidRequest(f"request_id {', '.join(map(repr, twice[:5]))} is already in "
                                  "flight from this client: ids must be unique among the "
                                  "requests awaiting results")
         if not prepared:
             return prepared, None
         for req in prepared:
-            self._waiting[req.request_id] = _Waiting(req, sink)
-        instruments.current.queue_depth.set(len(self._waiting), {"rlfabric.role": "trainer"})
+            waiting[req.request_id] = _Waiting(req, sink)
+        instruments.current.queue_depth.set(len(waiting), _TRAINER)
         until = (None if any(not r.deadline for r in prepared)
                  else max(r.deadline for r in prepared))
         subject = self.bus.subjects.rollout_request
+        items = [(r, r.submission_id) for r in prepared]
+        if not spans.enabled():  # the common case: no span, no wrapper of `on_stored`
+            return prepared, self.outbox.post(subject, items, until=until, on_done=on_stored)
         # the span a worker's `process` span hangs from: ends once the requests are stored
         sent = spans.start_producer(subject, attributes={spans.BATCH_COUNT: len(prepared)})
 
@@ -225,8 +235,7 @@ class RolloutPlane:
             on_stored(error)
 
         with spans.within(sent):
-            ticket = self.outbox.post(subject, [(r, r.submission_id) for r in prepared],
-                                      until=until, on_done=stored)
+            ticket = self.outbox.post(subject, items, until=until, on_done=stored)
         return prepared, ticket
 
     def _request_headers(self, reqs: list[RolloutRequest]) -> dict[str, str]:
@@ -241,8 +250,9 @@ class RolloutPlane:
         inbox = _Inbox()
         # NOTE: started, not current: an async generator's body runs in its consumer's
         # context between yields
-        span = spans.start("generate", attributes={"rlfabric.requests": len(reqs),
-                                                   "rlfabric.samples": total})
+        span = (spans.start("generate", attributes={"rlfabric.requests": len(reqs),
+                                                    "rlfabric.samples": total})
+                if spans.enabled() else INVALID_SPAN)
         try:
             with spans.within(span):
                 # not awaited: no result comes before its request is stored, and a request
@@ -252,10 +262,11 @@ class RolloutPlane:
             span.end()
             raise
         ids = [r.request_id for r in sent]
+        timed = any(r.deadline for r in sent)  # else no wait has a deadline to end it
         yielded = 0
         try:
             while yielded < total:
-                wait = self._next_deadline(ids)
+                wait = self._next_deadline(ids) if timed else None
                 if wait is None:  # no deadline, no cancel scope (14 us each here)
                     reply: RolloutReply | None = await inbox.get()
                 else:
@@ -272,9 +283,11 @@ class RolloutPlane:
         finally:
             if ticket is not None and not ticket.finished:
                 self.outbox.withdraw(ticket)  # given up before it went out: not sent
+            waiting = self._waiting
             for rid in ids:
-                self._waiting.pop(rid, None)
-            span.set_attribute("rlfabric.results", yielded)
+                waiting.pop(rid, None)
+            if span.is_recording():
+                span.set_attribute("rlfabric.results", yielded)
             span.end()
 
     async def generate_groups(self, requests: Iterable[RolloutRequest], *,
