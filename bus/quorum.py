@@ -40,6 +40,7 @@ from rlfabric.bus.session import Bus
 from rlfabric.bus.sync import Signal, beside
 from rlfabric.schemas import (
     CMD_ID_HEADER,
+    STATE_MARK_HEADER,
     Ack,
     Command,
     FanoutReport,
@@ -345,9 +346,11 @@ class Broadcaster:
         op = op_of(cmd)
         retried: list[Exception] = []  # transient failures: a duplicate after one is ours
         data = encode(cmd)
-        hdrs = self.bus.headers({CMD_ID_HEADER: cmd.cmd_id})
-        ack = await self.bus.persist(s.control(op), data, {**hdrs, "Nats-Msg-Id": cmd.cmd_id},
-                                     until=cmd.deadline or None, on_retry=retried.append)
+        hdrs = self.bus.headers({CMD_ID_HEADER: cmd.cmd_id, "Nats-Msg-Id": cmd.cmd_id})
+        if self.bus.state_mark is not None:  # a joiner waits for that state (see `Bus`)
+            hdrs[STATE_MARK_HEADER] = self.bus.state_mark
+        ack = await self.bus.persist(s.control(op), data, hdrs, until=cmd.deadline or None,
+                                     on_retry=retried.append)
         if ack.duplicate and not retried:
             raise BusError(
                 f"{op} {cmd.cmd_id}: this cmd_id was already published (control stream seq "

@@ -135,6 +135,9 @@ class CommandReceiver:
         self._ack_prefix = bus.subjects.ack_prefix
         #: the control-stream sequence applied next
         self.next_seq = 0
+        #: the control stream's last sequence when `run` started (commands up to it are not
+        #: applied: a joiner starts from the desired state instead)
+        self.start_end = 0
         #: the sequence of the last command applied (0: none yet)
         self.applied_seq = 0
         self.handled = 0
@@ -225,7 +228,8 @@ class CommandReceiver:
         pings = await self.bus.nc.subscribe(s.ping(self.worker_id), cb=self._on_ping)
         try:
             await self.bus.nc.flush(timeout=10)  # both subscriptions are live on the server
-            self.next_seq = await self._stream_end() + 1
+            self.start_end = await self._stream_end()
+            self.next_seq = self.start_end + 1
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._keep_in_sync)
                 task_status.started()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -19,7 +20,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Literal, TypeVar
 
 import anyio
+import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
@@ -34,6 +37,7 @@ from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.subjects import Subjects
 from rlfabric.bus.sync import beside, wait_any
 from rlfabric.schemas import (
+    STATE_MARK_HEADER,
     DesiredState,
     ErrorEvent,
     SchemaError,
@@ -50,6 +54,10 @@ PingResult = Literal["alive", "dead", "silent"]
 STATE_KEY = "desired"
 #: seconds a desired-state write keeps retrying (a cluster's leader election takes 5-7 s)
 STATE_WRITE_WITHIN = 15.0
+#: seconds a joining worker waits, at most, for a desired-state write that lags behind the
+#: last stored command (`Bus.desired_state_after`)
+JOIN_STATE_WAIT_S = 2.0
+_READ_FAILED: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
 #: seconds a pipelined JetStream publish waits for its PubAck before it counts as lost
 PUB_ACK_TIMEOUT = 5.0
 log = logging.getLogger("rlfabric.bus")
@@ -69,6 +77,11 @@ class Bus:
         self.link = link or Link()
         self._pubacks = PubAcks(nc)
         self._cleared: set[str] = set()  # subjects a publish to went through
+        #: this connection's desired-state writes: its id, its count, the last one sent
+        #: (`<writer>.<serial>`, the `rlf-state-mark` of the commands sent after it)
+        self._writer = uuid.uuid4().hex[:12]
+        self._serials = itertools.count(1)
+        self.state_mark: str | None = None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -303,6 +316,42 @@ class Bus:
             return DesiredState()
         return state
 
+    async def desired_state_after(self, seq: int, *,
+                                  wait: float = JOIN_STATE_WAIT_S) -> DesiredState:
+        """The desired state, no older than the write named by the command stored at `seq` in
+        the control stream (its `rlf-state-mark`). A sender sends that write before the
+        command, but the state bucket and the control stream store what they get in no common
+        order, so the write can land after the command. Waits for it at most `wait` seconds,
+        then goes on with what is there (logged). A state written by another connection is
+        taken as it is: two writers' writes have no order to compare."""
+        state = await self.desired_state()
+        mark = await self._state_mark_at(seq) if seq > 0 else None
+        writer, _, serial = (mark or "").rpartition(".")
+        if not writer or not serial.isdecimal():
+            return state
+        want = int(serial)
+        deadline = time.monotonic() + wait
+        delay = 0.005
+        while state.writer == writer and state.serial < want:
+            if time.monotonic() >= deadline:
+                log.warning("the desired state is still write %d of %s, older than write %d "
+                            "that command seq %d was sent after; starting from it after %.1fs",
+                            state.serial, writer, want, seq, wait)
+                break
+            await anyio.sleep(delay)  # no event says that another stream stored something
+            delay = min(2 * delay, 0.1)
+            state = await self.desired_state()
+        return state
+
+    async def _state_mark_at(self, seq: int) -> str | None:
+        try:
+            raw = await self.js.get_msg(self.subjects.control_stream, seq=seq)
+        except _READ_FAILED as exc:  # NotFoundError among them: deleted, or a purged stream
+            log.debug("command seq %d not read (%s): its state write is not waited for", seq,
+                      exc)
+            return None
+        return (raw.headers or {}).get(STATE_MARK_HEADER)
+
     async def put_desired_state(self, state: DesiredState, *,
                                 within: float = STATE_WRITE_WITHIN) -> None:
         """Write the job's desired state, retried through a reconnect or a cluster's leader
@@ -341,8 +390,11 @@ class Bus:
         await self._put_state(subject, data, hdrs, within=within)
 
     def _state_put(self, state: DesiredState) -> tuple[str, bytes, dict[str, str]]:
+        serial = next(self._serials)
+        state = msgspec.structs.replace(state, writer=self._writer, serial=serial)
+        self.state_mark = f"{self._writer}.{serial}"
         return (f"$KV.{self.subjects.state_bucket}.{STATE_KEY}", encode(state),
-                {"Nats-Msg-Id": f"state-{uuid.uuid4().hex}"})
+                {"Nats-Msg-Id": f"state-{self._writer}.{serial}"})
 
     async def _put_state(self, subject: str, data: bytes, hdrs: dict[str, str], *,
                          within: float) -> None:

@@ -29,6 +29,8 @@ REQUEST_ID_HEADER = "rlf-request-id"
 COUNT_HEADER = "rlf-count"
 #: on a message combining items of several traced calls: each item's `traceparent`, in order
 TRACEPARENTS_HEADER = "rlf-traceparents"
+#: on a stored command: `<writer>.<serial>` of the last desired-state write its sender sent
+STATE_MARK_HEADER = "rlf-state-mark"
 SCHEMA_VERSION = "1.0"
 SCHEMA_MAJOR = 1
 

@@ -57,6 +57,11 @@ class DesiredState(Message, frozen=True, kw_only=True):
     pause_mode: str = ""
     group_epoch: int = 0
     updated_at: float = 0.0
+    #: the connection that wrote it (a random id per `Bus`) and its count of state writes: a
+    #: command names the last write sent before it (header `rlf-state-mark`), so a joiner can
+    #: tell a state that lags behind a stored command (two streams keep no common order)
+    writer: str = ""
+    serial: int = 0
 
 
 class FanoutReport(Message, frozen=True, kw_only=True):

@@ -3,8 +3,10 @@
 Start order (each step is live before the next):
 0. the engine;
 1. the control receiver (so any command sent to a snapshot containing us reaches us);
-2. the desired state: a worker never serves before it holds the fleet's weight version
-   (loading it needs a pull transport; see `WeightSync`), and joins a paused fleet paused;
+2. the desired state, no older than the last command stored before the receiver started
+   (`Bus.desired_state_after`): a worker never serves before it holds the fleet's weight
+   version (loading it needs a pull transport; see `WeightSync`), and joins a paused fleet
+   paused;
 3. membership (ping responder + heartbeated key);
 4. the rollout data plane (`RolloutServer`).
 
@@ -90,7 +92,8 @@ class Worker:
         async with beside(cancel_at_exit=True) as tg:  # an engine's death raised as itself
             await tg.start(self._run_engine)
             await tg.start(self.receiver.run)
-            desired = await self.bus.desired_state()
+            # no older than the last command the receiver will not apply
+            desired = await self.bus.desired_state_after(self.receiver.start_end)
             await self.weights.load_current(desired)  # never serve a stale version
             if desired.paused:  # join a paused fleet paused
                 self.rollouts.hold()

@@ -1,12 +1,17 @@
 """Writing the job's desired state beside a call: stored by the time the call returns, and
-nothing left behind by a call that fails."""
+nothing left behind by a call that fails; a joiner never starts from a state older than the
+commands it skips."""
 
 from __future__ import annotations
 
+import time
+
+import anyio
 import pytest
 
-from rlfabric.bus import Bus
-from rlfabric.schemas import DesiredState
+from rlfabric.bus import Bus, QuorumPolicy, new_cmd_id
+from rlfabric.schemas import CMD_ID_HEADER, STATE_MARK_HEADER, DesiredState, Pause, encode
+from rlfabric.trainer import FabricClient
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -32,3 +37,66 @@ async def test_a_desired_state_write_is_stored_when_its_block_ends(nats_url, pre
         assert not bus.link.pending_acks  # nothing waits on the abandoned PubAck
         await bus.put_desired_state(DesiredState(weight_version=4))  # a writer's rollback
         assert (await bus.desired_state()).weight_version == 4
+
+
+async def test_a_command_names_the_state_write_sent_before_it(nats_url, prefix):
+    # no worker and a policy that needs none: the call publishes and returns
+    async with FabricClient.connect(nats_url, prefix=prefix,
+                                    policy=QuorumPolicy(required=0)) as client:
+        await client.pause()
+        await client.resume()
+        bus = client.bus
+        stored = await bus.js.get_msg(bus.subjects.control_stream, seq=2)
+        state = await bus.desired_state()
+        assert not state.paused and state.serial == 2  # resume's write, the second
+        assert stored.headers[STATE_MARK_HEADER] == f"{state.writer}.2" == bus.state_mark
+
+
+async def test_a_joiner_waits_for_a_state_write_stored_after_its_command(nats_url, prefix):
+    # the server stores a state write and the command sent after it in no common order: here
+    # the write is held back until the joiner has read the state once
+    async with Bus.connect(nats_url, prefix=prefix) as trainer, \
+            Bus.connect(nats_url, prefix=prefix) as joiner:
+        await trainer.put_desired_state(DesiredState(paused=False))  # write 1, stored
+        held = trainer._state_put(DesiredState(paused=True))  # write 2, not sent yet
+        cmd = Pause(cmd_id=new_cmd_id(), mode="wait")
+        ack = await trainer.persist(trainer.subjects.control("pause"), encode(cmd),
+                                    trainer.headers({CMD_ID_HEADER: cmd.cmd_id,
+                                                     STATE_MARK_HEADER: trainer.state_mark}))
+        # what the join read before: the state from before the command it will not apply
+        assert not (await joiner.desired_state()).paused
+
+        reads = 0
+        read_once = anyio.Event()
+        plain = joiner.desired_state
+
+        async def counted() -> DesiredState:
+            nonlocal reads
+            state = await plain()
+            reads += 1
+            read_once.set()
+            return state
+
+        joiner.desired_state = counted  # type: ignore[method-assign]
+        got: list[DesiredState] = []
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                async def join() -> None:
+                    got.append(await joiner.desired_state_after(ack.seq))
+
+                tg.start_soon(join)
+                await read_once.wait()  # it read write 1 ...
+                await trainer.persist(*held)  # ... and write 2 lands only now
+        assert got[0].paused and got[0].serial == 2
+        assert reads >= 2
+
+        # a write that never lands: the joiner goes on after its wait, with what is there
+        trainer._state_put(DesiredState(paused=False))  # write 3, never sent
+        cmd = Pause(cmd_id=new_cmd_id(), mode="wait")
+        ack = await trainer.persist(trainer.subjects.control("pause"), encode(cmd),
+                                    trainer.headers({CMD_ID_HEADER: cmd.cmd_id,
+                                                     STATE_MARK_HEADER: trainer.state_mark}))
+        joiner.desired_state = plain  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        state = await joiner.desired_state_after(ack.seq, wait=0.3)
+        assert state.serial == 2 and time.monotonic() - t0 >= 0.3
