@@ -31,6 +31,9 @@ TRANSIENT: tuple[type[Exception], ...] = (
     nats.js.errors.NoStreamResponseError,
     nats.js.errors.ServiceUnavailableError,
 )
+#: what reading a stored message by sequence raises when it cannot be read now or at all (the
+#: server coming back, the message deleted: `NotFoundError` is an `APIError`)
+READ_FAILED: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
 
 
 class BusError(RLFabricError):

@@ -52,7 +52,7 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 from opentelemetry.trace import StatusCode
 
-from rlfabric.bus.errors import TRANSIENT, CommandFailed
+from rlfabric.bus.errors import READ_FAILED, TRANSIENT, CommandFailed
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import Subjects, check_token, is_token
@@ -111,7 +111,6 @@ Handler = Callable[[Command, CommandContext], Awaitable[AckFields | None]]
 StateFn = Callable[[], tuple[int, str]]
 #: queued for the loop: (seq, `live(op)`, live copy), or (0, "", None) for a catch-up
 _Item = tuple[int, str, Msg | None]
-_READ_FAILED: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
 
 
 class CommandReceiver:
@@ -352,7 +351,7 @@ class CommandReceiver:
                                                 subject=s.control_all, next=True)
             except NotFoundError:
                 return  # up to date
-            except _READ_FAILED as exc:
+            except READ_FAILED as exc:
                 # the next poll, reconnect or probe tries again; nothing applied out of order
                 log.warning("%s: reading commands from seq %d failed (%s); retried shortly",
                             self.worker_id, self.next_seq, exc)

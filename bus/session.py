@@ -30,7 +30,7 @@ from nats.js.errors import NotFoundError
 from opentelemetry import propagate, trace
 
 from rlfabric.bus.connect import ConnectOptions, Link, connect
-from rlfabric.bus.errors import TRANSIENT, BusError, PermissionDenied
+from rlfabric.bus.errors import READ_FAILED, TRANSIENT, BusError, PermissionDenied
 from rlfabric.bus.provision import Buckets, Limits, bind_buckets, cluster_size, provision
 from rlfabric.bus.puback import PubAcks
 from rlfabric.bus.ratelimit import RateLimited
@@ -57,7 +57,6 @@ STATE_WRITE_WITHIN = 15.0
 #: seconds a joining worker waits, at most, for a desired-state write that lags behind the
 #: last stored command (`Bus.desired_state_after`)
 JOIN_STATE_WAIT_S = 2.0
-_READ_FAILED: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
 #: seconds a pipelined JetStream publish waits for its PubAck before it counts as lost
 PUB_ACK_TIMEOUT = 5.0
 log = logging.getLogger("rlfabric.bus")
@@ -346,7 +345,7 @@ class Bus:
     async def _state_mark_at(self, seq: int) -> str | None:
         try:
             raw = await self.js.get_msg(self.subjects.control_stream, seq=seq)
-        except _READ_FAILED as exc:  # NotFoundError among them: deleted, or a purged stream
+        except READ_FAILED as exc:
             log.debug("command seq %d not read (%s): its state write is not waited for", seq,
                       exc)
             return None
