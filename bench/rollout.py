@@ -24,6 +24,7 @@ a slow second is common: alternating rounds put it in one round of each path, no
 The traced row, and vLLM's direct row, run their rounds on their own (see `run`).
 
     rlfabric bench rollout [--workers 1,4] [--engines null,torch] [--rounds 5] [--trace DIR]
+                           [--max-tokens N]
     rlfabric bench rollout --engine vllm --workers 1,2
 """
 
@@ -276,17 +277,20 @@ async def measure(one: One, n: int, conc: int, max_tokens: int, tag: str) -> dic
 
 
 async def run(engines: list[str], sizes: list[int], scale: float, rounds: int = 1,
-              trace_dir: str | None = None, torch_threads: int = 0) -> list[dict[str, Any]]:
+              trace_dir: str | None = None, torch_threads: int = 0,
+              completion: int = 0) -> list[dict[str, Any]]:
     """Per engine and fleet size, every path's fleet is started and warmed once; then
     `rounds` rounds each run every path once, in an order that rotates from round to round,
     so every path meets the same host (these machines are shared: a slow second hits one
     round of each path, not one path). A row gives the median over its rounds; its ratios
-    are the medians of the per-round ratios."""
+    are the medians of the per-round ratios. `completion` (0: the workload's) is every
+    request's `max_tokens`."""
     rows = []
     for eng in engines:
-        n, conc, max_tokens = WORKLOAD[eng]
+        n, conc, default_tokens = WORKLOAD[eng]
+        max_tokens = completion or default_tokens
         n = max(conc, int(n * scale))
-        base = {"engine": eng, "requests": n, "concurrency": conc}
+        base = {"engine": eng, "requests": n, "concurrency": conc, "max_tokens": max_tokens}
         # NOTE: an in-process vLLM sets environment variables (LD_PRELOAD, ...) that processes
         # started after it would inherit, and two vLLMs on one CPU machine contend: its direct
         # path is measured on its own, after every fleet is down
@@ -372,16 +376,18 @@ def main(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.workers.split(",") if x]
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
-    if args.rounds < 1 or args.threads < 0:
-        print("rlfabric bench rollout: --rounds must be >= 1 and --threads >= 0",
-              file=sys.stderr)
+    if args.rounds < 1 or args.threads < 0 or args.max_tokens < 0:
+        print("rlfabric bench rollout: --rounds must be >= 1, --threads and --max-tokens "
+              ">= 0", file=sys.stderr)
         return 2
-    rows = anyio.run(run, engines, sizes, args.scale, args.rounds, args.trace, args.threads)
+    rows = anyio.run(run, engines, sizes, args.scale, args.rounds, args.trace, args.threads,
+                     args.max_tokens)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     cols = [("engine", "engine", ""), ("path", "path", ""), ("workers", "workers", ""),
-            ("requests", "requests", ""), ("concurrency", "lanes", ""), ("rounds", "rounds", ""),
+            ("requests", "requests", ""), ("concurrency", "lanes", ""),
+            ("max_tokens", "tokens/req", ""), ("rounds", "rounds", ""),
             ("results_s", "results/s", ".0f"), ("tokens_s", "tokens/s", ".0f"),
             ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
             ("vs_http", "x http", ".2f"), ("vs_direct", "x direct tok/s", ".2f")]
@@ -404,6 +410,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch threads of every engine (direct, HTTP servers, workers; not "
                    "vLLM's); default: the machine's cores shared out among a fleet's engines")
+    p.add_argument("--max-tokens", type=int, default=0, metavar="N",
+                   help="completion tokens per request, every engine (default: null 16, "
+                   "torch 16, vllm 32; null echoes the 16-token prompt, so at most 16 there). "
+                   "Through a fleet every batch pays two hops (results "
+                   "out, the next requests in) that the direct path does not: longer "
+                   "completions spread them over more tokens")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply the request counts (e.g. 0.1 for a quick look)")
     p.add_argument("--trace", metavar="DIR", default=None,

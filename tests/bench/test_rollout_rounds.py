@@ -50,13 +50,14 @@ def test_a_row_is_the_median_of_its_rounds_with_percentiles_over_all() -> None:
 @pytest.mark.slow
 def test_every_path_serves_every_round_after_idling_between_them() -> None:
     # real fleets: one aiohttp server, one rlfabric worker, one nats-py floor responder, the
-    # direct engine; each idles (seconds) while the others run and must not stall after it
-    rows = anyio.run(run, ["null"], [1], 0.05, 3)
+    # direct engine; each idles (seconds) while the others run and must not stall after it.
+    # Completions of 4 tokens, not the workload's 16 (`--max-tokens`): every path gets them
+    rows = anyio.run(run, ["null"], [1], 0.05, 3, None, 0, 4)
     by_path = {r["path"]: r for r in rows}
     assert set(by_path) == {"direct", "http", "rlfabric", "nats-py floor"}
     for r in rows:
         assert r["requests"] == 150 and r["rounds"] == 3, r
         assert len(r["results_s_rounds"]) == 3 and min(r["results_s_rounds"]) > 0, r
-        assert r["tokens_s"] == pytest.approx(16 * r["results_s"]), r
+        assert r["max_tokens"] == 4 and r["tokens_s"] == pytest.approx(4 * r["results_s"]), r
     assert by_path["http"]["vs_http"] == 1.0 and by_path["direct"]["vs_direct"] == 1.0
     assert by_path["rlfabric"]["vs_http"] > 0 and by_path["rlfabric"]["vs_direct"] > 0
