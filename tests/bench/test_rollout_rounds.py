@@ -3,6 +3,7 @@ the per-round ratios; every path keeps serving after idling while the others run
 
 from __future__ import annotations
 
+import functools
 import math
 
 import anyio
@@ -52,7 +53,7 @@ def test_every_path_serves_every_round_after_idling_between_them() -> None:
     # real fleets: one aiohttp server, one rlfabric worker, one nats-py floor responder, the
     # direct engine; each idles (seconds) while the others run and must not stall after it.
     # Completions of 4 tokens, not the workload's 16 (`--max-tokens`): every path gets them
-    rows = anyio.run(run, ["null"], [1], 0.05, 3, None, 0, 4)
+    rows = anyio.run(functools.partial(run, ["null"], [1], 0.05, rounds=3, completion=4))
     by_path = {r["path"]: r for r in rows}
     assert set(by_path) == {"direct", "http", "rlfabric", "nats-py floor"}
     for r in rows:
