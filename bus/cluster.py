@@ -21,8 +21,12 @@ from types import TracebackType
 from rlfabric.bus.errors import NatsServerError
 from rlfabric.bus.server import DEFAULT_MAX_PAYLOAD, EmbeddedNats
 
-#: a node logs this once the cluster's JetStream has elected its metadata leader
+#: in every line a node logs when its metadata leader changes (nats-server's
+#: `processLeaderChange`): one elected ("Self is new JetStream cluster metadata leader",
+#: "JetStream cluster new metadata leader: n1/rlfabric") or none ("JetStream cluster no
+#: metadata leader", logged when a node's leader is gone: it stepped down, or lost quorum)
 _META_LEADER = "metadata leader"
+_NO_META_LEADER = "no metadata leader"
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -37,6 +41,14 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def knows_meta_leader(log_lines: list[str]) -> bool:
+    """Whether a node's log (`EmbeddedNats.log_lines`: its last 200 lines) last named a
+    JetStream metadata leader elected, not lost. A JetStream API request sent to a node that
+    knows none can go unanswered: the client times out."""
+    last = next((line for line in reversed(log_lines) if _META_LEADER in line), None)
+    return last is not None and _NO_META_LEADER not in last
 
 
 class EmbeddedCluster:
@@ -88,11 +100,11 @@ class EmbeddedCluster:
         return self
 
     def wait_for_jetstream(self, timeout: float | None = None) -> None:
-        """Block until a node logged that the cluster's JetStream has a metadata leader and
+        """Block until every node knows the cluster's JetStream metadata leader and
         every node tells a connecting client about all N nodes (a job provisioned then
         counts the whole cluster: `provision.cluster_size`)."""
         deadline = time.monotonic() + (timeout or self.ready_timeout)
-        while not (any(_META_LEADER in line for node in self.nodes for line in node.log_lines)
+        while not (all(knows_meta_leader(node.log_lines) for node in self.nodes)
                    and all(self._known_nodes(url) == self.n for url in self.urls)):
             if time.monotonic() > deadline:
                 tails = " || ".join(f"n{i}: " + " | ".join(node.log_lines[-3:])

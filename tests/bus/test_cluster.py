@@ -16,6 +16,7 @@ import anyio
 import pytest
 
 from rlfabric.bus import Bus, EmbeddedCluster
+from rlfabric.bus.cluster import knows_meta_leader
 from rlfabric.bus.errors import TRANSIENT, ProvisioningError
 from rlfabric.bus.provision import Limits, provision
 
@@ -85,6 +86,21 @@ async def test_nats_cluster_cli_starts_three_nodes_and_a_job_on_them_keeps_three
         assert set((await replicas_of(bus)).values()) == {1}
 
 
+def test_a_node_knows_its_metadata_leader_from_its_last_word_on_it() -> None:
+    # nats-server's own lines (processLeaderChange); "no metadata leader" names none
+    start = ["[INF] Starting JetStream cluster",
+             "[WRN] JetStream has not established contact with a meta leader"]
+    elected = "[INF] Self is new JetStream cluster metadata leader"
+    learned = "[INF] JetStream cluster new metadata leader: n1/rlfabric"
+    lost = "[INF] JetStream cluster no metadata leader"
+    assert not knows_meta_leader(start)
+    assert knows_meta_leader([*start, elected])
+    assert knows_meta_leader([*start, learned, "[INF] Server is ready"])
+    assert not knows_meta_leader([*start, lost])
+    assert not knows_meta_leader([*start, learned, lost])
+    assert knows_meta_leader([*start, lost, learned])
+
+
 def test_a_cluster_needs_three_nodes() -> None:
     with pytest.raises(ValueError, match="at least 3 nodes"):
         EmbeddedCluster(2)
@@ -99,8 +115,7 @@ async def test_provisioning_waits_for_a_node_still_joining_and_says_when_one_is_
 
         def meta_leader() -> None:
             deadline = time.monotonic() + 30
-            while not any("metadata leader" in line for n in cluster.nodes[:2]
-                          for line in n.log_lines):
+            while not all(knows_meta_leader(n.log_lines) for n in cluster.nodes[:2]):
                 assert time.monotonic() < deadline, "two nodes elected no metadata leader"
                 time.sleep(0.05)  # the servers' logs are read by threads
 
