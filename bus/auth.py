@@ -12,6 +12,9 @@ Roles:
   publishes results, acks, events and membership keys, answers pings, reads weights and the
   desired state. Never publishes `<prefix>.control.*` or `<prefix>.live.*`, never writes
   `<prefix>_state`, never updates, purges or deletes a stream or the workers' consumer.
+- `gateway` (`rlfabric gateway`): submits rollout requests and reads their results and token
+  deltas, keeps agent sessions (`<prefix>.session.>`), reads membership and the desired state.
+  Never publishes a command, never writes membership or the desired state.
 - `observer` (`rlfabric status`): reads stream and consumer info, both buckets and events;
   publishes nothing but read-only JetStream API requests.
 
@@ -29,9 +32,10 @@ from pathlib import Path
 
 import nkeys
 
-from rlfabric.bus.subjects import Subjects
+from rlfabric.bus.subjects import CHECKPOINT_KEY, STATE_KEY, Subjects
 
-ROLES: tuple[str, ...] = ("trainer", "worker", "observer")
+ROLES: tuple[str, ...] = ("trainer", "worker", "gateway", "observer")
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,7 @@ def permissions(role: str, s: Subjects) -> Permissions:
     p = s.prefix
     members, state = f"KV_{s.members_bucket}", f"KV_{s.state_bucket}"
     streams = (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
-               members, state)
+               s.sessions_stream, members, state)
     api = "$JS.API"
     read = [
         f"{api}.INFO", f"{api}.STREAM.NAMES",
@@ -89,15 +93,36 @@ def permissions(role: str, s: Subjects) -> Permissions:
                 f"{api}.CONSUMER.CREATE.{w}", f"{api}.CONSUMER.CREATE.{w}.>",
                 f"$JS.ACK.{roll}.>",
                 f"{p}.rollout.result.>", f"{p}.ack.>", f"{p}.events.>",
+                f"{p}.stream.>",  # token deltas of streamed requests
                 f"{p}.worker.*.ping",  # a new worker asks whether its id is taken
                 f"$KV.{s.members_bucket}.>",
+                f"$KV.{s.state_bucket}.{CHECKPOINT_KEY}",  # version 0 with no trainer
             ),
-            publish_deny=(f"{p}.control.>", f"{p}.live.>", f"$KV.{s.state_bucket}.>",
+            publish_deny=(f"{p}.control.>", f"{p}.live.>",
+                          f"$KV.{s.state_bucket}.{STATE_KEY}",
                           f"{api}.STREAM.UPDATE.>", f"{api}.STREAM.DELETE.>",
                           f"{api}.STREAM.PURGE.>", f"{api}.STREAM.MSG.DELETE.>",
                           f"{api}.CONSUMER.DELETE.{roll}.>"),
             subscribe_allow=("_INBOX.>", f"{p}.worker.*.ping", f"{p}.live.>"),
             allow_responses=True,  # ping answers
+        )
+    if role == "gateway":
+        roll, res, ses = s.rollout_stream, s.results_stream, s.sessions_stream
+        return Permissions(
+            publish_allow=(
+                *read,
+                *(f"{api}.STREAM.CREATE.{x}" for x in streams),  # whoever comes first
+                f"{api}.CONSUMER.CREATE.{roll}.{s.rollout_consumer}.>",
+                f"{api}.CONSUMER.DURABLE.CREATE.{roll}.{s.rollout_consumer}",
+                f"{api}.CONSUMER.CREATE.{res}", f"{api}.CONSUMER.CREATE.{res}.>",
+                f"{api}.DIRECT.GET.{ses}", f"{api}.DIRECT.GET.{ses}.>",
+                f"{p}.rollout.request", f"{p}.session.>", f"{p}.events.>",
+            ),
+            publish_deny=(f"{p}.control.>", f"{p}.live.>", f"$KV.{s.state_bucket}.>",
+                          f"$KV.{s.members_bucket}.>", f"{api}.STREAM.UPDATE.>",
+                          f"{api}.STREAM.DELETE.>", f"{api}.STREAM.PURGE.>",
+                          f"{api}.STREAM.MSG.DELETE.>", f"{api}.CONSUMER.DELETE.{roll}.>"),
+            subscribe_allow=("_INBOX.>", f"{p}.stream.>", f"{p}.events.>"),
         )
     if role == "observer":
         return Permissions(publish_allow=tuple(read),

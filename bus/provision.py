@@ -59,6 +59,8 @@ class Limits:
     # storage, so a cap per job would make a server refuse its Nth job; age bounds it instead.
     results_max_bytes: int | None = None
     weights_max_age: float = 2 * HOUR
+    #: how long agent sessions' records (and so their trajectories) stay readable
+    sessions_max_age: float = 24 * HOUR
     duplicate_window: float = 120.0
     #: seconds a fetched rollout request stays with its worker without an ack or in-progress
     #: signal; after it (a crashed worker) the request goes to another worker
@@ -119,6 +121,17 @@ def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamCo
             storage=StorageType.FILE,
             max_age=lim.control_max_age,
             duplicate_window=lim.duplicate_window,
+            num_replicas=replicas,
+        ),
+        StreamConfig(
+            name=s.sessions_stream,
+            subjects=[s.sessions_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=lim.sessions_max_age,
+            duplicate_window=lim.duplicate_window,
+            # a gateway reads a session's records by subject, one direct get each
+            allow_direct=True,
             num_replicas=replicas,
         ),
         StreamConfig(

@@ -30,14 +30,21 @@ from nats.js.errors import NotFoundError
 from opentelemetry import propagate, trace
 
 from rlfabric.bus.connect import ConnectOptions, Link, connect
-from rlfabric.bus.errors import READ_FAILED, TRANSIENT, BusError, PermissionDenied
+from rlfabric.bus.errors import (
+    JS_WRONG_LAST_SEQUENCE,
+    READ_FAILED,
+    TRANSIENT,
+    BusError,
+    PermissionDenied,
+)
 from rlfabric.bus.provision import Buckets, Limits, bind_buckets, cluster_size, provision
 from rlfabric.bus.puback import PubAcks
 from rlfabric.bus.ratelimit import RateLimited
-from rlfabric.bus.subjects import Subjects
+from rlfabric.bus.subjects import CHECKPOINT_KEY, STATE_KEY, Subjects
 from rlfabric.bus.sync import beside, wait_any
 from rlfabric.schemas import (
     STATE_MARK_HEADER,
+    CheckpointClaim,
     DesiredState,
     ErrorEvent,
     SchemaError,
@@ -51,7 +58,6 @@ from rlfabric.telemetry import spans
 
 T = TypeVar("T")
 PingResult = Literal["alive", "dead", "silent"]
-STATE_KEY = "desired"
 #: seconds a desired-state write keeps retrying (a cluster's leader election takes 5-7 s)
 STATE_WRITE_WITHIN = 15.0
 #: seconds a joining worker waits, at most, for a desired-state write that lags behind the
@@ -406,12 +412,47 @@ class Bus:
                 f"{type(exc).__name__}: {exc}); on a NATS cluster a node may be down while "
                 "its streams elect new leaders, which takes seconds: retry the call") from exc
 
+    async def checkpoint_claim(self) -> CheckpointClaim | None:
+        """The job's version-0 checkpoint, if a worker claimed one (`CheckpointClaim`)."""
+        if self._buckets is None:
+            return None
+        try:
+            entry = await self._buckets.state.get(CHECKPOINT_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        try:
+            claim: CheckpointClaim = codec_for(CheckpointClaim).decode(entry.value,
+                                                                      check_version=False)
+        except SchemaError as exc:
+            _garbage.warning("the checkpoint claim (%s bucket) is unreadable (%s); repair it "
+                             "with `rlfabric ctl reset-state`", self.subjects.state_bucket, exc)
+            return None
+        return claim
+
+    async def claim_checkpoint(self, claim: CheckpointClaim) -> CheckpointClaim:
+        """Make `claim` the job's version-0 checkpoint unless one is already claimed; returns
+        the claim that holds (this one, or the first)."""
+        subject = f"$KV.{self.subjects.state_bucket}.{CHECKPOINT_KEY}"
+        try:
+            await self.persist(subject, encode(claim),
+                               {"Nats-Expected-Last-Subject-Sequence": "0"},
+                               until=time.time() + STATE_WRITE_WITHIN)
+            return claim
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != JS_WRONG_LAST_SEQUENCE:
+                raise
+        held = await self.checkpoint_claim()
+        return held if held is not None else claim
+
     async def stream_depths(self) -> dict[str, int | None]:
         """Messages held per stream (None if the stream does not exist), and the rollout
         requests not yet delivered to any worker."""
         s = self.subjects
         out: dict[str, int | None] = {}
-        for name in (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream):
+        for name in (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
+                     s.sessions_stream):
             try:
                 out[name] = (await self.js.stream_info(name)).state.messages
             except NotFoundError:

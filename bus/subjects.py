@@ -12,6 +12,10 @@ from rlfabric.bus.errors import InvalidName
 from rlfabric.schemas import SCHEMA_MAJOR
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: keys of the `<prefix>_state` bucket: the trainer's desired state, and version 0 of a job no
+#: trainer pushed weights to (`CheckpointClaim`, written once by the first worker)
+STATE_KEY = "desired"
+CHECKPOINT_KEY = "checkpoint"
 
 
 def is_token(value: str) -> bool:
@@ -60,6 +64,10 @@ class Subjects:
         return f"{self._upper}_WEIGHTS"
 
     @property
+    def sessions_stream(self) -> str:
+        return f"{self._upper}_SESSIONS"
+
+    @property
     def rollout_consumer(self) -> str:
         """The one durable consumer every worker pulls from: the workers' queue group."""
         return f"{self._upper}_WORKERS"
@@ -83,6 +91,22 @@ class Subjects:
     @property
     def rollout_results_all(self) -> str:
         return f"{self.prefix}.rollout.result.>"
+
+    def token_stream(self, client_id: str) -> str:
+        """Core NATS: the token deltas of a client's streamed requests (`TokenDelta`)."""
+        return f"{self.prefix}.stream.{check_token(client_id, 'client id')}"
+
+    @property
+    def token_streams_all(self) -> str:
+        return f"{self.prefix}.stream.>"
+
+    def session(self, key: str) -> str:
+        """A session's records (`SessionTurn`, `SessionEnd`); `key` from `session_key`."""
+        return f"{self.prefix}.session.{check_token(key, 'session key')}"
+
+    @property
+    def sessions_all(self) -> str:
+        return f"{self.prefix}.session.>"
 
     def control(self, op: str) -> str:
         return f"{self.prefix}.control.{op}"

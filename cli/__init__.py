@@ -10,6 +10,7 @@ from rlfabric import __version__
 from rlfabric.cli import (
     bench_cmd,
     ctl_cmd,
+    gateway_cmd,
     nats_cmd,
     schema_cmd,
     status_cmd,
@@ -22,6 +23,7 @@ examples:
   rlfabric up                                     the demo: NATS + 2 workers + GRPO, live
   rlfabric nats --port 4222                       run a NATS+JetStream server for a job
   rlfabric worker --nats nats://127.0.0.1:4222 --engine torch --model tiny
+  rlfabric gateway --nats nats://127.0.0.1:4222 --model tinyqwen   the OpenAI API for agents
   rlfabric status --nats nats://127.0.0.1:4222    members, versions, queue depths
   rlfabric ctl --nats nats://127.0.0.1:4222 pause --mode wait
   rlfabric schema > rlfabric-schema.json          JSON Schema of every wire message
@@ -39,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rlfabric {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for mod in (up_cmd, nats_cmd, worker_cmd, status_cmd, ctl_cmd, schema_cmd, bench_cmd):
+    for mod in (up_cmd, nats_cmd, worker_cmd, gateway_cmd, status_cmd, ctl_cmd, schema_cmd,
+                bench_cmd):
         mod.add_parser(sub)
     return p
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Literal
 
 import anyio
 import msgspec
+import nats.js.errors
 
 from rlfabric.bus import MembershipChanged, NatsUnavailable, QuorumNotReached, QuorumPolicy
+from rlfabric.bus.subjects import CHECKPOINT_KEY
 from rlfabric.cli._common import add_bus_options, connect_options
 from rlfabric.schemas import PAUSE_MODES, FanoutReport
 
@@ -38,9 +41,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     csub.add_parser("describe", help="each worker's engine, model, version, load")
     csub.add_parser(
         "reset-state", help="repair: overwrite the job's desired state with an empty one",
-        description="Overwrite the desired state (the <prefix>_state bucket's one key) with an "
-        "empty one: no weight version, not paused. For a value nobody can read (rlfabric reads "
-        "it as empty and says so in a warning); the trainer's next update writes a real one.")
+        description="Overwrite the desired state (the <prefix>_state bucket's 'desired' key) "
+        "with an empty one: no weight version, not paused, and delete the checkpoint claim "
+        "(which checkpoint workers serve as version 0 when no trainer pushed weights). For a "
+        "value nobody can read (rlfabric reads it as empty and says so in a warning), or a job "
+        "whose workers now start from another checkpoint; the trainer's next update writes a "
+        "real one.")
     drop = csub.add_parser(
         "drop-member", help="repair: delete one key of the membership bucket",
         description="Delete a key of the <prefix>_members bucket, e.g. an unreadable one named "
@@ -76,7 +82,10 @@ async def _repair(args: argparse.Namespace) -> str:
     async with Bus.connect(connect_options(args, "rlfabric-ctl"), prefix=args.prefix) as bus:
         if args.op == "reset-state":
             await bus.put_desired_state(DesiredState())
-            return f"desired state of job {args.prefix!r} reset to empty"
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                await bus.buckets.state.delete(CHECKPOINT_KEY)
+            return (f"desired state of job {args.prefix!r} reset to empty, checkpoint claim "
+                    "cleared")
         await bus.buckets.members.delete(args.key)
         return f"membership key {args.key!r} of job {args.prefix!r} deleted"
 

@@ -13,6 +13,7 @@ import msgspec
 
 from rlfabric.bus import Bus, NatsUnavailable
 from rlfabric.cli._common import add_bus_options, connect_options
+from rlfabric.schemas import CheckpointClaim, WorkerInfo
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +31,7 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
         members = await bus.members()
         depths = await bus.stream_depths()
         desired = await bus.desired_state()
+        claim = await bus.checkpoint_claim()
     now = time.time()
     return {
         "nats": args.nats,
@@ -47,6 +49,8 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
                 "pid": m.pid,
                 "capacity": m.capacity,
                 "in_flight": m.in_flight,
+                "checkpoint": m.checkpoint[:12],
+                "note": _note(m, claim),
             }
             for m in sorted(members.values(), key=lambda m: m.worker_id)
         ],
@@ -59,7 +63,16 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
             "transport": msgspec.to_builtins(desired.locator.transport)["kind"]
             if desired.locator else None,
         },
+        "checkpoint_claim": msgspec.to_builtins(claim) if claim else None,
     }
+
+
+def _note(m: WorkerInfo, claim: CheckpointClaim | None) -> str:
+    if claim is not None and m.weight_version < 0 and m.checkpoint and \
+            m.checkpoint != claim.checksum:
+        return (f"checkpoint differs from version 0 (claimed by {claim.worker_id}): not "
+                "serving until a weight push")
+    return ""
 
 
 def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
@@ -82,11 +95,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"job {info['prefix']!r} on {info['nats']}: {len(members)} member(s)")
     if members:
         print(_table(members, ["worker_id", "engine", "model", "weight_version", "state",
-                               "age_s", "in_flight", "capacity"]))
+                               "age_s", "in_flight", "capacity", "checkpoint"]))
+        for m in members:
+            if m["note"]:
+                print(f"  {m['worker_id']}: {m['note']}")
     print("\nstreams (messages held): " + ", ".join(
         f"{k}={'absent' if v is None else v}" for k, v in info["streams"].items()))
     d = info["desired_state"]
     print(f"desired: version {d['weight_version']}, "
           f"{'paused (' + d['pause_mode'] + ')' if d['paused'] else 'running'}, "
           f"transport {d['transport'] or '-'}, group epoch {d['group_epoch']}")
+    if (c := info["checkpoint_claim"]) is not None:
+        print(f"version 0 with no push: checkpoint {c['checksum'][:12]} of {c['model']} "
+              f"(first loaded by {c['worker_id']})")
     return 0

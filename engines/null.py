@@ -11,12 +11,13 @@ import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import PauseMode, RuntimeCollective, checked
+from rlfabric.engines.protocol import PauseMode, RuntimeCollective, TokenSink, checked
 from rlfabric.schemas import (
     PackedF32,
     PackedI32,
     RolloutRequest,
     RolloutResult,
+    TokenDelta,
     VersionSpan,
 )
 
@@ -40,29 +41,38 @@ class NullEngine(RuntimeCollective):
     def version(self) -> int:
         return self._version
 
+    async def serve_checkpoint_as(self, version: int) -> None:
+        self._version = version
+
     def check(self, request: RolloutRequest) -> None:
         checked(request)
 
-    async def generate(self, request: RolloutRequest, *,
-                       worker_id: str = "") -> AsyncIterator[RolloutResult]:
+    async def generate(self, request: RolloutRequest, *, worker_id: str = "",
+                       on_tokens: TokenSink | None = None) -> AsyncIterator[RolloutResult]:
         self.check(request)
         await self._resumed.wait()
-        for res in self._echo(request, worker_id):
+        for res in self._echo(request, worker_id, on_tokens):
             yield res
 
-    async def generate_many(self, requests: list[RolloutRequest], *,
-                            worker_id: str = "") -> AsyncGenerator[RolloutResult, None]:
+    async def generate_many(self, requests: list[RolloutRequest], *, worker_id: str = "",
+                            on_tokens: TokenSink | None = None,
+                            ) -> AsyncGenerator[RolloutResult, None]:
         if not self._resumed.is_set():
             await self._resumed.wait()
         for request in requests:
-            for res in self._echo(request, worker_id):
+            for res in self._echo(request, worker_id, on_tokens):
                 yield res
 
-    def _echo(self, request: RolloutRequest, worker_id: str) -> list[RolloutResult]:
+    def _echo(self, request: RolloutRequest, worker_id: str,
+              on_tokens: TokenSink | None) -> list[RolloutResult]:
         # bytes, not numpy: the null engine measures the fabric, so its own share stays small
         ids = PackedI32(request.prompt_token_ids.tobytes()[: 4 * request.sampling.max_tokens])
         zeros = PackedF32(bytes(4 * len(ids)))  # float32 0.0 is four zero bytes
         version_spans = (VersionSpan(version=self._version, start=0, end=len(ids)),)
+        if on_tokens is not None and request.stream:
+            for i in range(request.sampling.n):
+                on_tokens(TokenDelta(request_id=request.request_id, sample_index=i, start=0,
+                                     token_ids=ids, logprobs=zeros, version=self._version))
         return [RolloutResult(
             request_id=request.request_id, sample_index=i, worker_id=worker_id,
             completion_token_ids=ids, logprobs=zeros, finish_reason="length",

@@ -6,7 +6,7 @@ no docstrings of their own for these methods.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
 import anyio
@@ -19,9 +19,14 @@ from rlfabric.schemas import (
     RLFabricError,
     RolloutRequest,
     RolloutResult,
+    TokenDelta,
     UpdateWeights,
 )
 from rlfabric.schemas.validation import InvalidRequest, check_request
+
+#: where an engine hands the tokens of a streamed request (`RolloutRequest.stream`) as it
+#: samples them; called on the event loop
+TokenSink = Callable[[TokenDelta], None]
 
 
 class RequestRejected(RLFabricError):
@@ -83,7 +88,13 @@ class Engine(Protocol):
 
     @property
     def version(self) -> int:
-        """The weight version served now (-1 before any update)."""
+        """The weight version served now (-1 before any update or `serve_checkpoint_as`)."""
+        ...
+
+    async def serve_checkpoint_as(self, version: int) -> None:
+        """Serve the weights the engine started with (its checkpoint) as `version`, loading
+        nothing: a fleet no trainer pushed weights to serves its checkpoint as version 0.
+        `weights_checksum()` then tells whether two workers started from the same one."""
         ...
 
     def check(self, request: RolloutRequest) -> None:
@@ -93,13 +104,17 @@ class Engine(Protocol):
         before `generate`, so a bad request never joins a batch."""
         ...
 
-    def generate(self, request: RolloutRequest, *, worker_id: str) -> AsyncIterator[RolloutResult]:
+    def generate(self, request: RolloutRequest, *, worker_id: str,
+                 on_tokens: TokenSink | None = None) -> AsyncIterator[RolloutResult]:
         """Yield one `RolloutResult` per sample (`request.sampling.n` in all) as each finishes.
         Each result carries the sampled tokens, the logprob of every one of them under the raw
         model distribution (before temperature / top-k / top-p, like vLLM's `raw_logprobs`),
         top-k alternatives when `sampling.logprobs > 0`, and `version_spans` saying which
         weight version produced which tokens. A paused engine holds new requests until
-        `resume()`; an abort pause ends them early with `finish_reason="abort"`."""
+        `resume()`; an abort pause ends them early with `finish_reason="abort"`. If
+        `request.stream` is set and `on_tokens` given, each sample's tokens also go to
+        `on_tokens` as `TokenDelta`s while they are sampled (in order; together they are the
+        result's tokens)."""
         ...
 
     async def pause(self, mode: PauseMode) -> None:
@@ -170,13 +185,15 @@ class ServesMany(Protocol):
     serves such a message with one task, not a task per request (with tracing off: a traced
     request keeps its own span on a lane). Optional: `VllmEngine` has no such call."""
 
-    def generate_many(self, requests: list[RolloutRequest], *,
-                      worker_id: str) -> AsyncGenerator[RolloutResult, None]:
+    def generate_many(self, requests: list[RolloutRequest], *, worker_id: str,
+                      on_tokens: TokenSink | None = None) -> AsyncGenerator[RolloutResult, None]:
         """`generate` for several requests at once, each of which passed `check` and has its
         own `request_id`: yield every sample's result as it finishes, in any order across
         requests (`request_id` and `sample_index` say whose). Pausing, aborting and
-        `version_spans` work as in `generate`."""
+        `version_spans` work as in `generate`, and `on_tokens` too, for the requests with
+        `stream` set."""
         ...
 
 
-__all__ = ["Engine", "PauseMode", "RequestRejected", "ServesMany", "WeightLoadError"]
+__all__ = ["Engine", "PauseMode", "RequestRejected", "ServesMany", "TokenSink",
+           "WeightLoadError"]

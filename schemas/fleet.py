@@ -32,6 +32,20 @@ class WorkerInfo(Message, frozen=True, kw_only=True):
     ranks: int = 1
     started_at: float = 0.0
     heartbeat_at: float = 0.0
+    #: the weights checksum of the checkpoint the worker started from (see `CheckpointClaim`)
+    checkpoint: str = ""
+
+
+class CheckpointClaim(Message, frozen=True, kw_only=True):
+    """Version 0 of a job that no trainer pushed weights to: the checkpoint the first worker
+    to join loaded (key `checkpoint` of `<prefix>_state`, written once). A worker whose own
+    checkpoint has another checksum does not serve it as version 0: mixing two models under
+    one version is refused, and `rlfabric status` names the worker."""
+
+    model: str
+    checksum: str
+    worker_id: str
+    at: float = 0.0
 
 
 class MembershipSnapshot(Message, frozen=True, kw_only=True):

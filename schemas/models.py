@@ -2,9 +2,11 @@
 `build_model("tiny")` (`rlfabric.tensors.models`) are the same architecture, defined once here.
 
 `tiny` is a small random-init Llama with a byte-level vocabulary: ids 0-255 are bytes, then
-BOS, EOS and PAD; `tiny64` is the same with attention heads vLLM's CPU build accepts. Their
-initial weights are fixed by `seed`, but nothing relies on that: the trainer pushes its
-weights as version 0 before the first rollout.
+BOS, EOS and PAD; `tiny64` is the same with attention heads vLLM's CPU build accepts.
+`tinyqwen` is a random-init two-layer Qwen2 with the real Qwen2.5 tokenizer (its full
+151,936-row vocabulary, 64-wide heads) and a ChatML chat template with Qwen's tool calls: the
+model the gateway serves agents with. Initial weights are fixed by `seed`, so a worker's
+`--model tinyqwen` and the trainer's `build_model("tinyqwen")` start from the same weights.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ class ModelSpec(Message, frozen=True, kw_only=True):
     eos_token_id: int = 257
     pad_token_id: int = 258
     seed: int = 0
+    #: "" = the byte-level ids above; "qwen2.5" = the real Qwen2.5 BPE (`rlfabric.text`)
+    tokenizer: str = ""
+    #: the chat template of a model with a tokenizer (`rlfabric.text.templates.TEMPLATES`)
+    chat_template: str = ""
 
     def hf_config(self) -> dict[str, Any]:
-        """Keyword arguments for `transformers.LlamaConfig`."""
+        """Keyword arguments for the `transformers` config of `arch` (LlamaConfig, Qwen2Config)."""
         return {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -50,7 +56,12 @@ TINY = ModelSpec(name="tiny")
 #: the same vocabulary with 64-wide attention heads: vLLM's CPU attention rejects 16-wide ones
 TINY64 = ModelSpec(name="tiny64", hidden_size=128, intermediate_size=256, num_attention_heads=2,
                    num_key_value_heads=1)
-BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (TINY, TINY64)}
+#: ids of `<|endoftext|>` and `<|im_end|>` in the Qwen2.5 vocabulary (`rlfabric.text.qwen`)
+TINYQWEN = ModelSpec(name="tinyqwen", arch="qwen2", vocab_size=151936, hidden_size=128,
+                     intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                     max_position_embeddings=4096, bos_token_id=151643, eos_token_id=151645,
+                     pad_token_id=151643, tokenizer="qwen2.5", chat_template="chatml-tools")
+BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (TINY, TINY64, TINYQWEN)}
 
 
 def byte_tokens(text: str | bytes, *, bos: bool = True) -> list[int]:

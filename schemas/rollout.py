@@ -3,7 +3,9 @@
 Who sends what:
 - the trainer's `FabricClient` publishes `RolloutRequest` to `<prefix>.rollout.request`;
 - a worker answers each sample with `RolloutResult`, or the whole request with
-  `RolloutError`, on `<prefix>.rollout.result.<client_id>`.
+  `RolloutError`, on `<prefix>.rollout.result.<client_id>`;
+- for a request with `stream` set, the worker also sends `TokenDelta`s while it samples, on
+  core NATS `<prefix>.stream.<client_id>` (a preview: the persisted result is the record).
 Both sides batch: several requests submitted together travel as one `RolloutRequests` (header
 `rlf-count`), and the replies a worker finished together for one client as one
 `RolloutReplies`.
@@ -36,7 +38,8 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     """One prompt to complete `sampling.n` times. `deadline` is unix time in seconds (0 = none);
     a worker never serves weights older than `min_weight_version`. `submission_id` is minted
     by the client at each submit (a reused `request_id` is a new request: results of an older
-    submission never answer it); results carry it back."""
+    submission never answer it); results carry it back. `stream`: send `TokenDelta`s of every
+    sample while it is sampled."""
 
     request_id: str
     prompt_token_ids: PackedI32
@@ -47,6 +50,7 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     min_weight_version: int = 0
     deadline: float = 0.0
     metadata: dict[str, str] = {}
+    stream: bool = False
 
     def __post_init__(self) -> None:
         coerce_packed(self, prompt_token_ids=PackedI32)
@@ -119,6 +123,25 @@ class RolloutError(Message, tag_field="kind", tag="error", frozen=True, kw_only=
 
 
 RolloutReply = RolloutResult | RolloutError
+
+
+class TokenDelta(Message, frozen=True, kw_only=True):
+    """Tokens of one sample just sampled, sent on core NATS while it generates (requests with
+    `stream` set): completion tokens `[start, start + len(token_ids))`, their logprobs, the
+    weight version that produced them. Core NATS may drop one: a receiver that sees a gap in
+    `start` waits for the persisted `RolloutResult`, which holds every token."""
+
+    request_id: str
+    submission_id: str = ""
+    sample_index: int = 0
+    start: int
+    token_ids: PackedI32
+    logprobs: PackedF32
+    version: int = -1
+    top_logprobs: TopLogprobs | None = None
+
+    def __post_init__(self) -> None:
+        coerce_packed(self, token_ids=PackedI32, logprobs=PackedF32)
 
 
 class RolloutRequests(Message, frozen=True, kw_only=True):

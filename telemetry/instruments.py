@@ -9,7 +9,12 @@ exists (`configure(metrics_path=...)`, OTLP, or the application's own global one
 - `rlfabric.control.ack.duration` (histogram, s): from a command's publish to each worker's
   ack, by op and status;
 - `rlfabric.weight.version` (gauge): the version a worker serves, set after every load;
-- `rlfabric.errors` (counter): typed errors answered, by `code` (and worker).
+- `rlfabric.errors` (counter): typed errors answered, by `code` (and worker);
+- `rlfabric.gateway.segments` (counter): session turns that started a new trajectory segment,
+  by `reason` and tenant (the first turn of a session counts too);
+- `rlfabric.gateway.turn.duration` (histogram, s): a gateway turn, request to recorded, by
+  tenant;
+- `rlfabric.gateway.requests` (counter): HTTP requests answered, by route, status and tenant.
 
 Rates (rollouts/s, tokens/s) are the counters' rates, as any backend computes them.
 """
@@ -36,6 +41,15 @@ class Instruments:
             "rlfabric.weight.version", unit="{version}", description="weight version served")
         self.errors = meter.create_counter(
             "rlfabric.errors", unit="{error}", description="typed errors, by code")
+        self.gateway_segments = meter.create_counter(
+            "rlfabric.gateway.segments", unit="{segment}",
+            description="session turns that start a trajectory segment, by reason")
+        self.gateway_turns = meter.create_histogram(
+            "rlfabric.gateway.turn.duration", unit="s",
+            description="a gateway turn, from request to recorded")
+        self.gateway_requests = meter.create_counter(
+            "rlfabric.gateway.requests", unit="{request}",
+            description="HTTP requests answered by the gateway, by route and status")
 
 
 #: the instruments in use; `use()` replaces them

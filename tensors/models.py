@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlfabric.schemas.models import BUILTIN
 
@@ -23,11 +23,10 @@ def build_model(name_or_path: str, *, dtype: torch.dtype | None = None,
         spec = BUILTIN[name_or_path]
         # NOTE: eager attention: bit-stable logprobs between batched decoding with a KV cache
         # and the trainer's one-pass recompute, which the weight-sync check relies on.
-        cfg = LlamaConfig(**spec.hf_config(),
-                          attn_implementation="eager")  # type: ignore[call-arg]  # a PretrainedConfig kwarg LlamaConfig's signature does not list
+        cfg = AutoConfig.for_model(spec.arch, **spec.hf_config(), attn_implementation="eager")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
-            model: Any = LlamaForCausalLM(cfg)
+            model: Any = AutoModelForCausalLM.from_config(cfg)
         model = model.to(dtype=dtype)
     elif os.path.isdir(name_or_path):
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
@@ -44,18 +43,27 @@ def build_model(name_or_path: str, *, dtype: torch.dtype | None = None,
 
 def write_checkpoint(name: str, path: str) -> str:
     """Write a built-in spec's model (its seeded initial weights, fp32) as a local Hugging Face
-    checkpoint directory at `path`, the form engines such as vLLM load; returns `path`.
-    Rewriting an existing checkpoint of the same spec leaves it as it is."""
+    checkpoint directory at `path`, the form engines such as vLLM load, with its tokenizer files
+    and chat template if it has a tokenizer; returns `path`. Rewriting an existing checkpoint of
+    the same spec leaves it as it is."""
     if name not in BUILTIN:
         raise ValueError(f"no built-in spec {name!r}: use one of {', '.join(BUILTIN)}")
+    spec = BUILTIN[name]
     marker = os.path.join(path, "rlfabric-spec.json")
-    spec_json = msgspec.json.encode(BUILTIN[name]).decode()
+    spec_json = msgspec.json.encode(spec).decode()
     if os.path.exists(marker):
         with open(marker) as f:
             if f.read() == spec_json:
                 return path
     os.makedirs(path, exist_ok=True)
-    build_model(name).save_pretrained(path)
+    model = build_model(name)
+    model.generation_config.eos_token_id = spec.eos_token_id
+    model.save_pretrained(path)
+    if spec.tokenizer:
+        from rlfabric.text.builtin import write_tokenizer_files
+
+        write_tokenizer_files(spec, path)
+    # NOTE: the marker last: a checkpoint interrupted while written is written again
     with open(marker, "w") as f:
         f.write(spec_json)
     return path

@@ -207,10 +207,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
     return rep
 
 
-@pytest.fixture
-def spawn(request: pytest.FixtureRequest) -> Iterator[Callable[..., Spawned]]:
-    """Start a Python module as a child process; every one is stopped at teardown, and a
-    failed test prints each one's last output lines."""
+def _spawner(request: pytest.FixtureRequest) -> Iterator[Callable[..., Spawned]]:
     procs: list[Spawned] = []
 
     def _spawn(*args: str, module: str = "rlfabric.bench.sim") -> Spawned:
@@ -237,6 +234,25 @@ def spawn(request: pytest.FixtureRequest) -> Iterator[Callable[..., Spawned]]:
         proc.reader.join(timeout=5)
         if proc.stdout:
             proc.stdout.close()
+
+
+@pytest.fixture
+def spawn(request: pytest.FixtureRequest) -> Iterator[Callable[..., Spawned]]:
+    """Start a Python module as a child process; every one is stopped at teardown, and a
+    failed test prints each one's last output lines."""
+    yield from _spawner(request)
+
+
+@pytest.fixture(scope="package")
+def spawn_package(request: pytest.FixtureRequest) -> Iterator[Callable[..., Spawned]]:
+    """`spawn` for processes a whole test folder shares (stopped after its last test)."""
+    yield from _spawner(request)
+
+
+@pytest.fixture(scope="package")
+def package_prefix() -> str:
+    """A job prefix for a whole test folder's fleet."""
+    return "p" + uuid.uuid4().hex[:12]
 
 
 @pytest.fixture

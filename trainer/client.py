@@ -29,6 +29,7 @@ from rlfabric.bus import (
     QuorumPolicy,
     new_cmd_id,
 )
+from rlfabric.bus.rollouts import RolloutPlane
 from rlfabric.bus.subjects import check_token
 from rlfabric.bus.sync import beside
 from rlfabric.schemas import (
@@ -50,8 +51,8 @@ from rlfabric.schemas import (
     Wake,
 )
 from rlfabric.telemetry import spans
+from rlfabric.trainer.continuation import continue_aborted
 from rlfabric.trainer.desired import DesiredStateWriter
-from rlfabric.trainer.rollouts import RolloutPlane
 
 #: samples a request message holds at least when what is queued is spread over the workers
 MIN_SPREAD = 8
@@ -263,4 +264,4 @@ class FabricClient:
                          timeout: float | None = None) -> AsyncIterator[RolloutReply]:
         """Yield `results` with every sample an abort pause cut short continued from where it
         stopped and merged back into one result (its spans show every version involved)."""
-        return self.rollouts.continue_aborted(requests, results, timeout=timeout)
+        return continue_aborted(self.rollouts, requests, results, timeout=timeout)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -15,7 +16,7 @@ import torch
 from anyio.abc import TaskStatus
 
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import RequestRejected, RuntimeCollective, checked
+from rlfabric.engines.protocol import RequestRejected, RuntimeCollective, TokenSink, checked
 from rlfabric.engines.torch.model_runner import ModelRunner, RunnerState
 from rlfabric.engines.torch.scheduler import Scheduler
 from rlfabric.engines.torch.sequence import Sequence
@@ -23,6 +24,7 @@ from rlfabric.schemas import (
     PauseMode,
     RolloutRequest,
     RolloutResult,
+    TokenDelta,
 )
 
 
@@ -66,6 +68,9 @@ class TorchEngine(RuntimeCollective):
     def version(self) -> int:
         return self.runner.version
 
+    async def serve_checkpoint_as(self, version: int) -> None:
+        self.runner.version = version
+
     # ---- requests ----
     def check(self, request: RolloutRequest) -> None:
         checked(request)
@@ -83,18 +88,27 @@ class TorchEngine(RuntimeCollective):
                 f"prompt of {len(ids)} tokens leaves no room in the context of "
                 f"{context} tokens of model {self.model!r}")
 
-    async def generate(self, request: RolloutRequest, *,
-                       worker_id: str = "") -> AsyncIterator[RolloutResult]:
+    async def generate(self, request: RolloutRequest, *, worker_id: str = "",
+                       on_tokens: TokenSink | None = None) -> AsyncIterator[RolloutResult]:
         self.check(request)
         # closed with this generator, not when collected: its samples are cancelled at once
-        async with contextlib.aclosing(self.generate_many([request], worker_id=worker_id)) as many:
+        async with contextlib.aclosing(self.generate_many(
+                [request], worker_id=worker_id, on_tokens=on_tokens)) as many:
             async for res in many:
                 yield res
 
-    async def generate_many(self, requests: list[RolloutRequest], *,
-                            worker_id: str = "") -> AsyncGenerator[RolloutResult, None]:
+    async def generate_many(self, requests: list[RolloutRequest], *, worker_id: str = "",
+                            on_tokens: TokenSink | None = None,
+                            ) -> AsyncGenerator[RolloutResult, None]:
         total = sum(r.sampling.n for r in requests)
         send, recv = anyio.create_memory_object_stream[RolloutResult](total)
+        emit = None
+        if on_tokens is not None:  # deltas are made in the decode thread, handed to the loop
+            loop = asyncio.get_running_loop()
+            sink = on_tokens
+
+            def emit(delta: TokenDelta) -> None:
+                loop.call_soon_threadsafe(sink, delta)
         seqs = []
         for request in requests:
             sp = request.sampling
@@ -105,7 +119,8 @@ class TorchEngine(RuntimeCollective):
                 gen = torch.Generator(device=self.device).manual_seed(base_seed + i)
                 seqs.append(Sequence(request=request, sample_index=i, prompt=prompt,
                                      generator=gen, sink=send, stop_ids=stops,
-                                     worker_id=worker_id))
+                                     worker_id=worker_id,
+                                     emit=emit if request.stream else None))
         self.scheduler.admit(seqs)
         try:
             async with recv:

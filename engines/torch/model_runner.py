@@ -186,6 +186,8 @@ class ModelRunner:
                 if k:
                     seq.top_ids.append(top_ids[r][:k])
                     seq.top_lps.append(top_lps[r][:k])
+                if seq.emit is not None:
+                    seq.emit_delta()
                 if tok in seq.stop_ids:
                     seq.finish = "stop"
                 elif (len(seq.tokens) >= seq.request.sampling.max_tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from rlfabric.schemas import (
     RolloutRequest,
     RolloutResult,
     Timings,
+    TokenDelta,
     TopLogprobs,
     VersionSpan,
 )
@@ -38,6 +40,9 @@ class Sequence:
     top_lps: list[list[float]] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)  # [version, start, end]
     finish: FinishReason | None = None
+    #: streamed requests: hands each step's delta over (thread-safe: to the event loop)
+    emit: Callable[[TokenDelta], None] | None = None
+    sent: int = 0  # tokens already emitted
 
     def append(self, token: int, logprob: float, version: int) -> None:
         if self.spans and self.spans[-1][0] == version:
@@ -46,6 +51,22 @@ class Sequence:
             self.spans.append([version, len(self.tokens), len(self.tokens) + 1])
         self.tokens.append(token)
         self.logprobs.append(logprob)
+
+    def emit_delta(self) -> None:
+        """Hand the tokens sampled since the last delta to `emit` (decode thread)."""
+        start, end = self.sent, len(self.tokens)
+        if self.emit is None or start >= end:
+            return
+        self.sent = end
+        k = self.request.sampling.logprobs
+        top = None
+        if k > 0:
+            top = TopLogprobs(k=k, ids=PackedI32([i for row in self.top_ids[start:] for i in row]),
+                              logprobs=PackedF32([v for row in self.top_lps[start:] for v in row]))
+        self.emit(TokenDelta(request_id=self.request.request_id, sample_index=self.sample_index,
+                             start=start, token_ids=PackedI32(self.tokens[start:]),
+                             logprobs=PackedF32(self.logprobs[start:]), version=self.spans[-1][0],
+                             top_logprobs=top))
 
     def result(self) -> RolloutResult:
         sp = self.request.sampling

@@ -35,7 +35,13 @@ from anyio.abc import TaskStatus
 from rlfabric.bus import CommandFailed
 from rlfabric.bus.sync import Signal, beside
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import EngineDied, RequestRejected, WeightLoadError, checked
+from rlfabric.engines.protocol import (
+    EngineDied,
+    RequestRejected,
+    TokenSink,
+    WeightLoadError,
+    checked,
+)
 from rlfabric.schemas import (
     Collective,
     InitTransport,
@@ -46,6 +52,7 @@ from rlfabric.schemas import (
     RolloutResult,
     TensorMeta,
     Timings,
+    TokenDelta,
     TopLogprobs,
     UpdateWeights,
     VersionSpan,
@@ -200,6 +207,10 @@ class VllmEngine:
     def version(self) -> int:
         return self._version
 
+    async def serve_checkpoint_as(self, version: int) -> None:
+        await self._llm.update_weight_version(str(version))
+        self._version = version
+
     # ---- requests ----
     def check(self, request: RolloutRequest) -> None:
         checked(request)
@@ -212,21 +223,22 @@ class VllmEngine:
             raise RequestRejected("prompt_too_long", f"prompt of {len(ids)} tokens leaves no "
                                   f"room in --max-model-len {self.options.max_model_len}")
 
-    async def generate(self, request: RolloutRequest, *,
-                       worker_id: str = "") -> AsyncIterator[RolloutResult]:
+    async def generate(self, request: RolloutRequest, *, worker_id: str = "",
+                       on_tokens: TokenSink | None = None) -> AsyncIterator[RolloutResult]:
         self.check(request)
         n = request.sampling.n
         send, recv = anyio.create_memory_object_stream[RolloutResult](n)
+        stream = on_tokens if request.stream else None
         async with beside() as tg:  # a dead engine's error raised as itself
             for i in range(n):
-                tg.start_soon(self._one_sample, request, i, worker_id, send.clone())
+                tg.start_soon(self._one_sample, request, i, worker_id, send.clone(), stream)
             send.close()
             async with recv:
                 async for res in recv:
                     yield res
 
     async def _one_sample(self, request: RolloutRequest, index: int, worker_id: str,
-                          send: Any) -> None:
+                          send: Any, on_tokens: TokenSink | None) -> None:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -236,7 +248,9 @@ class VllmEngine:
             n=1, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
             top_k=sp.top_k, seed=seed, logprobs=sp.logprobs,
             stop_token_ids=sorted(set(sp.stop_token_ids) | self._eos),
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+            # streamed: every step's output (all tokens so far), the new ones sent as a delta
+            output_kind=(RequestOutputKind.CUMULATIVE if on_tokens is not None
+                         else RequestOutputKind.FINAL_ONLY), detokenize=False)
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
         rid = f"{request.request_id}/{index}/{uuid.uuid4().hex[:8]}"
         t0 = asyncio.get_running_loop().time()
@@ -248,9 +262,12 @@ class VllmEngine:
             if self._paused == "wait":  # held until resume (keep: vLLM queues it itself)
                 await self._resumed.wait()
             self._active.add(rid)
+            sent = 0
             try:
                 async for out in self._llm.generate(prompt, params, rid):
                     final = out
+                    if on_tokens is not None:
+                        sent = self._delta(request, index, out, sent, on_tokens)
             except Exception as exc:
                 if type(exc).__name__ == "EngineDeadError":  # vLLM's, imported lazily
                     raise EngineDied(self._why_dead(exc)) from exc
@@ -266,6 +283,23 @@ class VllmEngine:
                 self._finished.fire()
             gen_s = asyncio.get_running_loop().time() - t0
             await send.send(self._result(request, index, worker_id, final, gen_s))
+
+    def _delta(self, request: RolloutRequest, index: int, out: Any, sent: int,
+               on_tokens: TokenSink) -> int:
+        """Send the tokens of cumulative output `out` past `sent`; returns how many are sent.
+        The version is the one loaded now (the result's spans are vLLM's own, per token)."""
+        o = out.outputs[0]
+        ids = list(o.token_ids[sent:])
+        if not ids:
+            return sent
+        rows = (o.logprobs or [])[sent:]
+        lps = [rows[i][t].logprob if i < len(rows) else 0.0 for i, t in enumerate(ids)]
+        k = request.sampling.logprobs
+        top = _top(rows, k) if k else None
+        on_tokens(TokenDelta(request_id=request.request_id, sample_index=index, start=sent,
+                             token_ids=PackedI32(ids), logprobs=PackedF32(lps),
+                             version=self._version, top_logprobs=top))
+        return sent + len(ids)
 
     def _result(self, request: RolloutRequest, index: int, worker_id: str, final: Any,
                 gen_s: float) -> RolloutResult:
@@ -284,16 +318,7 @@ class VllmEngine:
             finish = out.finish_reason if out.finish_reason in ("stop", "length") else "abort"
             spans = tuple(VersionSpan(version=_version_of(s.version), start=s.start, end=s.end)
                           for s in (out.weight_versions or ()))
-            top = None
-            if k:
-                ids: list[int] = []
-                vals: list[float] = []
-                for row in rows:
-                    best = sorted((lp.rank, tid, lp.logprob) for tid, lp in row.items()
-                                  if lp.rank is not None and lp.rank <= k)[:k]
-                    ids += [tid for _, tid, _ in best]
-                    vals += [v for _, _, v in best]
-                top = TopLogprobs(k=k, ids=PackedI32(ids), logprobs=PackedF32(vals))
+            top = _top(rows, k) if k else None
         return RolloutResult(
             request_id=request.request_id, sample_index=index, worker_id=worker_id,
             completion_token_ids=PackedI32(tokens), logprobs=PackedF32(lps),
@@ -483,6 +508,18 @@ class VllmEngine:
         return {"engine": self.name, "model": self.model, "version": str(self._version),
                 "dtype": o.dtype, "max_model_len": str(o.max_model_len),
                 "in_process": str(o.in_process), "paused": self._paused or ""}
+
+
+def _top(rows: list[Any], k: int) -> TopLogprobs:
+    """The top-k alternatives of vLLM's logprob rows ({token id: Logprob}), row-major."""
+    ids: list[int] = []
+    vals: list[float] = []
+    for row in rows:
+        best = sorted((lp.rank, tid, lp.logprob) for tid, lp in row.items()
+                      if lp.rank is not None and lp.rank <= k)[:k]
+        ids += [tid for _, tid, _ in best]
+        vals += [v for _, _, v in best]
+    return TopLogprobs(k=k, ids=PackedI32(ids), logprobs=PackedF32(vals))
 
 
 # ---- the checkpoint, read once ----

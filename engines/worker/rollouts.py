@@ -22,6 +22,9 @@ each result before acking its request.
   repeat a duplicate), pull requests are renewed on reconnect, and a message beyond the free
   capacity (pull requests the server kept across a reconnect) goes straight back.
 - Bad requests are answered with a typed `RolloutError` and never reach the engine.
+- A request with `stream` set has its tokens sent as `TokenDelta`s on core NATS
+  (`<prefix>.stream.<client_id>`) while it is sampled, in order, by one sender task; a delta
+  lost to a reconnect is not sent again (the stored result holds every token).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +51,7 @@ from rlfabric.bus.outbox import Outbox
 from rlfabric.bus.pull import Puller
 from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.sync import Signal
-from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected, ServesMany
+from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected, ServesMany, TokenSink
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     COUNT_HEADER,
@@ -60,8 +64,10 @@ from rlfabric.schemas import (
     RolloutRequest,
     RolloutRequests,
     SchemaError,
+    TokenDelta,
     codec_for,
     encode,
+    headers,
 )
 from rlfabric.telemetry import instruments, spans
 
@@ -129,6 +135,9 @@ class RolloutServer:
         self._flood = RateLimited(log)
         self._many: ServesMany | None = engine if isinstance(engine, ServesMany) else None
         self._tg: TaskGroup | None = None
+        self._deltas: deque[tuple[str, bytes]] = deque()  # (subject, encoded TokenDelta)
+        self._delta_ready = Signal()
+        self._delta_headers = headers()
 
     # ---- what the runtime's commands change ----
     def hold(self) -> None:
@@ -209,6 +218,7 @@ class RolloutServer:
             recv.close()
             tg.start_soon(self._keep_alive)
             tg.start_soon(self._report_load)
+            tg.start_soon(self._send_deltas)
             puller = Puller(self.bus, s.rollout_stream, s.rollout_consumer, on_message,
                             kick=self._wake)
             await tg.start(puller.run)
@@ -266,6 +276,34 @@ class RolloutServer:
                 log.debug("in-flight count not published: %s", exc)
             instruments.current.queue_depth.set(self.in_flight, {spans.WORKER_ID: self.worker_id})
             await anyio.sleep(LOAD_REPORT_S)
+
+    def _streamer(self, reqs: dict[str, RolloutRequest]) -> TokenSink | None:
+        """What the engine hands the deltas of `reqs` (by request id) to; None when none of
+        them is streamed."""
+        if not any(r.stream for r in reqs.values()):
+            return None
+        subjects = self.bus.subjects
+
+        def on_tokens(delta: TokenDelta) -> None:
+            req = reqs.get(delta.request_id)
+            if req is None or not req.stream:
+                return
+            delta = msgspec.structs.replace(delta, submission_id=req.submission_id)
+            self._deltas.append((subjects.token_stream(req.client_id), encode(delta)))
+            self._delta_ready.fire()
+        return on_tokens
+
+    async def _send_deltas(self) -> None:
+        """Publish the queued token deltas, in order (core NATS: buffered, no round trip)."""
+        while True:
+            ready = self._delta_ready.event()
+            while self._deltas:
+                subject, data = self._deltas.popleft()
+                try:
+                    await self.bus.nc.publish(subject, data, headers=self._delta_headers)
+                except nats.errors.Error as exc:  # the result still carries every token
+                    log.debug("token delta to %s not sent: %s", subject, exc)
+            await ready.wait()
 
     async def _keep_alive(self) -> None:
         """In-progress acks for every message generating longer than a third of ack_wait."""
@@ -376,8 +414,9 @@ class RolloutServer:
         who = {spans.WORKER_ID: self.worker_id}
         failed: Exception | None = None
         try:
-            results = self._many.generate_many([req for req, _ in todo.values()],
-                                               worker_id=self.worker_id)
+            results = self._many.generate_many(
+                [req for req, _ in todo.values()], worker_id=self.worker_id,
+                on_tokens=self._streamer({rid: req for rid, (req, _) in todo.items()}))
             async with contextlib.aclosing(results):
                 async for res in results:
                     req, subject = todo[res.request_id]
@@ -469,7 +508,9 @@ class RolloutServer:
         tokens = instruments.current.tokens
         with spans.span(f"{self.engine.name} generate", attributes={
                 spans.WORKER_ID: self.worker_id, "rlfabric.engine": self.engine.name}) as gen:
-            async for res in self.engine.generate(req, worker_id=self.worker_id):
+            async for res in self.engine.generate(
+                    req, worker_id=self.worker_id,
+                    on_tokens=self._streamer({req.request_id: req}) if req.stream else None):
                 res = msgspec.structs.replace(res, attempt=attempt,
                                               submission_id=req.submission_id)
                 n = len(res.completion_token_ids)

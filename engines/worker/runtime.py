@@ -6,7 +6,9 @@ Start order (each step is live before the next):
 2. the desired state, no older than the last command stored before the receiver started
    (`Bus.desired_state_after`): a worker never serves before it holds the fleet's weight
    version (loading it needs a pull transport; see `WeightSync`), and joins a paused fleet
-   paused;
+   paused. A job no trainer pushed weights to serves its checkpoint as version 0: the first
+   worker's checkpoint (`CheckpointClaim`, by checksum); a worker whose checkpoint differs
+   stays at version -1, says so (`checkpoint_mismatch`) and waits for a push;
 3. membership (ping responder + heartbeated key);
 4. the rollout data plane (`RolloutServer`).
 
@@ -39,8 +41,10 @@ from rlfabric.engines.protocol import Engine
 from rlfabric.engines.worker.rollouts import RolloutServer
 from rlfabric.engines.worker.weights import WeightSync
 from rlfabric.schemas import (
+    CheckpointClaim,
     Command,
     Describe,
+    DesiredState,
     ErrorEvent,
     InitTransport,
     Pause,
@@ -95,6 +99,8 @@ class Worker:
             # no older than the last command the receiver will not apply
             desired = await self.bus.desired_state_after(self.receiver.start_end)
             await self.weights.load_current(desired)  # never serve a stale version
+            if desired.locator is None and self.engine.version < 0:
+                await self._serve_checkpoint(desired)
             if desired.paused:  # join a paused fleet paused
                 self.rollouts.hold()
                 await self.engine.pause("keep")
@@ -110,6 +116,27 @@ class Worker:
             tg.cancel_scope.cancel()
         with anyio.CancelScope(shield=True):
             await self.receiver.close()
+
+    async def _serve_checkpoint(self, desired: DesiredState) -> None:
+        """No trainer pushed weights: serve the checkpoint as version 0 if it is the job's."""
+        checksum = self._checksum()
+        self.reg.update(checkpoint=checksum)
+        if desired.weight_version > 0:  # a version was pushed over a collective: wait for it
+            return
+        held = await self.bus.claim_checkpoint(CheckpointClaim(
+            model=self.engine.model, checksum=checksum, worker_id=self.worker_id,
+            at=time.time()))
+        if held.checksum == checksum:
+            await self.engine.serve_checkpoint_as(0)
+            return
+        why = (f"{self.worker_id} started from another checkpoint ({self.engine.model}, "
+               f"checksum {checksum[:12]}) than the job's version 0 ({held.model}, checksum "
+               f"{held.checksum[:12]}, first loaded by {held.worker_id}): it does not serve it "
+               "as version 0 and waits for a weight push. Start it from the same checkpoint, "
+               "or clear the claim with `rlfabric ctl reset-state`")
+        log.error("%s", why)
+        await self.bus.emit(ErrorEvent(source=self.worker_id, code="checkpoint_mismatch",
+                                       message=why, at=time.time()))
 
     async def _run_engine(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                           ) -> None:

@@ -58,7 +58,7 @@ def test_write_auth_writes_private_seeds_and_keeps_them(tmp_path) -> None:
         assert path.read_bytes().startswith(b"SU")  # a user seed
     again = write_auth(tmp_path / "k", prefix="job1")  # a restarted server keeps its clients
     assert again.public_keys == first.public_keys
-    assert '"job1.control.>"' in first.config and first.config.count("nkey:") == 3
+    assert '"job1.control.>"' in first.config and first.config.count("nkey:") == len(ROLES)
 
 
 async def test_role_permissions_as_the_server_enforces_them(auth_server, prefix, spawn,

@@ -1,5 +1,6 @@
-"""The trainer's data plane: requests into the workers' queue, each sample's result back
-exactly once, samples still missing at their deadline as typed errors.
+"""The client side of the data plane (a trainer's `FabricClient`, a gateway): requests into the
+workers' queue, each sample's result back exactly once, samples still missing at their deadline
+as typed errors, and the token deltas of streamed requests as they are sampled.
 
 Requests submitted together (one call's batch, or concurrent calls: whatever is queued while
 the previous message is being stored) are persisted as one `RolloutRequests` message of up to
@@ -12,6 +13,11 @@ Results arrive on `<prefix>.rollout.result.<client_id>` through an ordered consu
 results stream, singly or coalesced (`RolloutReplies`); a redelivered request can produce a
 result twice, so results are deduplicated by (request_id, sample_index) here, at the one
 place that knows what is still awaited.
+
+Token deltas of requests submitted with `stream` set come on core NATS
+(`<prefix>.stream.<client_id>`); a `generate(..., deltas=True)` call yields them among its
+results while its request is awaited. One may be lost, so a caller that sees a gap takes the
+tokens from the result.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, overload
 
 import anyio
 import anyio.lowlevel
@@ -34,8 +40,8 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from opentelemetry.trace import INVALID_SPAN
 
-from rlfabric.bus import Bus
 from rlfabric.bus.outbox import Outbox, Ticket
+from rlfabric.bus.session import Bus
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     COUNT_HEADER,
@@ -45,13 +51,12 @@ from rlfabric.schemas import (
     RolloutReply,
     RolloutRequest,
     RolloutRequests,
-    RolloutResult,
     SchemaError,
+    TokenDelta,
     codec_for,
 )
 from rlfabric.schemas.validation import InvalidRequest, check_request
 from rlfabric.telemetry import instruments, spans
-from rlfabric.trainer.continuation import continuation, merge
 
 #: metric attributes of a result handed over, and of the trainer's queue depth
 _OK = {"outcome": "ok"}
@@ -60,6 +65,10 @@ _TRAINER = {"rlfabric.role": "trainer"}
 
 class _Sink(Protocol):
     def send_nowait(self, item: RolloutReply, /) -> None: ...
+
+
+#: what a `generate` call's inbox holds: results, errors, and token deltas when asked for
+_Item = RolloutReply | TokenDelta
 
 
 class _Inbox:
@@ -71,11 +80,11 @@ class _Inbox:
     __slots__ = ("_error", "_items", "_waiter")
 
     def __init__(self) -> None:
-        self._items: deque[RolloutReply] = deque()
+        self._items: deque[_Item] = deque()
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
 
-    def send_nowait(self, item: RolloutReply, /) -> None:
+    def send_nowait(self, item: _Item, /) -> None:
         self._items.append(item)
         self._wake()
 
@@ -92,7 +101,7 @@ class _Inbox:
             if not waiter.done():  # cancelled with its waiting task: nobody to wake
                 waiter.set_result(None)
 
-    async def get(self) -> RolloutReply:
+    async def get(self) -> _Item:
         while not self._items:
             if self._error is not None:
                 raise self._error
@@ -108,6 +117,8 @@ class _Waiting:
     request: RolloutRequest
     sink: _Sink
     got: set[int] = field(default_factory=set)  # complete at `request.sampling.n`
+    #: where this request's token deltas go (None: dropped)
+    deltas: _Inbox | None = None
 
 
 class RolloutPlane:
@@ -118,6 +129,7 @@ class RolloutPlane:
         self.duplicates_dropped = 0
         self._waiting: dict[str, _Waiting] = {}
         self._codec = codec_for(RolloutReply | RolloutReplies)
+        self._delta_codec = codec_for(TokenDelta)
         #: request messages go out through it (`outbox.messages`, `.items`: how they packed)
         self.outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs),
                              headers=self._request_headers, max_items=max_batch)
@@ -131,6 +143,8 @@ class RolloutPlane:
         subscription is live."""
         # NOTE: an ordered consumer re-creates itself from the last result it saw once two
         # idle heartbeats are missed: after a broker restart, within a second
+        deltas = await self.bus.nc.subscribe(self.bus.subjects.token_stream(self.client_id),
+                                             cb=self._on_delta)
         sub = await self.bus.js.subscribe(
             self.bus.subjects.rollout_result(self.client_id), cb=self._on_result,
             ordered_consumer=True, deliver_policy=DeliverPolicy.NEW, idle_heartbeat=0.5)
@@ -141,6 +155,7 @@ class RolloutPlane:
         finally:
             with anyio.CancelScope(shield=True):
                 await sub.unsubscribe()
+                await deltas.unsubscribe()
 
     async def _on_result(self, msg: Msg) -> None:
         try:
@@ -152,6 +167,17 @@ class RolloutPlane:
                 self._take(one)
         else:
             self._take(reply)
+
+    async def _on_delta(self, msg: Msg) -> None:
+        try:
+            delta = self._delta_codec.decode(msg.data, msg.headers, subject=msg.subject)
+        except SchemaError:
+            return
+        w = self._waiting.get(delta.request_id)
+        if w is not None and w.deltas is not None and \
+                delta.submission_id == w.request.submission_id and \
+                delta.sample_index not in w.got:
+            w.deltas.send_nowait(delta)
 
     @property
     def outstanding(self) -> int:
@@ -197,13 +223,13 @@ class RolloutPlane:
                      sink: MemoryObjectSendStream[RolloutReply], *,
                      timeout: float | None = None) -> list[RolloutRequest]:
         stored = anyio.Event()
-        prepared, ticket = self._post(requests, sink, timeout, lambda _: stored.set())
+        prepared, ticket = self._post(requests, sink, timeout, lambda _: stored.set(), None)
         if ticket is not None:  # persisted (and retried through a reconnect) before this returns
             await self.outbox.settle(ticket, stored)
         return prepared
 
     def _post(self, requests: Iterable[RolloutRequest], sink: _Sink, timeout: float | None,
-              on_stored: Callable[[BaseException | None], None]
+              on_stored: Callable[[BaseException | None], None], deltas: _Inbox | None,
               ) -> tuple[list[RolloutRequest], Ticket | None]:
         """Check every request (a bad one refuses the whole call: nothing is sent), register
         where its results go, and queue the lot for the request stream; `on_stored(error)`
@@ -219,7 +245,7 @@ class RolloutPlane:
         if not prepared:
             return prepared, None
         for req in prepared:
-            waiting[req.request_id] = _Waiting(req, sink)
+            waiting[req.request_id] = _Waiting(req, sink, deltas=deltas)
         instruments.current.queue_depth.set(len(waiting), _TRAINER)
         until = (None if any(not r.deadline for r in prepared)
                  else max(r.deadline for r in prepared))
@@ -243,8 +269,19 @@ class RolloutPlane:
             return {CLIENT_ID_HEADER: self.client_id, REQUEST_ID_HEADER: reqs[0].request_id}
         return {CLIENT_ID_HEADER: self.client_id, COUNT_HEADER: str(len(reqs))}
 
+    @overload
+    def generate(self, requests: Iterable[RolloutRequest], *, timeout: float | None = None,
+                 deltas: Literal[False] = False) -> AsyncIterator[RolloutReply]: ...
+
+    @overload
+    def generate(self, requests: Iterable[RolloutRequest], *, timeout: float | None = None,
+                 deltas: Literal[True]) -> AsyncIterator[RolloutReply | TokenDelta]: ...
+
     async def generate(self, requests: Iterable[RolloutRequest], *,
-                       timeout: float | None = None) -> AsyncIterator[RolloutReply]:
+                       timeout: float | None = None, deltas: bool = False,
+                       ) -> AsyncIterator[RolloutReply | TokenDelta]:
+        """Submit `requests`, yield each sample's result (or error) once, as it comes; with
+        `deltas`, also the `TokenDelta`s of those submitted with `stream` set, as they come."""
         reqs = list(requests)
         total = sum(r.sampling.n for r in reqs)
         inbox = _Inbox()
@@ -257,7 +294,8 @@ class RolloutPlane:
             with spans.within(span):
                 # not awaited: no result comes before its request is stored, and a request
                 # that cannot be stored raises out of `inbox.get`
-                sent, ticket = self._post(reqs, inbox, timeout, inbox.stored)
+                sent, ticket = self._post(reqs, inbox, timeout, inbox.stored,
+                                          inbox if deltas else None)
         except BaseException:  # e.g. InvalidRequest: nothing was sent
             span.end()
             raise
@@ -268,7 +306,7 @@ class RolloutPlane:
             while yielded < total:
                 wait = self._next_deadline(ids) if timed else None
                 if wait is None:  # no deadline, no cancel scope (14 us each here)
-                    reply: RolloutReply | None = await inbox.get()
+                    reply: _Item | None = await inbox.get()
                 else:
                     reply = None
                     with anyio.move_on_after(wait):
@@ -278,7 +316,8 @@ class RolloutPlane:
                         yielded += 1
                         yield err
                     continue
-                yielded += 1
+                if type(reply) is not TokenDelta:  # a delta is no sample's answer
+                    yielded += 1
                 yield reply
         finally:
             if ticket is not None and not ticket.finished:
@@ -302,25 +341,6 @@ class RolloutPlane:
             if len(g) == n_of[reply.request_id]:
                 del groups[reply.request_id]
                 yield sorted(g, key=lambda r: r.sample_index or 0)
-
-    async def continue_aborted(self, requests: Iterable[RolloutRequest],
-                               results: Iterable[RolloutReply], *,
-                               timeout: float | None = None) -> AsyncIterator[RolloutReply]:
-        by_id = {r.request_id: r for r in requests}
-        partials: dict[str, RolloutResult] = {}
-        for res in results:
-            if isinstance(res, RolloutResult) and res.finish_reason == "abort":
-                partials[continuation(by_id[res.request_id], res).request_id] = res
-            else:
-                yield res
-        conts = [continuation(by_id[p.request_id], p) for p in partials.values()]
-        async for rest in self.generate(conts, timeout=timeout):
-            part = partials[rest.request_id]
-            if isinstance(rest, RolloutResult):
-                yield merge(part, rest)
-            else:
-                yield msgspec.structs.replace(rest, request_id=part.request_id,
-                                              sample_index=part.sample_index)
 
     def _next_deadline(self, ids: list[str]) -> float | None:
         deadlines = [w.request.deadline for rid in ids

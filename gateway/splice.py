@@ -1,0 +1,132 @@
+"""The exact-token rule: the prompt of a session's next turn is the previous prompt, the tokens
+the model sampled (exactly), then only the tokens of what is new.
+
+Nothing already tokenized is tokenized again. What is new comes from the chat template itself
+(render, then the difference), so the rule holds for any template, not per model family:
+
+    t0 = decode(previous prompt)                      what the model saw
+    t1 = render(history + [that assistant message])   no generation prompt
+    t2 = render(history + [it] + new messages)        with the generation prompt
+    t1 = t0 + sampled text + boundary                 (ChatML: the newline after <|im_end|>)
+    t2 = t1 + new
+
+    prompt = previous prompt + sampled ids + encode(boundary) + encode(new)
+
+An assistant message the session returned is rendered from the text the model wrote (whatever
+the agent's copy looks like: re-serialized tool-call arguments, a missing field). Then the
+result is checked against a full render at every turn: `decode(prompt) == t2`. Where any of it
+does not hold (the agent edited the history, the message after it is not one the session
+returned, the template renders the history differently from what the model saw), the turn
+starts a new segment from a full render, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlfabric.schemas import SessionFold, TurnChoice
+from rlfabric.text import ChatFormat
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    prompt: list[int]
+    #: the tokens after what the session had: all of `prompt` for a new segment
+    added: list[int]
+    #: the template's full render (what `prompt` decodes to, before any prefill)
+    text: str | None
+    reason: str = ""
+    detail: str = ""
+    branch: int = -1
+    #: the previous request again: its prompt, sampled again
+    resample: bool = False
+
+
+def raw_text(fmt: ChatFormat, choice: TurnChoice) -> str:
+    """The text of the assistant turn of `choice` (what the gateway wrote to open it, then
+    what the model sampled), its end-of-turn token left out."""
+    ids = choice.prefill.tolist() + choice.completion_token_ids.tolist()
+    if choice.finish_reason in ("stop", "tool_calls") and ids and ids[-1] in fmt.stop_token_ids:
+        ids = ids[:-1]
+    return fmt.decode(ids)
+
+
+def _as_sampled(fmt: ChatFormat, messages: Sequence[dict[str, Any]], digests: Sequence[str],
+                returned: Mapping[str, TurnChoice]) -> list[dict[str, Any]]:
+    """`messages` with every assistant message the session returned rendered from its text."""
+    out = []
+    for m, d in zip(messages, digests, strict=True):
+        choice = returned.get(d) if m["role"] == "assistant" else None
+        out.append(m if choice is None else {"role": "assistant",
+                                             "content": raw_text(fmt, choice)})
+    return out
+
+
+def plan(fmt: ChatFormat, fold: SessionFold | None, messages: Sequence[dict[str, Any]],
+         digests: Sequence[str], *, tools: Sequence[Mapping[str, Any]] | None = None,
+         prompt_text: str | None = None, prefill: Sequence[int] = (),
+         **template_kwargs: Any) -> Plan:
+    """The prompt of a request with `messages` in the session folded as `fold` (None: a new
+    session). `prompt_text`, if known, is `decode(fold.prompt)`. `prefill` opens the assistant
+    turn after the generation prompt (not sampled)."""
+    opening = list(prefill)
+    returned = fold.returned if fold is not None else {}
+    msgs = _as_sampled(fmt, messages, digests, returned)
+
+    def render(part: Sequence[dict[str, Any]], gen: bool) -> str:
+        return fmt.render(part, tools=tools, add_generation_prompt=gen, **template_kwargs)
+
+    def fresh(reason: str, detail: str = "", branch: int = -1) -> Plan:
+        text = render(msgs, True)
+        ids = fmt.encode(text) + opening
+        return Plan(prompt=ids, added=ids, text=text, reason=reason, detail=detail,
+                    branch=branch)
+
+    last = fold.last if fold is not None else None
+    if fold is None or last is None:
+        return fresh("new_session")
+    before = last.message_digests
+    k = len(before)
+    if tuple(digests) == before and last.choices and \
+            last.choices[0].prefill.tolist() == opening:
+        return Plan(prompt=list(fold.prompt), added=[], text=prompt_text, resample=True,
+                    branch=-1)
+    if tuple(digests[:k]) != before:
+        at = next((i for i, (a, b) in enumerate(zip(digests, before, strict=False)) if a != b),
+                  min(len(digests), k))
+        return fresh("messages_not_extended",
+                     f"message {at} differs from the previous request's (of {k})")
+    if len(digests) <= k or messages[k]["role"] != "assistant":
+        return fresh("assistant_not_sampled", f"message {k} is not the assistant's reply "
+                     "to the previous request")
+    branch = next((i for i, c in enumerate(last.choices) if c.message_digest == digests[k]), -1)
+    if branch < 0:
+        return fresh("assistant_not_sampled", f"message {k} (assistant) is none of the "
+                     f"{len(last.choices)} choices this session returned")
+    choice = last.choices[branch]
+    sampled = choice.completion_token_ids.tolist()
+    opened = choice.prefill.tolist()
+    before_opening = fold.prompt[:len(fold.prompt) - len(opened)]
+    t0 = prompt_text if prompt_text is not None and not opened else fmt.decode(before_opening)
+    t1 = render(msgs[:k + 1], False)
+    t2 = render(msgs, True)
+    c = fmt.decode(opened + sampled)
+    if not t1.startswith(t0):
+        return fresh("template_rewrote_history", "the history up to the previous prompt "
+                     "renders differently now", branch)
+    if not t1.startswith(c, len(t0)):
+        return fresh("template_rewrote_history", f"message {k} (assistant) renders "
+                     "differently from the text the model sampled", branch)
+    if not t2.startswith(t1):
+        return fresh("template_rewrote_history", "the history renders differently once the "
+                     "new messages follow it", branch)
+    boundary = fmt.encode(t1[len(t0) + len(c):])
+    new = fmt.encode(t2[len(t1):])
+    prompt = fold.prompt + sampled + boundary + new
+    if fmt.decode(prompt) != t2:
+        return fresh("template_rewrote_history", "the spliced tokens do not decode to the "
+                     "template's render", branch)
+    return Plan(prompt=prompt + opening, added=boundary + new + opening, text=t2,
+                branch=branch)
