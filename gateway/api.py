@@ -91,7 +91,9 @@ class _Sampling(_In, kw_only=True):
 
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    tools: list[Tool] | None = None
+    #: as sent: a template renders the agent's own JSON (field order included); checked
+    #: against `Tool` by the gateway
+    tools: list[dict[str, Any]] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_tokens: int | None = None

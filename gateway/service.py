@@ -34,6 +34,7 @@ from rlfabric.gateway.api import (
     ModelCard,
     ModelList,
     NamedToolChoice,
+    Tool,
     ToolCallDelta,
     ToolCallOut,
     Usage,
@@ -199,7 +200,7 @@ class Gateway:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options needs stream: true", "stream_options")
-        tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
+        tools = _tools(req.tools)
         choice = req.tool_choice
         forced: str | None = None
         if isinstance(choice, NamedToolChoice):
@@ -461,6 +462,20 @@ class Gateway:
             raise APIError(404, f"no session {session_id!r}", param="session_id",
                            code="session_not_found")
         return {"session_id": session_id, "ended": s.fold.ended, "turns": s.fold.turns}
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The request's tools, checked, as the agent wrote them (a template renders them)."""
+    if not tools:
+        return None
+    for i, t in enumerate(tools):
+        try:
+            msgspec.convert(t, Tool)
+        except msgspec.ValidationError as exc:
+            raise bad_request(f"tools[{i}]: {exc}", f"tools[{i}]") from None
+        if t.get("type", "function") != "function":
+            raise unsupported(f"tools[{i}].type", "only function tools")
+    return tools
 
 
 def _result(reply: RolloutReply) -> RolloutResult:

@@ -308,3 +308,35 @@ async def test_sigterm_finishes_in_flight_work_leaves_and_exits_0(client, worker
     assert len(out) == 4 and all(isinstance(r, RolloutResult) for r in out)
     assert all(r.finish_reason in ("length", "stop") for r in out)  # finished, not cut off
     assert snap.members == ()
+
+
+async def test_with_no_trainer_the_first_checkpoint_is_version_0_and_another_is_refused(
+        client, workers, nats_url, prefix, tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    other = build_model("tiny")
+    with torch.no_grad():
+        other.lm_head.weight.add_(0.5)  # the same architecture, other weights
+    other.save_pretrained(tmp_path / "other")
+    [first] = workers(["c0"])
+    first.wait_for(r"ready \(", timeout=60)
+    [second] = workers(["c1"], "--model", str(tmp_path / "other"))
+    second.wait_for(r"ready \(", timeout=60)
+    second.wait_for("another checkpoint", timeout=5)
+    async with client() as fabric:
+        snap = await fabric.wait_for_workers(2, timeout=60)
+        versions = {m.worker_id: m.weight_version for m in snap.members}
+        assert versions == {"c0": 0, "c1": -1}
+        out = await collect(fabric, [RolloutRequest(request_id=f"v{i}", prompt_token_ids=[256, i],
+                                                    sampling=SamplingParams(max_tokens=4))
+                                     for i in range(8)], timeout=60)
+    assert {(r.worker_id, r.version_spans[0].version) for r in out} == {("c0", 0)}
+    status = subprocess.run([sys.executable, "-m", "rlfabric", "status", "--nats", nats_url,
+                             "--prefix", prefix, "--json"], capture_output=True, text=True,
+                            timeout=60)
+    info = json.loads(status.stdout)
+    notes = {m["worker_id"]: m["note"] for m in info["members"]}
+    assert notes["c0"] == "" and "checkpoint differs" in notes["c1"]
+    assert info["checkpoint_claim"]["worker_id"] == "c0"

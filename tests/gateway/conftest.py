@@ -63,6 +63,14 @@ def chat_format() -> Callable[..., Any]:
     return _chat_format
 
 
+@pytest.fixture
+def new_fleet(nats_url: str, prefix: str,
+              spawn: Callable[..., Any]) -> Callable[..., Fleet]:
+    """`new_fleet(url=None)`: an empty fleet of this test's own on the test server (or `url`);
+    its processes stop with the test."""
+    return lambda url=None: Fleet(url or nats_url, prefix, spawn)
+
+
 @pytest.fixture(scope="package")
 def fleet(nats_url: str, package_prefix: str,
           spawn_package: Callable[..., Any]) -> Iterator[Fleet]:
