@@ -19,6 +19,8 @@ BENCHES = {
              "sync vs async GRPO (rlfabric up twice): steps/s and tokens/s"),
     "weights": ("rlfabric.bench.weights",
                 "weight update MB/s per transport beside memcpy and /dev/shm"),
+    "gateway": ("rlfabric.bench.gateway",
+                "the gateway + vLLM workers vs vLLM's own OpenAI server; the gateway's cost"),
 }
 
 

@@ -24,7 +24,7 @@ def make_engine(kind: str, model: str, **kwargs: Any) -> Engine:
     if kind == "vllm":
         from rlfabric.engines.vllm import VllmEngine
 
-        return VllmEngine(_checkpoint_dir(model), **kwargs)
+        return VllmEngine(checkpoint_dir(model), **kwargs)
     if kind == "null":
         from rlfabric.engines.null import NullEngine
 
@@ -32,7 +32,7 @@ def make_engine(kind: str, model: str, **kwargs: Any) -> Engine:
     raise ValueError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")
 
 
-def _checkpoint_dir(model: str) -> str:
+def checkpoint_dir(model: str) -> str:
     """A built-in spec name becomes a checkpoint written once under the user's cache (engines
     that load from a directory, such as vLLM, need one); a path stays as it is."""
     import os
@@ -42,9 +42,9 @@ def _checkpoint_dir(model: str) -> str:
     if model not in BUILTIN or os.path.isdir(model):
         return model
     from rlfabric.tensors.models import write_checkpoint
+    from rlfabric.text.builtin import cache_dir
 
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return write_checkpoint(model, os.path.join(cache, "rlfabric", "checkpoints", model))
+    return write_checkpoint(model, cache_dir("checkpoints", model))
 
 
 @contextlib.asynccontextmanager
@@ -57,4 +57,4 @@ async def running(engine: Engine) -> AsyncIterator[Engine]:
 
 
 __all__ = ["ENGINES", "Engine", "EngineDied", "PauseMode", "RequestRejected", "WeightLoadError",
-           "make_engine", "running"]
+           "checkpoint_dir", "make_engine", "running"]

@@ -229,7 +229,7 @@ class Gateway:
         kwargs = req.chat_template_kwargs or {}
         p = plan(self.fmt, None if session.new else session.fold, conv.messages,
                  conv.digests, tools=tools, prompt_text=session.prompt_text, prefill=prefill,
-                 **kwargs)
+                 texts=session.texts, **kwargs)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         sp, stops = self._sampling(

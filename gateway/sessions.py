@@ -33,6 +33,8 @@ class Session:
     fold: SessionFold = field(default_factory=SessionFold)
     #: `decode(fold.prompt)`, where known (the last turn's full render)
     prompt_text: str | None = None
+    #: the text of the choices the session returned (`splice.raw_text`'s cache)
+    texts: dict[tuple[bytes, bytes, str], str] = field(default_factory=dict)
     touched: float = field(default_factory=time.monotonic)
     lock: anyio.Lock = field(default_factory=anyio.Lock)
 

@@ -4,13 +4,13 @@ the model sampled (exactly), then only the tokens of what is new.
 Nothing already tokenized is tokenized again. What is new comes from the chat template itself
 (render, then the difference), so the rule holds for any template, not per model family:
 
-    t0 = decode(previous prompt)                      what the model saw
-    t1 = render(history + [that assistant message])   no generation prompt
-    t2 = render(history + [it] + new messages)        with the generation prompt
-    t1 = t0 + sampled text + boundary                 (ChatML: the newline after <|im_end|>)
-    t2 = t1 + new
-
-    prompt = previous prompt + sampled ids + encode(boundary) + encode(new)
+    t0 = decode(previous prompt)                  what the model saw
+    c  = decode(sampled ids)                      what it wrote
+    t  = render(history + [its message] + new)    the template's text of the whole request
+    t  = t0 + c + rest                            rest: what the template puts after the turn
+                                                  (ChatML: the newline after <|im_end|>), then
+                                                  the new messages and the generation prompt
+    prompt = previous prompt + sampled ids + encode(rest)
 
 An assistant message the session returned is rendered from the text the model wrote (whatever
 the agent's copy looks like: re-serialized tool-call arguments, a missing field). Then the
@@ -44,36 +44,47 @@ class Plan:
     resample: bool = False
 
 
-def raw_text(fmt: ChatFormat, choice: TurnChoice) -> str:
+def raw_text(fmt: ChatFormat, choice: TurnChoice,
+             cache: dict[tuple[bytes, bytes, str], str] | None = None) -> str:
     """The text of the assistant turn of `choice` (what the gateway wrote to open it, then
     what the model sampled), its end-of-turn token left out."""
+    key = (choice.prefill.tobytes(), choice.completion_token_ids.tobytes(),
+           choice.finish_reason)
+    if cache is not None and (hit := cache.get(key)) is not None:
+        return hit
     ids = choice.prefill.tolist() + choice.completion_token_ids.tolist()
     if choice.finish_reason in ("stop", "tool_calls") and ids and ids[-1] in fmt.stop_token_ids:
         ids = ids[:-1]
-    return fmt.decode(ids)
+    text = fmt.decode(ids)
+    if cache is not None:
+        cache[key] = text
+    return text
 
 
 def _as_sampled(fmt: ChatFormat, messages: Sequence[dict[str, Any]], digests: Sequence[str],
-                returned: Mapping[str, TurnChoice]) -> list[dict[str, Any]]:
+                returned: Mapping[str, TurnChoice],
+                cache: dict[tuple[bytes, bytes, str], str] | None) -> list[dict[str, Any]]:
     """`messages` with every assistant message the session returned rendered from its text."""
     out = []
     for m, d in zip(messages, digests, strict=True):
         choice = returned.get(d) if m["role"] == "assistant" else None
         out.append(m if choice is None else {"role": "assistant",
-                                             "content": raw_text(fmt, choice)})
+                                             "content": raw_text(fmt, choice, cache)})
     return out
 
 
 def plan(fmt: ChatFormat, fold: SessionFold | None, messages: Sequence[dict[str, Any]],
          digests: Sequence[str], *, tools: Sequence[Mapping[str, Any]] | None = None,
          prompt_text: str | None = None, prefill: Sequence[int] = (),
+         texts: dict[tuple[bytes, bytes, str], str] | None = None,
          **template_kwargs: Any) -> Plan:
     """The prompt of a request with `messages` in the session folded as `fold` (None: a new
     session). `prompt_text`, if known, is `decode(fold.prompt)`. `prefill` opens the assistant
-    turn after the generation prompt (not sampled)."""
+    turn after the generation prompt (not sampled). `texts` caches the text of returned
+    choices (`raw_text`)."""
     opening = list(prefill)
     returned = fold.returned if fold is not None else {}
-    msgs = _as_sampled(fmt, messages, digests, returned)
+    msgs = _as_sampled(fmt, messages, digests, returned, texts)
 
     def render(part: Sequence[dict[str, Any]], gen: bool) -> str:
         return fmt.render(part, tools=tools, add_generation_prompt=gen, **template_kwargs)
@@ -110,23 +121,17 @@ def plan(fmt: ChatFormat, fold: SessionFold | None, messages: Sequence[dict[str,
     opened = choice.prefill.tolist()
     before_opening = fold.prompt[:len(fold.prompt) - len(opened)]
     t0 = prompt_text if prompt_text is not None and not opened else fmt.decode(before_opening)
-    t1 = render(msgs[:k + 1], False)
-    t2 = render(msgs, True)
     c = fmt.decode(opened + sampled)
-    if not t1.startswith(t0):
+    t = render(msgs, True)
+    if not t.startswith(t0):
         return fresh("template_rewrote_history", "the history up to the previous prompt "
                      "renders differently now", branch)
-    if not t1.startswith(c, len(t0)):
+    if not t.startswith(c, len(t0)):
         return fresh("template_rewrote_history", f"message {k} (assistant) renders "
                      "differently from the text the model sampled", branch)
-    if not t2.startswith(t1):
-        return fresh("template_rewrote_history", "the history renders differently once the "
-                     "new messages follow it", branch)
-    boundary = fmt.encode(t1[len(t0) + len(c):])
-    new = fmt.encode(t2[len(t1):])
-    prompt = fold.prompt + sampled + boundary + new
-    if fmt.decode(prompt) != t2:
+    rest = fmt.encode(t[len(t0) + len(c):])
+    prompt = fold.prompt + sampled + rest
+    if fmt.decode(prompt) != t:  # the whole turn against the template's full render
         return fresh("template_rewrote_history", "the spliced tokens do not decode to the "
                      "template's render", branch)
-    return Plan(prompt=prompt + opening, added=boundary + new + opening, text=t2,
-                branch=branch)
+    return Plan(prompt=prompt + opening, added=rest + opening, text=t, branch=branch)
