@@ -19,7 +19,8 @@ per-turn differences.
                            [--max-tokens 64] [--engine vllm|torch] [--json]
 
 `--engine torch` runs the rlfabric rows on the torch engine and leaves vLLM's server out (a
-quick run where vLLM is not installed).
+quick run where vLLM is not installed); `--engine null` on the echo engine, which takes the
+model's time out of the gateway's cost (turns do the same work to the token).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=128, help="requests per row")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     p.add_argument("--max-tokens", type=int, default=64, help="completion length")
-    p.add_argument("--engine", default="vllm", choices=("vllm", "torch"))
+    p.add_argument("--engine", default="vllm", choices=("vllm", "torch", "null"))
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--sessions", type=int, default=8, help="cost block: sessions")
@@ -124,7 +125,7 @@ async def _load(base: str, n: int, conc: int, max_tokens: int) -> dict[str, Any]
 def _worker_cmd(url: str, prefix: str, i: int, args: argparse.Namespace) -> list[str]:
     extra = (["--engine", "vllm", "--max-model-len", str(args.max_model_len), "--kv-cache-gib",
               str(args.kv_cache_gib), "--threads-bind", "nobind"]
-             if args.engine == "vllm" else ["--engine", "torch"])
+             if args.engine == "vllm" else ["--engine", args.engine])
     return ["rlfabric", "worker", "--nats", url, "--prefix", prefix, "--model", MODEL,
             "--worker-id", f"w{i}", "--capacity", "64", "--max-batch", "64", *extra]
 

@@ -122,7 +122,8 @@ def permissions(role: str, s: Subjects) -> Permissions:
                           f"$KV.{s.members_bucket}.>", f"{api}.STREAM.UPDATE.>",
                           f"{api}.STREAM.DELETE.>", f"{api}.STREAM.PURGE.>",
                           f"{api}.STREAM.MSG.DELETE.>", f"{api}.CONSUMER.DELETE.{roll}.>"),
-            subscribe_allow=("_INBOX.>", f"{p}.stream.>", f"{p}.events.>"),
+            # sessions: the records other gateways append (this one's copy goes stale)
+            subscribe_allow=("_INBOX.>", f"{p}.stream.>", f"{p}.events.>", f"{p}.session.>"),
         )
     if role == "observer":
         return Permissions(publish_allow=tuple(read),

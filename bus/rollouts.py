@@ -53,6 +53,7 @@ from rlfabric.schemas import (
     RolloutRequests,
     SchemaError,
     TokenDelta,
+    TokenDeltas,
     codec_for,
 )
 from rlfabric.schemas.validation import InvalidRequest, check_request
@@ -129,7 +130,7 @@ class RolloutPlane:
         self.duplicates_dropped = 0
         self._waiting: dict[str, _Waiting] = {}
         self._codec = codec_for(RolloutReply | RolloutReplies)
-        self._delta_codec = codec_for(TokenDelta)
+        self._delta_codec = codec_for(TokenDeltas)
         #: request messages go out through it (`outbox.messages`, `.items`: how they packed)
         self.outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs),
                              headers=self._request_headers, max_items=max_batch)
@@ -170,14 +171,16 @@ class RolloutPlane:
 
     async def _on_delta(self, msg: Msg) -> None:
         try:
-            delta = self._delta_codec.decode(msg.data, msg.headers, subject=msg.subject)
+            batch = self._delta_codec.decode(msg.data, msg.headers, subject=msg.subject)
         except SchemaError:
             return
-        w = self._waiting.get(delta.request_id)
-        if w is not None and w.deltas is not None and \
-                delta.submission_id == w.request.submission_id and \
-                delta.sample_index not in w.got:
-            w.deltas.send_nowait(delta)
+        waiting = self._waiting
+        for delta in batch.deltas:
+            w = waiting.get(delta.request_id)
+            if w is not None and w.deltas is not None and \
+                    delta.submission_id == w.request.submission_id and \
+                    delta.sample_index not in w.got:
+                w.deltas.send_nowait(delta)
 
     @property
     def outstanding(self) -> int:

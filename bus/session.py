@@ -138,14 +138,16 @@ class Bus:
 
     async def persist(self, subject: str, data: bytes, headers: dict[str, str], *,
                       until: float | None = None, attempt_timeout: float = 5.0,
-                      on_retry: Callable[[Exception], None] | None = None) -> PubAck:
+                      on_retry: Callable[[Exception], None] | None = None,
+                      cleared_as: str | None = None) -> PubAck:
         """A JetStream publish that rides through a reconnect or a broker restart: a
         transient failure (no connection, no PubAck in `attempt_timeout`, JetStream not up
         yet) is retried, at once after a reconnect, else backing off up to 1 s, until
         `until` (a `time.time()`; None: until it is stored). Give the message a
         `Nats-Msg-Id` header: a retry of one that was stored but whose PubAck was lost is
         then dropped by the stream as a duplicate (`PubAck.duplicate`). `on_retry` is called
-        with each transient error before its retry."""
+        with each transient error before its retry. `cleared_as`: the permission `subject`
+        falls under, if subjects under it are many (see `refused_or`)."""
         delay = 0.05
         last: Exception = nats.errors.ConnectionReconnectingError()
         while True:
@@ -159,7 +161,7 @@ class Bus:
                     # took 181 (medians of 20 interleaved blocks); and a reconnect fails it at
                     # once (`Link.pending_acks`) where a request waited out its timeout
                     return await self.refused_or(subject, lambda: self.publish_stored(
-                        subject, data, headers, timeout=attempt_timeout))
+                        subject, data, headers, timeout=attempt_timeout), cleared_as=cleared_as)
                 except TRANSIENT as exc:
                     last = exc
                     if on_retry is not None:
@@ -204,14 +206,18 @@ class Bus:
             timer.cancel()
             self.link.pending_acks.discard(fut)
 
-    async def refused_or(self, subject: str, call: Callable[[], Awaitable[T]]) -> T:
+    async def refused_or(self, subject: str, call: Callable[[], Awaitable[T]], *,
+                         cleared_as: str | None = None) -> T:
         """`await call()`, unless the server refuses this client `subject` meanwhile (a
         permissions violation comes back as an asynchronous error, and the call would wait
         for its timeout): then `PermissionDenied` at once. Once a call to `subject` went
         through, later calls run bare (permissions hold for the connection's life) and a
-        refusal is looked for only when one fails."""
+        refusal is looked for only when one fails. `cleared_as` names what went through
+        instead of `subject` (a wildcard the role's permission names, for subjects that are
+        each used once, such as one per session)."""
         since = time.monotonic()
-        if subject in self._cleared:
+        key = cleared_as or subject
+        if key in self._cleared:
             try:
                 return await call()
             except TRANSIENT:
@@ -231,8 +237,29 @@ class Bus:
             tg.start_soon(watch)
             out = await call()
         if len(self._cleared) < 1024:
-            self._cleared.add(subject)
+            self._cleared.add(key)
         return out
+
+    async def stored_later(self, subject: str, data: bytes, headers: dict[str, str], *,
+                           cleared_as: str | None = None) -> Callable[[], Awaitable[PubAck]]:
+        """A JetStream publish sent now, stored for sure later: the returned call awaits its
+        PubAck and, if none comes (a reconnect, a timeout), stores it as `persist` does (give
+        it a `Nats-Msg-Id`). A refusal by the stream raises from the call. For a write whose
+        caller has other work to do meanwhile."""
+        fut = None
+        key = cleared_as or subject
+        if self.nc.is_connected and key in self._cleared:
+            with contextlib.suppress(*TRANSIENT):
+                fut = await self._send_stored(subject, data, headers)
+
+        async def stored() -> PubAck:
+            if fut is not None:
+                try:
+                    return await self._pub_ack(fut, PUB_ACK_TIMEOUT)
+                except TRANSIENT:
+                    pass  # sent again below; a stored copy is dropped as a duplicate
+            return await self.persist(subject, data, headers, cleared_as=cleared_as)
+        return stored
 
     @staticmethod
     def _denied(subject: str, why: str) -> PermissionDenied:

@@ -5,6 +5,7 @@ stream `<PREFIX>_SESSIONS` (one subject per session), and the trajectories folde
     seq, record = await log.last(key)             # one direct get
     records = await log.read(key, after=seq)      # batched direct gets, in stored order
     seq = await log.append(record, expect_last=seq)   # refused if another turn came first
+    stored = await log.send(record, expect_last=seq)  # sent now; `await stored()` later
 
 Appends are conditional on the session's last sequence (`Nats-Expected-Last-Subject-Sequence`),
 so two gateways serving one session never interleave turns unseen: the second raises
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Awaitable, Callable
 
 import anyio
 import nats.errors
@@ -36,6 +38,8 @@ from rlfabric.schemas import (
 #: records one batched read asks for
 READ_BATCH = 256
 _STATUS = "Status"
+#: on a session record: who appended it (a gateway's id), so others know their copy is stale
+WRITER_HEADER = "rlf-writer"
 
 
 class SessionConflict(BusError):
@@ -52,8 +56,9 @@ def session_key(session_id: str) -> str:
 
 
 class SessionLog:
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, *, writer: str = "") -> None:
         self.bus = bus
+        self.writer = writer
         self._codec = codec_for(SessionRecord)
         self._stream = bus.subjects.sessions_stream
         self._api = f"$JS.API.DIRECT.GET.{self._stream}"
@@ -114,20 +119,34 @@ class SessionLog:
     async def append(self, record: SessionRecord, *, expect_last: int) -> int:
         """Store `record` as the session's next one, if its last sequence is still
         `expect_last` (0: none yet); returns its sequence. `SessionConflict` otherwise."""
+        stored = await self.send(record, expect_last=expect_last)
+        return await stored()
+
+    async def send(self, record: SessionRecord, *, expect_last: int
+                   ) -> Callable[[], Awaitable[int]]:
+        """`append`, sent now: the returned call waits until it is stored and returns its
+        sequence (or raises `SessionConflict`)."""
         key = session_key(record.session_id)
         subject = self.bus.subjects.session(key)
         n = record.turn if isinstance(record, SessionTurn) else "end"
         hdrs = self.bus.headers({"Nats-Expected-Last-Subject-Sequence": str(expect_last),
-                                 "Nats-Msg-Id": f"{self._stream}/{key}/{expect_last}/{n}"})
-        try:
-            ack = await self.bus.persist(subject, encode(record), hdrs)
-        except APIError as exc:
-            if exc.err_code == JS_WRONG_LAST_SEQUENCE:
-                raise SessionConflict(f"session {record.session_id!r} has a turn this gateway "
-                                      f"did not see (stored after sequence {expect_last}); "
-                                      "send the turns of one session one at a time") from None
-            raise
-        return int(ack.seq)
+                                 "Nats-Msg-Id": f"{self._stream}/{key}/{expect_last}/{n}",
+                                 WRITER_HEADER: self.writer})
+        stored = await self.bus.stored_later(subject, encode(record), hdrs,
+                                             cleared_as=self.bus.subjects.sessions_all)
+
+        async def seq() -> int:
+            try:
+                ack = await stored()
+            except APIError as exc:
+                if exc.err_code == JS_WRONG_LAST_SEQUENCE:
+                    raise SessionConflict(
+                        f"session {record.session_id!r} has a turn this gateway did not see "
+                        f"(stored after sequence {expect_last}); send the turns of one session "
+                        "one at a time") from None
+                raise
+            return int(ack.seq)
+        return seq
 
 
 async def read_trajectory(bus: Bus, session_id: str) -> Trajectory | None:

@@ -120,6 +120,19 @@ class StreamText:
     sent_ids: int = 0
     broken: bool = False  # a delta was lost: the rest comes from the result
     held: bool = False  # a stop string or a tool call began: the rest comes from the result
+    #: the text of the first `base` tokens, which end on a whole character (decoding goes on
+    #: from there: a stream costs a decode of its new tokens, not of all of them each time)
+    base: int = 0
+    base_text: str = ""
+
+    def _text(self) -> str:
+        tail = self.ids[self.base:]
+        end = tail[-1:] and (tail[-1] in self.rules.stop_ids
+                             or tail[-1] in self.fmt.stop_token_ids)
+        text = self.base_text + self.fmt.decode(tail[:-1] if end else tail)
+        if not end and not text.endswith(_PARTIAL):
+            self.base, self.base_text = len(self.ids), text
+        return text
 
     def add(self, start: int, ids: Sequence[int], logprobs: Sequence[float],
             top: list[list[tuple[int, float]]] | None) -> tuple[str, int, int] | None:
@@ -133,7 +146,7 @@ class StreamText:
             self.top += top
         if self.held:
             return None
-        text = _visible(self.fmt, self.ids, self.rules)
+        text = self._text()
         safe = len(text)
         if text.endswith(_PARTIAL):
             safe = len(text.rstrip(_PARTIAL))

@@ -74,11 +74,12 @@ async def serve(url: str | ConnectOptions, config: GatewayConfig, opts: ServeOpt
     async with Bus.connect(url, prefix=prefix) as bus, beside(cancel_at_exit=True) as tg:
         watcher = MembershipWatcher(bus)
         plane = RolloutPlane(bus, f"g{uuid.uuid4().hex[:12]}")
-        store = SessionStore(bus, idle_timeout=opts.session_idle_timeout,
+        store = SessionStore(bus, writer=config.gateway_id,
+                             idle_timeout=opts.session_idle_timeout,
                              max_cached=opts.max_cached_sessions)
         await tg.start(watcher.run)
         await tg.start(plane.listen)
-        tg.start_soon(store.run_sweeper, min(60.0, opts.session_idle_timeout / 4))
+        await tg.start(store.run)
         gateway = Gateway(bus, plane, watcher, store, fmt, config)
         app = create_app(gateway, api_keys=opts.api_keys, max_body_bytes=opts.max_body_bytes)
         sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)

@@ -95,6 +95,7 @@ class _Turn:
     prefill: list[int]
     tenant: str
     model: str
+    planned_on: int = 0  # the session's `changes` when planned
     started: float = field(default_factory=time.monotonic)
 
 
@@ -130,6 +131,12 @@ class Gateway:
             raise APIError(404, f"model {model!r} is not served here; this gateway serves "
                            f"{self.config.name!r} (GET /v1/models)", param="model",
                            code="model_not_found")
+
+    @staticmethod
+    def _check_not_ended(s: Session) -> None:
+        if s.fold.ended:
+            raise APIError(409, f"session {s.session_id!r} has ended ({s.fold.ended}); "
+                           "start a new session", code="session_ended")
 
     def _check_workers(self) -> None:
         if not self.watcher.members:
@@ -220,16 +227,27 @@ class Gateway:
         parse = tools is not None and choice != "none"
         prefill = self.fmt.encode(forced) if forced else []
         self._check_workers()
-        session = (await self.store.open(session_id) if session_id
-                   else self.store.local(f"one-{uuid.uuid4().hex}"))
-        if session.fold.ended:
-            raise APIError(409, f"session {session.session_id!r} has ended "
-                           f"({session.fold.ended}); start a new session",
-                           code="session_ended")
         kwargs = req.chat_template_kwargs or {}
-        p = plan(self.fmt, None if session.new else session.fold, conv.messages,
-                 conv.digests, tools=tools, prompt_text=session.prompt_text, prefill=prefill,
-                 texts=session.texts, **kwargs)
+
+        def make_plan(s: Session) -> Plan:
+            return plan(self.fmt, None if s.new else s.fold, conv.messages, conv.digests,
+                        tools=tools, prompt_text=s.prompt_text, prefill=prefill,
+                        texts=s.texts, **kwargs)
+
+        if session_id:
+            session = self.store.entry(session_id)
+            async with session.lock:
+                await self.store.open(session)
+                self._check_not_ended(session)
+                p = make_plan(session)
+                # a new segment is declared only against the freshest state
+                if p.reason and not session.new and await self.store.refresh(session):
+                    self._check_not_ended(session)
+                    p = make_plan(session)
+                planned_on = session.changes
+        else:
+            session = self.store.local(f"one-{uuid.uuid4().hex}")
+            p, planned_on = make_plan(session), session.changes
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         sp, stops = self._sampling(
@@ -241,7 +259,7 @@ class Gateway:
         rules = OutputRules(stops=stops, stop_ids=frozenset(sp.stop_token_ids),
                             parser=self.tools.parse if parse else None, call_open=self.tools.open)
         turn = _Turn(session=session, plan=p, rules=rules, digests=conv.digests,
-                     prefill=prefill, tenant=tenant, model=req.model,
+                     prefill=prefill, tenant=tenant, model=req.model, planned_on=planned_on,
                      request=RolloutRequest(request_id=f"gw-{uuid.uuid4().hex}",
                                             prompt_token_ids=PackedI32(p.prompt), sampling=sp,
                                             stream=req.stream))
@@ -290,7 +308,7 @@ class Gateway:
                                      finish_reason=f.finish_reason, message_digest=f.digest,
                                      prefill=PackedI32(turn.prefill)) for f in finals))
         try:
-            await self.store.record(s, record,
+            await self.store.record(s, record, planned_on=turn.planned_on,
                                     prompt_text=p.text if not turn.prefill else None)
         except SessionConflict as exc:
             raise APIError(409, str(exc), code="session_conflict") from None

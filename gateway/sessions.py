@@ -1,12 +1,18 @@
-"""Sessions as one gateway holds them: a cache of folded session logs over the bus, so a turn
-costs one read (the session's last sequence) when this gateway served the previous one, and a
-catch-up read of what it missed when another gateway did, or after a restart.
+"""Sessions as one gateway holds them: a cache of folded session logs over the bus.
 
-A turn holds its session's lock from planning to recording, so two requests of one session to
-one gateway are served one after the other; across gateways the conditional append refuses the
-second (`SessionConflict`). Idle sessions end (`SessionEnd(reason="expired")`) after the idle
-timeout; the cache keeps at most `max_cached` sessions (an evicted one is read back from the
-bus when it comes again).
+- A turn's record is sent before its response and stored meanwhile (`record`); the session's
+  next turn here waits for that write. A write that fails is logged and counted, and the
+  session is read back from the bus at its next turn.
+- Every gateway hears the records others append (core NATS, the writer in a header, no payload
+  decoded) and marks its copy stale; a stale or unknown session is read from the bus before it
+  is planned (`open`). So consecutive turns of a session on one gateway cost no read, and turns
+  that alternate between gateways cost one.
+- A turn is planned against this copy; a new segment is declared only against the freshest
+  state (`refresh`): the caller reads the bus again and plans again if it changed.
+- Two requests of one session on one gateway are served one after the other (its lock); across
+  gateways the conditional append refuses the second (`SessionConflict`).
+- Idle sessions end (`SessionEnd(reason="expired")`) after the idle timeout; the cache keeps at
+  most `max_cached` sessions (an evicted one is read back when it comes again).
 """
 
 from __future__ import annotations
@@ -14,13 +20,17 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
+from anyio.abc import TaskGroup, TaskStatus
+from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus
-from rlfabric.bus.sessions import SessionConflict, SessionLog, session_key
+from rlfabric.bus.sessions import WRITER_HEADER, SessionConflict, SessionLog, session_key
 from rlfabric.schemas import SessionEnd, SessionFold, SessionRecord, Trajectory
+from rlfabric.telemetry import instruments
 
 log = logging.getLogger("rlfabric.gateway")
 
@@ -29,7 +39,7 @@ log = logging.getLogger("rlfabric.gateway")
 class Session:
     session_id: str
     key: str
-    seq: int = 0  # the last record applied to `fold`
+    seq: int = 0  # the last record applied to `fold` (stored)
     fold: SessionFold = field(default_factory=SessionFold)
     #: `decode(fold.prompt)`, where known (the last turn's full render)
     prompt_text: str | None = None
@@ -37,21 +47,57 @@ class Session:
     texts: dict[tuple[bytes, bytes, str], str] = field(default_factory=dict)
     touched: float = field(default_factory=time.monotonic)
     lock: anyio.Lock = field(default_factory=anyio.Lock)
+    #: another writer appended since `seq`, or a write of ours failed: read before planning
+    stale: bool = True
+    #: set once this gateway's last write of it is stored (or failed)
+    written: anyio.Event | None = None
+    #: moves whenever `fold` does: a turn planned on one state records only onto it
+    changes: int = 0
 
     @property
     def new(self) -> bool:
         return self.fold.last is None
 
+    def forget(self) -> None:
+        self.seq, self.fold, self.prompt_text, self.stale = 0, SessionFold(), None, True
+        self.changes += 1
+
 
 class SessionStore:
-    def __init__(self, bus: Bus, *, idle_timeout: float = 3600.0,
+    def __init__(self, bus: Bus, *, writer: str, idle_timeout: float = 3600.0,
                  max_cached: int = 10_000) -> None:
-        self.log = SessionLog(bus)
+        self.bus = bus
+        self.writer = writer
+        self.log = SessionLog(bus, writer=writer)
         self.idle_timeout = idle_timeout
         self.max_cached = max_cached
+        self.write_failures = 0
         self._cache: collections.OrderedDict[str, Session] = collections.OrderedDict()
+        self._tg: TaskGroup | None = None
 
-    def _entry(self, session_id: str) -> Session:
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Hear other writers, settle writes, sweep idle sessions; started once listening."""
+        prefix = len(self.bus.subjects.sessions_all) - 1  # "<prefix>.session."
+
+        async def heard(msg: Msg) -> None:
+            if (msg.headers or {}).get(WRITER_HEADER) != self.writer:
+                s = self._cache.get(msg.subject[prefix:])
+                if s is not None:
+                    s.stale = True
+
+        sub = await self.bus.nc.subscribe(self.bus.subjects.sessions_all, cb=heard)
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._sweep_every, min(60.0, self.idle_timeout / 4))
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            self._tg = None
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
+
+    def entry(self, session_id: str) -> Session:
         key = session_key(session_id)
         s = self._cache.get(key)
         if s is None:
@@ -69,51 +115,89 @@ class SessionStore:
 
     def local(self, session_id: str) -> Session:
         """A session of one turn that nobody continues: nothing to read."""
-        return Session(session_id, session_key(session_id))
+        return Session(session_id, session_key(session_id), stale=False)
 
-    async def open(self, session_id: str) -> Session:
-        """The session with every stored record applied (caller holds `lock` for a turn)."""
-        s = self._entry(session_id)
-        await self._catch_up(s)
-        return s
+    async def open(self, s: Session) -> None:
+        """Make `s` current for a turn (the caller holds `s.lock`): what others wrote read, if
+        anything was heard of. This gateway's own last write may still be on its way: the
+        next record waits for it (`record`), the plan needs only the fold."""
+        if s.stale:
+            await self.refresh(s)
 
-    async def _catch_up(self, s: Session) -> None:
+    async def refresh(self, s: Session) -> bool:
+        """Read what the bus holds after `s.seq`; True if anything was."""
+        if s.written is not None:  # our own last write first: the bus is read after it
+            await s.written.wait()
+        s.stale = False
         seq, _ = await self.log.last(s.key)
         if seq == s.seq:
-            return
+            return False
         if seq < s.seq:  # the stream lost records (purged, aged out): read it all again
-            s.seq, s.fold, s.prompt_text = 0, SessionFold(), None
+            s.forget()
+            s.stale = False
         for rseq, record in await self.log.read(s.key, after=s.seq):
             s.fold.apply(record)
             s.seq = rseq
         s.prompt_text = None
+        s.changes += 1
+        return True
 
-    async def record(self, s: Session, record: SessionRecord, *,
+    async def record(self, s: Session, record: SessionRecord, *, planned_on: int,
                      prompt_text: str | None = None) -> None:
-        """Append `record` after what `s` has seen, then apply it; `SessionConflict` if another
-        gateway appended first."""
-        seq = await self.log.append(record, expect_last=s.seq)
+        """Send `record` as the session's next one and apply it; it is stored meanwhile (the
+        next turn here waits for that). `planned_on`: `s.changes` when the turn was planned;
+        `SessionConflict` if the session moved since (another turn of it came first, or the
+        write of the turn it extends failed)."""
+        if s.written is not None:
+            await s.written.wait()
+        if s.changes != planned_on:
+            raise SessionConflict(f"session {s.session_id!r} had another turn while this one "
+                                  "was generated; send the turns of one session one at a time")
+        stored = await self.log.send(record, expect_last=s.seq)
         s.fold.apply(record)
-        s.seq = seq
+        s.changes += 1
         s.prompt_text = prompt_text
+        written = s.written = anyio.Event()
+        assert self._tg is not None, "SessionStore.run is not running"
+        self._tg.start_soon(self._settle, s, stored, written, record)
+
+    async def _settle(self, s: Session, stored: Callable[[], Awaitable[int]],
+                      written: anyio.Event, record: SessionRecord) -> None:
+        try:
+            s.seq = await stored()
+        except Exception as exc:
+            self.write_failures += 1
+            instruments.current.errors.add(1, {"code": "session_write_failed"})
+            log.error("session %r: its record was not stored (%s: %s); the session is read "
+                      "back from the bus at its next turn", record.session_id,
+                      type(exc).__name__, exc)
+            s.forget()
+        finally:
+            written.set()
 
     async def trajectory(self, session_id: str) -> Trajectory | None:
-        s = self._entry(session_id)
+        s = self.entry(session_id)
         async with s.lock:
-            await self._catch_up(s)
+            if s.written is not None:
+                await s.written.wait()
+            await self.refresh(s)
             return s.fold.trajectory() if s.fold.turns else None
 
     async def end(self, session_id: str, reason: str) -> Session | None:
         """End a session (`finished`); None if it has no records. Ending an ended one is a
         no-op."""
-        s = self._entry(session_id)
+        s = self.entry(session_id)
         async with s.lock:
-            await self._catch_up(s)
+            if s.written is not None:
+                await s.written.wait()
+            await self.refresh(s)
             if not s.fold.turns:
                 return None
             if not s.fold.ended:
-                await self.record(s, SessionEnd(session_id=session_id, reason=reason,
-                                                at=time.time()))
+                end = SessionEnd(session_id=session_id, reason=reason, at=time.time())
+                s.seq = await self.log.append(end, expect_last=s.seq)
+                s.fold.apply(end)
+                s.changes += 1
             return s
 
     async def sweep(self) -> int:
@@ -123,17 +207,19 @@ class SessionStore:
         for key, s in list(self._cache.items()):
             if s.touched > cutoff or s.lock.locked():
                 continue
+            if s.written is not None and not s.written.is_set():
+                continue
             if s.fold.turns and not s.fold.ended:
                 try:
-                    await self.record(s, SessionEnd(session_id=s.session_id, reason="expired",
-                                                    at=time.time()))
+                    await self.log.append(SessionEnd(session_id=s.session_id, reason="expired",
+                                                     at=time.time()), expect_last=s.seq)
                     ended += 1
                 except SessionConflict:  # another gateway served it meanwhile: not idle
                     pass
             self._cache.pop(key, None)
         return ended
 
-    async def run_sweeper(self, every: float) -> None:
+    async def _sweep_every(self, every: float) -> None:
         while True:
             await anyio.sleep(every)
             try:

@@ -116,6 +116,10 @@ def plan(fmt: ChatFormat, fold: SessionFold | None, messages: Sequence[dict[str,
     if branch < 0:
         return fresh("assistant_not_sampled", f"message {k} (assistant) is none of the "
                      f"{len(last.choices)} choices this session returned")
+    for i in range(k + 1, len(messages)):  # a reply the agent wrote among the new messages
+        if messages[i]["role"] == "assistant" and digests[i] not in returned:
+            return fresh("assistant_not_sampled", f"message {i} (assistant) is none this "
+                         "session returned", branch)
     choice = last.choices[branch]
     sampled = choice.completion_token_ids.tolist()
     opened = choice.prefill.tolist()

@@ -77,6 +77,7 @@ from rlfabric.schemas.rollout import (
     SamplingParams,
     Timings,
     TokenDelta,
+    TokenDeltas,
     TopLogprobs,
     VersionSpan,
 )
@@ -103,6 +104,7 @@ _ALL: tuple[type, ...] = (
     TopLogprobs,
     Timings,
     TokenDelta,
+    TokenDeltas,
     TurnChoice,
     SessionTurn,
     SessionEnd,
@@ -193,6 +195,7 @@ __all__ = [
     "TensorMeta",
     "Timings",
     "TokenDelta",
+    "TokenDeltas",
     "TopLogprobs",
     "Trajectory",
     "Transport",

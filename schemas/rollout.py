@@ -4,8 +4,9 @@ Who sends what:
 - the trainer's `FabricClient` publishes `RolloutRequest` to `<prefix>.rollout.request`;
 - a worker answers each sample with `RolloutResult`, or the whole request with
   `RolloutError`, on `<prefix>.rollout.result.<client_id>`;
-- for a request with `stream` set, the worker also sends `TokenDelta`s while it samples, on
-  core NATS `<prefix>.stream.<client_id>` (a preview: the persisted result is the record).
+- for a request with `stream` set, the worker also sends `TokenDelta`s while it samples,
+  those it has at once for one client as one `TokenDeltas`, on core NATS
+  `<prefix>.stream.<client_id>` (a preview: the persisted result is the record).
 Both sides batch: several requests submitted together travel as one `RolloutRequests` (header
 `rlf-count`), and the replies a worker finished together for one client as one
 `RolloutReplies`.
@@ -142,6 +143,13 @@ class TokenDelta(Message, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         coerce_packed(self, token_ids=PackedI32, logprobs=PackedF32)
+
+
+class TokenDeltas(Message, frozen=True, kw_only=True):
+    """The deltas a worker had for one client at once (one decode step of many requests),
+    in one core message: what `<prefix>.stream.<client_id>` carries."""
+
+    deltas: list[TokenDelta]
 
 
 class RolloutRequests(Message, frozen=True, kw_only=True):

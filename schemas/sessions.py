@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from rlfabric.schemas._base import Message, PackedF32, PackedI32, coerce_packed
 from rlfabric.schemas.rollout import VersionSpan
 
@@ -43,7 +45,7 @@ class TurnChoice(Message, frozen=True, kw_only=True):
     version_spans: tuple[VersionSpan, ...] = ()
     finish_reason: str = "stop"
     message_digest: str = ""
-    prefill: PackedI32 = PackedI32()
+    prefill: PackedI32 = msgspec.field(default_factory=PackedI32)
 
     def __post_init__(self) -> None:
         coerce_packed(self, completion_token_ids=PackedI32, logprobs=PackedF32,

@@ -23,8 +23,10 @@ each result before acking its request.
   capacity (pull requests the server kept across a reconnect) goes straight back.
 - Bad requests are answered with a typed `RolloutError` and never reach the engine.
 - A request with `stream` set has its tokens sent as `TokenDelta`s on core NATS
-  (`<prefix>.stream.<client_id>`) while it is sampled, in order, by one sender task; a delta
-  lost to a reconnect is not sent again (the stored result holds every token).
+  (`<prefix>.stream.<client_id>`) while it is sampled, in order, by one sender task: what is
+  queued for one client when it runs goes as one `TokenDeltas` (a decode step of every
+  streamed request, not one message each). A delta lost to a reconnect is not sent again (the
+  stored result holds every token).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from rlfabric.schemas import (
     RolloutRequests,
     SchemaError,
     TokenDelta,
+    TokenDeltas,
     codec_for,
     encode,
     headers,
@@ -135,7 +138,7 @@ class RolloutServer:
         self._flood = RateLimited(log)
         self._many: ServesMany | None = engine if isinstance(engine, ServesMany) else None
         self._tg: TaskGroup | None = None
-        self._deltas: deque[tuple[str, bytes]] = deque()  # (subject, encoded TokenDelta)
+        self._deltas: deque[tuple[str, TokenDelta]] = deque()  # (subject, delta)
         self._delta_ready = Signal()
         self._delta_headers = headers()
 
@@ -289,20 +292,25 @@ class RolloutServer:
             if req is None or not req.stream:
                 return
             delta = msgspec.structs.replace(delta, submission_id=req.submission_id)
-            self._deltas.append((subjects.token_stream(req.client_id), encode(delta)))
+            self._deltas.append((subjects.token_stream(req.client_id), delta))
             self._delta_ready.fire()
         return on_tokens
 
     async def _send_deltas(self) -> None:
-        """Publish the queued token deltas, in order (core NATS: buffered, no round trip)."""
+        """Publish the queued token deltas, in order, one message per client (core NATS:
+        buffered, no round trip)."""
         while True:
             ready = self._delta_ready.event()
+            by_subject: dict[str, list[TokenDelta]] = {}
             while self._deltas:
-                subject, data = self._deltas.popleft()
+                subject, delta = self._deltas.popleft()
+                by_subject.setdefault(subject, []).append(delta)
+            for subject, deltas in by_subject.items():
                 try:
-                    await self.bus.nc.publish(subject, data, headers=self._delta_headers)
+                    await self.bus.nc.publish(subject, encode(TokenDeltas(deltas=deltas)),
+                                              headers=self._delta_headers)
                 except nats.errors.Error as exc:  # the result still carries every token
-                    log.debug("token delta to %s not sent: %s", subject, exc)
+                    log.debug("token deltas to %s not sent: %s", subject, exc)
             await ready.wait()
 
     async def _keep_alive(self) -> None:
