@@ -92,6 +92,24 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def descendants(pids: list[int]) -> list[int]:
+    """`pids` and every process below them (Linux /proc; `pids` alone elsewhere)."""
+    try:
+        parent = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                with contextlib.suppress(OSError), open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rpartition(")")[2].split()[1])
+    except OSError:
+        return list(pids)
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += [c for c, p in parent.items() if p == pid]
+    return out
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")

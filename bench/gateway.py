@@ -3,17 +3,24 @@
 Rows, each on the same checkpoint (`tinyqwen`: its real 151,936-row output layer is most of
 what a decode step costs on a CPU), the same prompts and completion lengths, streamed:
 - `vllm serve`: vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`);
+- `vllm serve, logprobs`: the same with `logprobs: true`, the per-token logprobs that every
+  gateway response carries (the trainer needs them; the engine computes a log-softmax over the
+  vocabulary for them);
 - `gateway + N workers`: `rlfabric gateway` before N `rlfabric worker --engine vllm`;
-both with vLLM's engine in the serving process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as rlfabric's
-workers run it), fp32, eager, the same `--max-num-seqs` and KV cache. Columns: requests/s,
-time to first token p50, turn latency p50/p99, completion tokens/s, the gateway process's CPU
-per turn (`-` where there is no gateway).
+all with the model in vLLM's engine-core process beside its front end
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as rlfabric's workers run it), fp32, eager, the same
+`--max-num-seqs` and KV cache. Columns: requests/s, that over each vLLM row, time to first
+token p50, turn latency p50/p99, completion tokens/s, the CPU per turn of every process of the
+row (servers, engine cores, workers, gateway, nats-server; not the load generator) and of the
+gateway alone. On a machine with few cores the rows compete for the same CPU: total CPU per
+turn is what bounds throughput there.
 
 Then the gateway's own cost: agent sessions at concurrency 1 (every turn a new user message,
 `--cost-tokens` completion tokens), each turn through the gateway and then its prompt tokens
 with its seed straight through `FabricClient.generate` on the same worker, the prefix cache
 reset before each, so both do the same engine work: turn p50 of each, and the median of the
-per-turn differences.
+per-turn differences. Beside it, the HTTP floor: the same request body posted to a trivial
+route on the same stack (Starlette on uvicorn, `rlfabric.bench.asgi_floor`), p50.
 
     rlfabric bench gateway [--workers 1,2] [--requests 128] [--concurrency 16]
                            [--max-tokens 64] [--engine vllm|torch] [--json]
@@ -36,7 +43,7 @@ from typing import Any
 
 import anyio
 
-from rlfabric.bench._util import children, cpu_seconds, pct, table
+from rlfabric.bench._util import children, cpu_seconds, descendants, pct, table
 from rlfabric.bus import EmbeddedNats
 from rlfabric.bus.cluster import free_ports
 from rlfabric.schemas import PackedI32, RolloutRequest, RolloutResult, SamplingParams
@@ -90,8 +97,10 @@ async def _stream(session: Any, base: str, body: dict[str, Any]) -> tuple[float,
     return first, time.perf_counter() - t0, tokens
 
 
-async def _load(base: str, n: int, conc: int, max_tokens: int) -> dict[str, Any]:
-    """`n` streamed requests, `conc` at a time: throughput and latencies."""
+async def _load(base: str, n: int, conc: int, max_tokens: int, *, logprobs: bool = False,
+                pids: list[int] | None = None, gateway: int | None = None) -> dict[str, Any]:
+    """`n` streamed requests, `conc` at a time: throughput, latencies, and the CPU per request
+    of `pids` and their descendants, and of the `gateway` process."""
     import aiohttp
 
     it = iter(range(n))
@@ -105,19 +114,28 @@ async def _load(base: str, n: int, conc: int, max_tokens: int) -> dict[str, Any]
                 body = {"model": MODEL, "messages": _prompt(i), "max_tokens": max_tokens,
                         "seed": i, "temperature": 1.0, "stream": True,
                         "stream_options": {"include_usage": True}}
+                if logprobs:
+                    body["logprobs"] = True
                 first, total, got = await _stream(s, base, body)
                 ttft.append(first)
                 lat.append(total)
                 tokens += got
 
+        # warm-up (vLLM compiles its logprob ranking on the first request that asks for them)
         await _stream(s, base, {"model": MODEL, "messages": _prompt(-1), "max_tokens": 4,
-                                "stream": True})  # warm-up
+                                "stream": True, **({"logprobs": True} if logprobs else {})})
+        tree = descendants(pids or [])
+        gw = [gateway] if gateway else []
+        cpu0, gw0 = cpu_seconds(tree), cpu_seconds(gw)
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for _ in range(conc):
                 tg.start_soon(lane)
         wall = time.perf_counter() - t0
+        cpu = cpu_seconds(tree) - cpu0 if tree else float("nan")
+        gw_cpu = cpu_seconds(gw) - gw0 if gw else float("nan")
     return {"requests_s": n / wall, "ttft_p50_ms": 1e3 * pct(ttft, 0.5),
+            "all_cpu_ms": 1e3 * cpu / n, "cpu_ms": 1e3 * gw_cpu / n,
             "p50_ms": 1e3 * pct(lat, 0.5), "p99_ms": 1e3 * pct(lat, 0.99),
             "tokens_s": tokens / wall, "tokens": tokens, "wall_s": wall}
 
@@ -131,19 +149,19 @@ def _worker_cmd(url: str, prefix: str, i: int, args: argparse.Namespace) -> list
 
 
 @contextlib.asynccontextmanager
-async def _gateway_fleet(url: str, prefix: str, workers: int,
-                         args: argparse.Namespace) -> AsyncIterator[tuple[str, int]]:
-    """N workers and a gateway on job `prefix`: (base URL, the gateway's pid)."""
+async def _gateway_fleet(url: str, prefix: str, workers: int, args: argparse.Namespace
+                         ) -> AsyncIterator[tuple[str, int, list[int]]]:
+    """N workers and a gateway on job `prefix`: (base URL, the gateway's pid, the workers')."""
     [port] = free_ports(1)
     async with children([_worker_cmd(url, prefix, i, args) for i in range(workers)],
-                        ready="ready (", timeout=300), \
+                        ready="ready (", timeout=300) as ws, \
             children([["rlfabric", "gateway", "--nats", url, "--prefix", prefix, "--model",
                        MODEL, "--port", str(port)]], ready="serving", timeout=120) as [gw]:
-        yield f"http://127.0.0.1:{port}/v1", gw.pid
+        yield f"http://127.0.0.1:{port}/v1", gw.pid, [w.pid for w in ws]
 
 
 @contextlib.asynccontextmanager
-async def _vllm_server(args: argparse.Namespace) -> AsyncIterator[str]:
+async def _vllm_server(args: argparse.Namespace) -> AsyncIterator[tuple[str, int]]:
     from rlfabric.engines import checkpoint_dir
 
     [port] = free_ports(1)
@@ -155,8 +173,8 @@ async def _vllm_server(args: argparse.Namespace) -> AsyncIterator[str]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the child inherits them
     try:
-        async with children([cmd], ready="Application startup complete", timeout=300):
-            yield f"http://127.0.0.1:{port}/v1"
+        async with children([cmd], ready="Application startup complete", timeout=300) as [p]:
+            yield f"http://127.0.0.1:{port}/v1", p.pid
     finally:
         for k, v in saved.items():
             if v is None:
@@ -165,7 +183,7 @@ async def _vllm_server(args: argparse.Namespace) -> AsyncIterator[str]:
                 os.environ[k] = v
 
 
-async def _cost(url: str, prefix: str, base: str, gw_pid: int,
+async def _cost(url: str, prefix: str, base: str, gw_pid: int, floor: str,
                 args: argparse.Namespace) -> dict[str, Any]:
     """Session turns through the gateway, each followed by its prompt tokens through
     FabricClient; the gateway's CPU is counted over its turns only."""
@@ -173,6 +191,7 @@ async def _cost(url: str, prefix: str, base: str, gw_pid: int,
 
     via: list[float] = []
     direct: list[float] = []
+    http: list[float] = []
     gw_cpu = 0.0
     n_tokens = args.cost_tokens
     async with aiohttp.ClientSession() as s, \
@@ -205,12 +224,17 @@ async def _cost(url: str, prefix: str, base: str, gw_pid: int,
                     assert res.completion_token_ids.tolist() == \
                         out["choices"][0]["token_ids"], "not the same engine work"
                 direct.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                async with s.post(f"{floor}/chat/completions", json=body) as resp:
+                    await resp.read()
+                http.append(time.perf_counter() - t0)
                 msgs = [*msgs, out["choices"][0]["message"],
                         {"role": "user", "content": f"And then, part {t + 2}?"}]
     diffs = [a - b for a, b in zip(via, direct, strict=True)]
     return {"turns": len(via), "gateway_p50_ms": 1e3 * pct(via, 0.5),
             "direct_p50_ms": 1e3 * pct(direct, 0.5),
             "added_p50_ms": 1e3 * statistics.median(diffs),
+            "http_floor_p50_ms": 1e3 * pct(http, 0.5),
             "gateway_cpu_ms_per_turn": 1e3 * gw_cpu / len(via),
             "prompt_tokens_last": len(ids)}
 
@@ -219,32 +243,39 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     cost: dict[str, Any] = {}
     if args.engine == "vllm":
-        async with _vllm_server(args) as base:
-            row = await _load(base, args.requests, args.concurrency, args.max_tokens)
-            rows.append({"path": "vllm serve", "cpu_ms": float("nan"), **row})
+        async with _vllm_server(args) as (base, pid):
+            for lp in (False, True):
+                row = await _load(base, args.requests, args.concurrency, args.max_tokens,
+                                  logprobs=lp, pids=[pid])
+                rows.append({"path": "vllm serve, logprobs" if lp else "vllm serve", **row})
     async with EmbeddedNats() as nats:
         saved = {k: os.environ.get(k) for k in ENV}
         os.environ.update(ENV)
         try:
             for n in [int(x) for x in args.workers.split(",") if x]:
                 prefix = f"benchgw{n}"
-                async with _gateway_fleet(nats.url, prefix, n, args) as (base, pid):
-                    cpu0 = cpu_seconds([pid])
-                    row = await _load(base, args.requests, args.concurrency, args.max_tokens)
-                    cpu = (cpu_seconds([pid]) - cpu0) / (args.requests + 1)
-                    rows.append({"path": f"gateway + {n} worker{'s' if n > 1 else ''}",
-                                 "cpu_ms": 1e3 * cpu, **row})
+                async with _gateway_fleet(nats.url, prefix, n, args) as (base, pid, ws):
+                    row = await _load(base, args.requests, args.concurrency, args.max_tokens,
+                                      pids=[pid, *ws, *([nats.pid] if nats.pid else [])],
+                                      gateway=pid)
+                    rows.append({"path": f"gateway + {n} worker{'s' if n > 1 else ''}", **row})
                     if n == 1:
-                        cost = await _cost(nats.url, prefix, base, pid, args)
+                        [port] = free_ports(1)
+                        async with children([["rlfabric.bench.asgi_floor", "--port",
+                                              str(port)]], ready="serving", timeout=60):
+                            cost = await _cost(nats.url, prefix, base, pid,
+                                               f"http://127.0.0.1:{port}/v1", args)
         finally:
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-    ref = rows[0]["requests_s"] if args.engine == "vllm" else float("nan")
+    ref, ref_lp = ((rows[0]["requests_s"], rows[1]["requests_s"]) if args.engine == "vllm"
+                   else (float("nan"), float("nan")))
     for r in rows:
         r["x_vllm"] = r["requests_s"] / ref
+        r["x_vllm_logprobs"] = r["requests_s"] / ref_lp
     return {"engine": args.engine, "requests": args.requests, "concurrency": args.concurrency,
             "max_tokens": args.max_tokens, "rows": rows, "cost": cost}
 
@@ -257,16 +288,21 @@ def main(args: argparse.Namespace) -> int:
     print(f"{out['requests']} chat requests x {out['max_tokens']} tokens, streamed, "
           f"{out['concurrency']} at a time ({args.engine} engine, model {MODEL})")
     print(table(out["rows"], [("path", "path", ""), ("requests_s", "req/s", ".2f"),
-                              ("x_vllm", "x vllm", ".2f"), ("ttft_p50_ms", "ttft p50 ms", ".1f"),
+                              ("x_vllm", "x vllm", ".2f"),
+                              ("x_vllm_logprobs", "x vllm lp", ".2f"),
+                              ("ttft_p50_ms", "ttft p50 ms", ".1f"),
                               ("p50_ms", "p50 ms", ".1f"), ("p99_ms", "p99 ms", ".1f"),
-                              ("tokens_s", "tok/s", ".0f"), ("cpu_ms", "gw cpu ms/turn",
-                                                             ".2f")]))
+                              ("tokens_s", "tok/s", ".0f"),
+                              ("all_cpu_ms", "cpu ms/turn", ".1f"),
+                              ("cpu_ms", "gw cpu ms/turn", ".2f")]))
     c = out["cost"]
     if c:
         print(f"\ngateway's own cost, {c['turns']} session turns at concurrency 1 "
               f"({args.cost_tokens} tokens each, last prompt {c['prompt_tokens_last']} "
               f"tokens): turn p50 {c['gateway_p50_ms']:.2f} ms through the gateway, "
               f"{c['direct_p50_ms']:.2f} ms through FabricClient.generate on the same tokens; "
-              f"median per-turn difference {c['added_p50_ms']:+.2f} ms; gateway CPU "
+              f"median per-turn difference {c['added_p50_ms']:+.2f} ms, of which the HTTP floor "
+              f"(the same body to a trivial route on uvicorn + Starlette) is "
+              f"{c['http_floor_p50_ms']:.2f} ms p50; gateway CPU "
               f"{c['gateway_cpu_ms_per_turn']:.2f} ms per turn")
     return 0

@@ -30,6 +30,7 @@ def test_schemas_and_bus_import_neither_torch_nor_transformers() -> None:
 @pytest.mark.parametrize("argv", [
     ["--help"], ["status", "--help"], ["ctl", "--help"], ["nats", "--help"],
     ["worker", "--help"], ["up", "--help"], ["bench", "--help"], ["schema"],
+    ["gateway", "--help"],
 ])
 def test_cli_help_and_control_commands_start_without_torch(argv: list[str]) -> None:
     code = ("from rlfabric.cli import main\n"
@@ -37,6 +38,12 @@ def test_cli_help_and_control_commands_start_without_torch(argv: list[str]) -> N
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             f"    try:\n        main({argv!r})\n    except SystemExit:\n        pass")
     assert loaded_after(code) == {m: False for m in HEAVY}
+
+
+def test_the_gateway_imports_no_torch() -> None:
+    # it serves text and tokens; the model is the workers'
+    loaded = loaded_after("import rlfabric.gateway, rlfabric.gateway.server, rlfabric.text")
+    assert loaded["torch"] is False
 
 
 def test_fabric_client_for_control_only_starts_without_torch() -> None:

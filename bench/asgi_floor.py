@@ -1,0 +1,52 @@
+"""The HTTP floor of the gateway: the same stack (Starlette on uvicorn, uvloop, msgspec JSON)
+answering a chat-sized POST with a fixed chat-sized response, no bus and no model.
+
+    python -m rlfabric.bench.asgi_floor --port 8100
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+import anyio
+import msgspec
+
+RESPONSE = msgspec.json.encode({
+    "id": "chatcmpl-floor", "object": "chat.completion", "created": 0, "model": "tinyqwen",
+    "choices": [{"index": 0, "finish_reason": "length", "token_ids": [1, 2],
+                 "message": {"role": "assistant", "content": "floor"}}],
+    "prompt_token_ids": list(range(160)),
+    "usage": {"prompt_tokens": 160, "completion_tokens": 2, "total_tokens": 162}})
+
+
+async def serve(port: int) -> None:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def chat(request: Request) -> Response:
+        msgspec.json.decode(await request.body())
+        return Response(RESPONSE, media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           lifespan="off"))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))  # bound before the line that says so
+    print(f"serving on {port}", flush=True)
+    await server.serve(sockets=[sock])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--port", type=int, required=True)
+    anyio.run(serve, p.parse_args().port, backend_options={"use_uvloop": True})
+
+
+if __name__ == "__main__":
+    main()
