@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
 from rlfabric.bus import ConnectOptions, EmbeddedNats, NatsAuthFailed, NatsUnavailable, connect
+from rlfabric.bus.cluster import free_ports
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_no_server_gives_a_clear_error_within_the_wait() -> None:
-    url = f"nats://127.0.0.1:{_free_port()}"
+    url = f"nats://127.0.0.1:{free_ports(1)[0]}"
     t0 = time.monotonic()
     with pytest.raises(NatsUnavailable, match=r"no NATS server answered at .*rlfabric nats"):
         await connect(ConnectOptions.from_url(url, connect_wait=0.6, reconnect_wait=0.2))
@@ -27,7 +21,7 @@ async def test_no_server_gives_a_clear_error_within_the_wait() -> None:
 
 
 async def test_url_list_skips_a_dead_server(nats_url: str) -> None:
-    dead = f"nats://127.0.0.1:{_free_port()}"
+    dead = f"nats://127.0.0.1:{free_ports(1)[0]}"
     nc = await connect(ConnectOptions(servers=[dead, nats_url], connect_wait=3))
     try:
         assert nc.is_connected

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+
+from rlfabric.bus.cluster import free_ports
 
 pytestmark = pytest.mark.nats
 
@@ -23,14 +24,8 @@ def rlfabric_exe() -> str:
     return str(exe)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_nats_then_status_json_from_a_shell() -> None:
-    port = _free_port()
+    port = free_ports(1)[0]
     script = (
         f'"{rlfabric_exe()}" nats --port {port} > nats.log 2>&1 & NATS_PID=$!\n'
         f'"{rlfabric_exe()}" status --nats nats://127.0.0.1:{port} --json --wait 15; rc=$?\n'
@@ -62,7 +57,7 @@ def test_status_lists_members(nats_url: str, prefix: str, spawn) -> None:
 
 def test_status_without_server_says_so() -> None:
     out = subprocess.run([rlfabric_exe(), "status", "--nats",
-                          f"nats://127.0.0.1:{_free_port()}", "--wait", "0.5"],
+                          f"nats://127.0.0.1:{free_ports(1)[0]}", "--wait", "0.5"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert "no NATS server answered" in out.stderr
