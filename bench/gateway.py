@@ -46,6 +46,7 @@ import anyio
 from rlfabric.bench._util import children, cpu_seconds, descendants, pct, table
 from rlfabric.bus import EmbeddedNats
 from rlfabric.bus.cluster import free_ports
+from rlfabric.engines import registry
 from rlfabric.schemas import PackedI32, RolloutRequest, RolloutResult, SamplingParams
 from rlfabric.trainer import FabricClient
 
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=128, help="requests per row")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     p.add_argument("--max-tokens", type=int, default=64, help="completion length")
-    p.add_argument("--engine", default="vllm", choices=("vllm", "torch", "null"))
+    p.add_argument("--engine", default="vllm", choices=registry.names())
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--sessions", type=int, default=8, help="cost block: sessions")

@@ -47,7 +47,7 @@ import anyio.lowlevel
 from rlfabric.bench._util import children, pct, table
 from rlfabric.bus import EmbeddedNats
 from rlfabric.bus.cluster import free_ports
-from rlfabric.engines import make_engine, running
+from rlfabric.engines import make_engine, registry, running
 from rlfabric.schemas import PackedI32, RolloutRequest, RolloutResult, SamplingParams
 from rlfabric.trainer import FabricClient
 
@@ -58,8 +58,6 @@ WORKLOAD = {  # engine -> (requests, concurrency, max_tokens)
 }
 #: one run of one path, at most (seconds): a stuck path ends the bench with its fleet's output
 MEASURE_TIMEOUT_S = 300.0
-#: vLLM's CPU build rejects the 16-wide heads of `tiny`
-MODEL = {"null": "tiny", "torch": "tiny", "vllm": "tiny64"}
 
 
 def threads(workers: int) -> int:
@@ -101,11 +99,12 @@ async def run_lanes(reqs: list[RolloutRequest], concurrency: int, one: One) -> d
 
 @contextlib.asynccontextmanager
 async def direct_path(engine_kind: str, torch_threads: int) -> AsyncIterator[One]:
-    if engine_kind == "torch":  # as the workers' and HTTP servers' `--threads`
+    if registry.kind(engine_kind).torch_threads:  # as the workers' and HTTP servers' `--threads`
         import torch
 
         torch.set_num_threads(torch_threads)
-    async with running(make_engine(engine_kind, MODEL[engine_kind])) as engine:
+    model = registry.kind(engine_kind).default_model
+    async with running(make_engine(engine_kind, model)) as engine:
         async def one(req: RolloutRequest) -> int:
             got = 0
             async for res in engine.generate(req, worker_id="direct"):
@@ -146,10 +145,11 @@ async def fabric_path(engine_kind: str, workers: int, conc: int, torch_threads: 
     process's telemetry, configured by the caller)."""
     async with EmbeddedNats() as nats:
         prefix = f"bench{engine_kind}{workers}{'t' if trace else ''}"
+        model = registry.kind(engine_kind).default_model
         per_engine = (["--threads", str(torch_threads)] if engine_kind != "vllm"
                       else ["--threads-bind", "nobind"])
         cmds = [["rlfabric", "worker", "--nats", nats.url, "--prefix", prefix, "--engine",
-                 engine_kind, "--model", MODEL[engine_kind], "--worker-id", f"w{i}",
+                 engine_kind, "--model", model, "--worker-id", f"w{i}",
                  "--capacity", str(conc), *per_engine,
                  *(["--trace", trace] if trace else [])]
                 for i in range(workers)]

@@ -25,6 +25,7 @@ import anyio
 from rlfabric.bus import EmbeddedNats
 from rlfabric.cli._common import add_telemetry_options, start_telemetry
 from rlfabric.cli.up_fleet import ProcessFleet, RayActorFleet
+from rlfabric.engines import registry
 from rlfabric.errors import LaunchError
 from rlfabric.schemas import TRANSPORTS
 
@@ -46,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", default="shm",
                    choices=TRANSPORTS,
                    help="how weights reach the workers (default %(default)s)")
-    p.add_argument("--engine", default="torch", choices=("torch", "vllm"),
+    p.add_argument("--engine", default="torch", choices=registry.names(trains=True),
                    help="the workers' engine (default %(default)s); vllm serves the tiny64 "
                    "model (64-wide heads) and needs vLLM installed (README, 'vLLM')")
     p.add_argument("--async", dest="async_mode", action="store_true",
@@ -127,7 +128,7 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
     from rlfabric.trainer.grpo import GRPOConfig, GRPOTrainer, StepStats
 
     steps = args.steps or (30 if args.async_mode else 20)
-    model = "tiny64" if args.engine == "vllm" else "tiny"  # vLLM's CPU build wants 64-wide heads
+    model = registry.kind(args.engine).default_model
     cfg = GRPOConfig(steps=steps, prompts_per_step=args.prompts, group_size=args.group_size,
                      max_tokens=args.max_tokens, lr=args.lr, transport=args.transport,
                      async_mode=args.async_mode, reward_threshold=args.threshold)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfabric.bus.server import die_with_parent
+from rlfabric.engines import registry
 
 
 class ProcessFleet:
@@ -23,7 +24,7 @@ class ProcessFleet:
 
     def start(self, n: int, url: str, prefix: str, engine: str, model: str,
               trace: str | None, metrics: str | None) -> None:
-        per_engine = ["--threads", "1"] if engine == "torch" else ["--kv-cache-gib", "1"]
+        per_engine = registry.kind(engine).up_worker_args
         to_files = [f"--{k}={v}" for k, v in (("trace", trace), ("metrics", metrics)) if v]
         for i in range(n):
             log = self.run_dir / f"worker-{i}.log"
@@ -92,7 +93,8 @@ class RayActorFleet:
                      log_to_driver=False)
             self.started_ray = True
         spec = WorkerSpec(engine=engine, model=model, capacity=64,
-                          threads=1 if engine == "torch" else 0, trace=trace, metrics=metrics)
+                          threads=1 if registry.kind(engine).torch_threads else 0, trace=trace,
+                          metrics=metrics)
         self.fleet = RayFleet(n, url, prefix, spec, gpus_per_worker=self.gpus_per_worker)
         self.fleet.start()
 

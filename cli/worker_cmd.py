@@ -9,7 +9,6 @@ import re
 import signal
 import socket
 import sys
-from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -22,7 +21,7 @@ from rlfabric.cli._common import (
     connect_options,
     start_telemetry,
 )
-from rlfabric.engines import ENGINES
+from rlfabric.engines import registry
 from rlfabric.engines.protocol import Engine, EngineDied
 from rlfabric.schemas import RLFabricError
 
@@ -36,37 +35,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "group up to --capacity at a time, answer commands (pause, resume, update_weights, ...) "
         "in order. SIGTERM / Ctrl-C: stop taking requests, finish in-flight ones, leave, exit 0.")
     add_bus_options(p)
-    p.add_argument("--engine", default="torch", choices=ENGINES,
-                   help="torch: the reference engine; vllm: vLLM's AsyncLLM (needs vLLM, see "
-                   "the README); null: echoes prompts (benchmarks)")
+    p.add_argument("--engine", default="torch", choices=registry.names(),
+                   help=registry.engine_help())
     p.add_argument("--model", default="tiny",
                    help="built-in spec name (tiny; tiny64, whose heads vLLM's CPU build "
-                   "accepts) or a local Hugging Face checkpoint dir")
+                   "accepts; tinyqwen, with the Qwen2.5 tokenizer) or a local Hugging Face "
+                   "checkpoint dir")
     p.add_argument("--worker-id", default=None,
                    help="unique id on the bus (default: <host>-<pid>); letters, digits, _ -")
     p.add_argument("--capacity", type=int, default=32,
                    help="requests in flight at most (default %(default)s)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's own choice; set it when several "
                    "workers share a machine)")
     p.add_argument("--max-batch", type=int, default=64,
                    help="sequences decoded together (torch engine; vLLM's max_num_seqs) "
                    "(default %(default)s)")
-    v = p.add_argument_group("vllm engine")
-    v.add_argument("--max-model-len", type=int, default=512,
-                   help="context length vLLM reserves KV cache for (default %(default)s)")
-    v.add_argument("--kv-cache-gib", type=float, default=1.0,
-                   help="KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE; default "
-                   "%(default)s)")
-    v.add_argument("--dtype", default="float32",
-                   help="weights and compute dtype (default %(default)s: logprob parity)")
-    v.add_argument("--threads-bind", default="nobind",
-                   help="CPU: VLLM_CPU_OMP_THREADS_BIND ('auto' binds every engine to the same "
-                   "cores; give each its own, e.g. 0-3, or nobind; default %(default)s)")
-    v.add_argument("--no-in-process", dest="in_process", action="store_false",
-                   help="vLLM's own 3-process layout instead of the model in its EngineCore "
-                   "process (slower to start here)")
+    registry.add_worker_options(p)
     add_telemetry_options(p)
     p.set_defaults(func=run)
 
@@ -77,23 +62,11 @@ def default_worker_id() -> str:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from rlfabric.engines import make_engine
-
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    kwargs: dict[str, Any] = {}
-    if args.engine == "torch":
-        kwargs = {"device": args.device, "max_batch": args.max_batch}
-    elif args.engine == "vllm":
-        from rlfabric.engines.vllm import VllmOptions
-
-        kwargs = {"options": VllmOptions(
-            max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, dtype=args.dtype,
-            threads_bind=args.threads_bind, in_process=args.in_process,
-            max_num_seqs=args.max_batch)}
-    engine = make_engine(args.engine, args.model, **kwargs)
+    engine = registry.make_engine(args.engine, args.model, **registry.options_from(args))
     worker_id = args.worker_id or default_worker_id()
     telemetry = start_telemetry(args, "worker", worker_id)
     try:

@@ -1,35 +1,17 @@
-"""Inference engines and the worker runtime that puts one on the bus."""
+"""Inference engines (by name: `registry`, the built-in ones in `kinds`) and the worker runtime
+that puts one on the bus."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 import anyio
 
+from rlfabric.engines import kinds  # noqa: F401  (registers torch, vllm, null)
 from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected, WeightLoadError
+from rlfabric.engines.registry import EngineKind, make_engine, register
 from rlfabric.schemas import PauseMode
-
-#: what `--engine` takes: the reference engine, vLLM, and an echo engine for benchmarks
-ENGINES: tuple[str, ...] = ("torch", "vllm", "null")
-
-
-def make_engine(kind: str, model: str, **kwargs: Any) -> Engine:
-    """An engine by name (one of `ENGINES`); `kwargs` go to its constructor."""
-    if kind == "torch":
-        from rlfabric.engines.torch import TorchEngine
-
-        return TorchEngine(model, **kwargs)
-    if kind == "vllm":
-        from rlfabric.engines.vllm import VllmEngine
-
-        return VllmEngine(checkpoint_dir(model), **kwargs)
-    if kind == "null":
-        from rlfabric.engines.null import NullEngine
-
-        return NullEngine(model, **kwargs)
-    raise ValueError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")
 
 
 def checkpoint_dir(model: str) -> str:
@@ -56,5 +38,5 @@ async def running(engine: Engine) -> AsyncIterator[Engine]:
         tg.cancel_scope.cancel()
 
 
-__all__ = ["ENGINES", "Engine", "EngineDied", "PauseMode", "RequestRejected", "WeightLoadError",
-           "checkpoint_dir", "make_engine", "running"]
+__all__ = ["Engine", "EngineDied", "EngineKind", "PauseMode", "RequestRejected",
+           "WeightLoadError", "checkpoint_dir", "make_engine", "register", "running"]

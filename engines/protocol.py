@@ -75,7 +75,7 @@ class RuntimeCollective:
 class Engine(Protocol):
     """One inference engine replica, driven by the worker runtime."""
 
-    #: short engine name shown in membership (one of `rlfabric.engines.ENGINES`)
+    #: short engine name shown in membership (its `rlfabric.engines.registry` name)
     name: str
     #: the model it serves, as given on the command line
     model: str

@@ -44,7 +44,7 @@ PROBE_GROUP = "probe"  # health, describe, drain: never queued behind the engine
 class WorkerSpec:
     """What every actor serves: the knobs of `rlfabric worker`.
 
-    `engine_options` go to the engine's constructor (`rlfabric.engines.make_engine`), e.g.
+    `engine_options` go to the engine's factory (`rlfabric.engines.registry`), e.g.
     `{"max_batch": 64}` for torch or `{"options": VllmOptions(...)}` for vLLM. `threads`: torch
     CPU threads (0: torch's own choice). `trace` / `metrics`: the spans and metrics files of
     `--trace` / `--metrics` (paths every node can write, e.g. a shared folder)."""
@@ -74,20 +74,20 @@ class WorkerActor:
         self.drain_asked = False
 
     async def serve(self) -> str:
-        from rlfabric.engines import make_engine
+        from rlfabric.engines import registry
         from rlfabric.engines.worker import Worker
         from rlfabric.telemetry import configure
 
         self.loop = asyncio.get_running_loop()
         spec = self.spec
-        if spec.threads and spec.engine == "torch":
+        if spec.threads and registry.kind(spec.engine).torch_threads:
             import torch
 
             torch.set_num_threads(spec.threads)
         telemetry = configure(role="worker", worker_id=self.worker_id, trace_path=spec.trace,
                               metrics_path=spec.metrics)
         try:
-            engine = make_engine(spec.engine, spec.model, **spec.engine_options)
+            engine = registry.make_engine(spec.engine, spec.model, **spec.engine_options)
             async with Bus.connect(self.connect, prefix=self.prefix) as bus:
                 self.worker = Worker(bus, engine, self.worker_id, capacity=spec.capacity)
                 if self.drain_asked:

@@ -26,7 +26,6 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -34,6 +33,7 @@ from anyio.abc import TaskStatus
 
 from rlfabric.bus import CommandFailed
 from rlfabric.bus.sync import Signal, beside
+from rlfabric.engines.kinds import VllmOptions
 from rlfabric.engines.payload import PackedWeights
 from rlfabric.engines.protocol import (
     EngineDied,
@@ -63,19 +63,6 @@ log = logging.getLogger("rlfabric.engines.vllm")
 EXTENSION = "rlfabric.engines.vllm.extension.RLFabricWorkerExtension"
 #: vLLM's version name before any update_weight_version call
 _INITIAL = "default"
-
-
-@dataclass(kw_only=True, slots=True)
-class VllmOptions:
-    """What vLLM needs to know besides the model; each maps to a `rlfabric worker` flag."""
-
-    max_model_len: int = 512  # --max-model-len
-    kv_cache_gib: float = 1.0  # --kv-cache-gib (CPU: VLLM_CPU_KVCACHE_SPACE)
-    dtype: str = "float32"  # --dtype
-    threads_bind: str = "nobind"  # --threads-bind (CPU: VLLM_CPU_OMP_THREADS_BIND)
-    in_process: bool = True  # --no-in-process: vLLM's default 3-process layout
-    max_num_seqs: int = 64  # --max-batch
-    enforce_eager: bool = True
 
 
 class _LogTail(logging.Handler):

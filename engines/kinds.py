@@ -1,0 +1,85 @@
+"""The engines rlfabric ships, registered by name (`rlfabric.engines.registry`): torch (the
+reference), vllm (vLLM's AsyncLLM) and null (echoes prompts: benchmarks). Each factory imports
+its engine only when called, so the CLI's help starts without torch or vLLM."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any
+
+from rlfabric.engines.protocol import Engine
+from rlfabric.engines.registry import EngineKind, register
+
+
+@dataclass(kw_only=True, slots=True)
+class VllmOptions:
+    """What vLLM needs to know besides the model; each maps to a `rlfabric worker` flag."""
+
+    max_model_len: int = 512  # --max-model-len
+    kv_cache_gib: float = 1.0  # --kv-cache-gib (CPU: VLLM_CPU_KVCACHE_SPACE)
+    dtype: str = "float32"  # --dtype
+    threads_bind: str = "nobind"  # --threads-bind (CPU: VLLM_CPU_OMP_THREADS_BIND)
+    in_process: bool = True  # --no-in-process: vLLM's default 3-process layout
+    max_num_seqs: int = 64  # --max-batch (the worker's, shared with torch)
+    enforce_eager: bool = True
+
+
+def _torch(model: str, **options: Any) -> Engine:
+    from rlfabric.engines.torch import TorchEngine
+
+    return TorchEngine(model, **options)
+
+
+def _torch_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("torch engine")
+    g.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+
+
+def _vllm(model: str, **options: Any) -> Engine:
+    from rlfabric.engines import checkpoint_dir
+    from rlfabric.engines.vllm import VllmEngine
+
+    return VllmEngine(checkpoint_dir(model), **options)
+
+
+def _vllm_options(p: argparse.ArgumentParser) -> None:
+    d = {f.name: f.default for f in fields(VllmOptions)}
+    g = p.add_argument_group("vllm engine")
+    g.add_argument("--max-model-len", type=int, default=d["max_model_len"],
+                   help="context length vLLM reserves KV cache for (default %(default)s)")
+    g.add_argument("--kv-cache-gib", type=float, default=d["kv_cache_gib"],
+                   help="KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE; default "
+                   "%(default)s)")
+    g.add_argument("--dtype", default=d["dtype"],
+                   help="weights and compute dtype (default %(default)s: logprob parity)")
+    g.add_argument("--threads-bind", default=d["threads_bind"],
+                   help="CPU: VLLM_CPU_OMP_THREADS_BIND ('auto' binds every engine to the same "
+                   "cores; give each its own, e.g. 0-3, or nobind; default %(default)s)")
+    g.add_argument("--no-in-process", dest="in_process", action="store_false",
+                   default=d["in_process"],
+                   help="vLLM's own 3-process layout instead of the model in its EngineCore "
+                   "process (slower to start here)")
+
+
+def _null(model: str, **options: Any) -> Engine:
+    from rlfabric.engines.null import NullEngine
+
+    return NullEngine(model, **options)
+
+
+TORCH = register(EngineKind(
+    name="torch", help="the reference engine", factory=_torch, add_options=_torch_options,
+    options=lambda a: {"device": a.device, "max_batch": a.max_batch}, torch_threads=True,
+    up_worker_args=("--threads", "1")))
+VLLM = register(EngineKind(
+    name="vllm", help="vLLM's AsyncLLM (needs vLLM, see the README)", factory=_vllm,
+    add_options=_vllm_options,
+    options=lambda a: {"options": VllmOptions(
+        max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib, dtype=a.dtype,
+        threads_bind=a.threads_bind, in_process=a.in_process, max_num_seqs=a.max_batch)},
+    # vLLM's CPU build takes 64-wide heads only
+    default_model="tiny64", up_worker_args=("--kv-cache-gib", "1")))
+NULL = register(EngineKind(
+    name="null", help="echoes prompts (benchmarks)", factory=_null, trains=False,
+    torch_threads=False))
