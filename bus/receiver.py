@@ -62,6 +62,7 @@ from rlfabric.schemas import (
     SCHEMA_MAJOR,
     Ack,
     Command,
+    ErrorCode,
     ErrorEvent,
     MalformedMessage,
     SchemaError,
@@ -417,7 +418,7 @@ class CommandReceiver:
     async def _outcome(self, cmd: Command, ctx: CommandContext) -> Ack:
         """Run the handler (unless past its deadline); its `done` Ack, counted."""
         if cmd.deadline and time.time() > cmd.deadline:
-            ack = self._make_ack(ctx, "done", "error", None, code="deadline_exceeded",
+            ack = self._make_ack(ctx, "done", "error", None, code=ErrorCode.DEADLINE_EXCEEDED,
                                  message=f"{op_of(cmd)} arrived "
                                  f"{time.time() - cmd.deadline:.3f}s after its deadline; "
                                  "not applied")
@@ -430,7 +431,7 @@ class CommandReceiver:
             except Exception as exc:
                 log.exception("handler of %s %s failed on %s", op_of(cmd), cmd.cmd_id,
                               self.worker_id)
-                ack = self._make_ack(ctx, "done", "error", None, code="handler_error",
+                ack = self._make_ack(ctx, "done", "error", None, code=ErrorCode.HANDLER_ERROR,
                                      message=f"{type(exc).__name__}: {exc}")
             else:
                 ack = self._make_ack(ctx, "done", "ok", fields)
@@ -445,7 +446,8 @@ class CommandReceiver:
                       exc: SchemaError) -> None:
         self.rejected += 1
         cmd_id = (headers or {}).get(CMD_ID_HEADER, "")
-        code = "unknown_schema_version" if isinstance(exc, UnknownSchemaVersion) else "malformed"
+        code = (ErrorCode.UNKNOWN_SCHEMA_VERSION if isinstance(exc, UnknownSchemaVersion)
+                else ErrorCode.MALFORMED)
         # one log line per interval with a count, not one per message; every one an event
         self._flood.warning("%s rejected a command on %s: %s", self.worker_id, subject, exc)
         with contextlib.suppress(nats.errors.Error):

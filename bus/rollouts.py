@@ -46,6 +46,7 @@ from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     COUNT_HEADER,
     REQUEST_ID_HEADER,
+    ErrorCode,
     RolloutError,
     RolloutReplies,
     RolloutReply,
@@ -360,7 +361,8 @@ class RolloutPlane:
             for i in range(w.request.sampling.n):
                 if i not in w.got:
                     out.append(RolloutError(
-                        request_id=rid, worker_id="", code="deadline_exceeded", sample_index=i,
+                        request_id=rid, worker_id="", code=ErrorCode.DEADLINE_EXCEEDED,
+                        sample_index=i,
                         group_id=w.request.group_id, retryable=True,
                         submission_id=w.request.submission_id,
                         message=f"no result for sample {i} of {rid} by its deadline"))

@@ -28,6 +28,7 @@ from rlfabric.bus.errors import TRANSIENT
 from rlfabric.gateway.api import ChatRequest, CompletionRequest
 from rlfabric.gateway.errors import APIError, bad_request
 from rlfabric.gateway.service import Gateway
+from rlfabric.schemas import ErrorCode
 from rlfabric.schemas.validation import InvalidRequest
 from rlfabric.telemetry import instruments, spans
 from rlfabric.text import ChatFormatError
@@ -66,7 +67,7 @@ def create_app(gateway: Gateway, *, api_keys: dict[str, str] | None = None,
         if tenant is None:
             raise APIError(401, "a valid API key is required: send 'Authorization: Bearer "
                            "<key>' with a key the gateway was started with (--api-key)",
-                           code="invalid_api_key")
+                           code=ErrorCode.INVALID_API_KEY)
         return tenant
 
     async def body(request: Request) -> bytes:
@@ -74,13 +75,13 @@ def create_app(gateway: Gateway, *, api_keys: dict[str, str] | None = None,
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
             raise APIError(413, f"the request body has {int(size)} bytes; this gateway takes "
                            f"at most {max_body_bytes} (--max-body-bytes)",
-                           code="request_too_large")
+                           code=ErrorCode.REQUEST_TOO_LARGE)
         chunks, total = [], 0
         async for chunk in request.stream():
             total += len(chunk)
             if total > max_body_bytes:
                 raise APIError(413, f"the request body is over {max_body_bytes} bytes "
-                               "(--max-body-bytes)", code="request_too_large")
+                               "(--max-body-bytes)", code=ErrorCode.REQUEST_TOO_LARGE)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -91,7 +92,7 @@ def create_app(gateway: Gateway, *, api_keys: dict[str, str] | None = None,
             raise bad_request(f"invalid request: {exc}", _param(str(exc))) from None
         except msgspec.DecodeError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}", None,
-                              "invalid_json") from None
+                              ErrorCode.INVALID_JSON) from None
 
     def route(name: str, handler: Callable[[Request, str], Awaitable[Response]]
               ) -> Callable[[Request], Awaitable[Response]]:
@@ -108,14 +109,14 @@ def create_app(gateway: Gateway, *, api_keys: dict[str, str] | None = None,
             except APIError as exc:
                 response = _error(exc)
             except (ChatFormatError, InvalidRequest) as exc:  # the conversation's fault
-                response = _error(bad_request(str(exc), None, "invalid_conversation"))
+                response = _error(bad_request(str(exc), None, ErrorCode.INVALID_CONVERSATION))
             except TRANSIENT as exc:  # the bus is coming back: worth a retry
                 response = _error(APIError(503, f"the bus did not answer ({type(exc).__name__}:"
-                                           f" {exc}); retry", code="bus_unavailable"))
+                                           f" {exc}); retry", code=ErrorCode.BUS_UNAVAILABLE))
             except Exception as exc:
                 log.exception("%s %s failed", request.method, request.url.path)
                 response = _error(APIError(500, f"the gateway failed: {type(exc).__name__}: "
-                                           f"{exc}", code="internal_error"))
+                                           f"{exc}", code=ErrorCode.INTERNAL_ERROR))
             instruments.current.gateway_requests.add(1, {
                 "http.route": name, "http.response.status_code": response.status_code,
                 "rlfabric.tenant": tenant})
@@ -162,7 +163,8 @@ def create_app(gateway: Gateway, *, api_keys: dict[str, str] | None = None,
         status = exc.status_code if isinstance(exc, HTTPException) else 404
         what = "no such route" if status == 404 else "method not allowed"
         return _error(APIError(status, f"{what}: {request.method} {request.url.path}",
-                               code="not_found" if status == 404 else "method_not_allowed"))
+                               code=ErrorCode.NOT_FOUND if status == 404
+                               else ErrorCode.METHOD_NOT_ALLOWED))
 
     open_routes = {"health"}
 

@@ -14,6 +14,7 @@ import msgspec
 
 from rlfabric.gateway.api import ChatMessage, ToolCall
 from rlfabric.gateway.errors import bad_request, unsupported
+from rlfabric.schemas import ErrorCode
 
 ROLES = ("system", "user", "assistant", "tool")
 #: roles read as another one (OpenAI's newer name for the system role)
@@ -94,12 +95,13 @@ def read(messages: list[ChatMessage]) -> Conversation:
         elif role == "tool":
             if open_calls is None:
                 raise bad_request(f"{where} is a tool result, but no assistant message with "
-                                  "tool_calls comes before it", where, "tool_result_without_call")
+                                  "tool_calls comes before it", where,
+                                  ErrorCode.TOOL_RESULT_WITHOUT_CALL)
             if m.tool_call_id and open_calls and "" not in open_calls and \
                     m.tool_call_id not in open_calls:
                 raise bad_request(f"{where}.tool_call_id {m.tool_call_id!r} answers none of "
                                   f"the calls before it ({', '.join(sorted(open_calls))})",
-                                  f"{where}.tool_call_id", "tool_result_without_call")
+                                  f"{where}.tool_call_id", ErrorCode.TOOL_RESULT_WITHOUT_CALL)
             msg["tool_call_id"] = m.tool_call_id or ""
             digests.append(digest(["tool", text, m.tool_call_id or ""]))
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from rlfabric.schemas import RLFabricError
+from rlfabric.schemas import ErrorCode, RLFabricError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           409: "conflict_error", 413: "invalid_request_error", 422: "invalid_request_error"}
@@ -29,21 +29,22 @@ class APIError(RLFabricError):
                                               "param": self.param, "code": self.code}})
 
 
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+def bad_request(message: str, param: str | None = None,
+                code: ErrorCode = ErrorCode.INVALID_VALUE) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
 def unsupported(param: str, why: str) -> APIError:
     return APIError(400, f"{param} is not supported by the rlfabric gateway: {why}",
-                    param=param, code="unsupported_parameter")
+                    param=param, code=ErrorCode.UNSUPPORTED_PARAMETER)
 
 
 #: a worker's `RolloutError.code` as the status and error code the agent gets
-WORKER_ERRORS: dict[str, tuple[int, str]] = {
-    "bad_request": (400, "invalid_value"),
-    "malformed": (400, "invalid_value"),
-    "prompt_too_long": (413, "context_length_exceeded"),
-    "version_unavailable": (503, "no_weights"),
-    "deadline_exceeded": (503, "timeout"),
-    "engine_error": (502, "engine_error"),
+WORKER_ERRORS: dict[str, tuple[int, ErrorCode]] = {
+    ErrorCode.BAD_REQUEST: (400, ErrorCode.INVALID_VALUE),
+    ErrorCode.MALFORMED: (400, ErrorCode.INVALID_VALUE),
+    ErrorCode.PROMPT_TOO_LONG: (413, ErrorCode.CONTEXT_LENGTH_EXCEEDED),
+    ErrorCode.VERSION_UNAVAILABLE: (503, ErrorCode.NO_WEIGHTS),
+    ErrorCode.DEADLINE_EXCEEDED: (503, ErrorCode.TIMEOUT),
+    ErrorCode.ENGINE_ERROR: (502, ErrorCode.ENGINE_ERROR),
 }

@@ -46,6 +46,7 @@ from rlfabric.gateway.output import Final, OutputRules, StreamText, finalize, lo
 from rlfabric.gateway.sessions import Session, SessionStore
 from rlfabric.gateway.splice import Plan, plan
 from rlfabric.schemas import (
+    ErrorCode,
     PackedF32,
     PackedI32,
     RolloutError,
@@ -131,19 +132,19 @@ class Gateway:
         if model != self.config.name:
             raise APIError(404, f"model {model!r} is not served here; this gateway serves "
                            f"{self.config.name!r} (GET /v1/models)", param="model",
-                           code="model_not_found")
+                           code=ErrorCode.MODEL_NOT_FOUND)
 
     @staticmethod
     def _check_not_ended(s: Session) -> None:
         if s.fold.ended:
             raise APIError(409, f"session {s.session_id!r} has ended ({s.fold.ended}); "
-                           "start a new session", code="session_ended")
+                           "start a new session", code=ErrorCode.SESSION_ENDED)
 
     def _check_workers(self) -> None:
         if not self.watcher.members:
             raise APIError(503, "no rollout workers are members of this job "
                            f"(prefix {self.bus.subjects.prefix!r}): start one with `rlfabric "
-                           "worker`", code="no_workers")
+                           "worker`", code=ErrorCode.NO_WORKERS)
 
     # ---- sampling ----
     def _sampling(self, *, n: int, temperature: float | None, top_p: float | None,
@@ -158,7 +159,7 @@ class Gateway:
         if room < 1:
             raise APIError(413, f"the prompt has {prompt_len} tokens; the model's context is "
                            f"{self.context_len}: no room for a completion", param="messages",
-                           code="context_length_exceeded")
+                           code=ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         t = 1.0 if temperature is None else temperature
         if not 0.0 <= t <= 2.0:
             raise bad_request(f"temperature={temperature}: needs 0 to 2", "temperature")
@@ -312,7 +313,7 @@ class Gateway:
             await self.store.record(s, record, planned_on=turn.planned_on,
                                     prompt_text=p.text if not turn.prefill else None)
         except SessionConflict as exc:
-            raise APIError(409, str(exc), code="session_conflict") from None
+            raise APIError(409, str(exc), code=ErrorCode.SESSION_CONFLICT) from None
         m = instruments.current
         if p.reason:
             m.gateway_segments.add(1, {"reason": p.reason, "rlfabric.tenant": turn.tenant})
@@ -465,7 +466,7 @@ class Gateway:
         traj = await self.store.trajectory(session_id)
         if traj is None:
             raise APIError(404, f"no session {session_id!r} (none was served, or its records "
-                           "aged out)", param="session_id", code="session_not_found")
+                           "aged out)", param="session_id", code=ErrorCode.SESSION_NOT_FOUND)
         return {"session_id": traj.session_id, "turns": traj.turns, "ended": traj.ended,
                 "segments": [{"token_ids": s.token_ids.tolist(),
                               "loss_mask": s.loss_mask.tolist(),
@@ -479,7 +480,7 @@ class Gateway:
         s = await self.store.end(session_id, "finished")
         if s is None:
             raise APIError(404, f"no session {session_id!r}", param="session_id",
-                           code="session_not_found")
+                           code=ErrorCode.SESSION_NOT_FOUND)
         return {"session_id": session_id, "ended": s.fold.ended, "turns": s.fold.turns}
 
 

@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus
 from rlfabric.bus.sessions import WRITER_HEADER, SessionConflict, SessionLog, session_key
-from rlfabric.schemas import SessionEnd, SessionFold, SessionRecord, Trajectory
+from rlfabric.schemas import ErrorCode, SessionEnd, SessionFold, SessionRecord, Trajectory
 from rlfabric.telemetry import instruments
 
 log = logging.getLogger("rlfabric.gateway")
@@ -167,7 +167,7 @@ class SessionStore:
             s.seq = await stored()
         except Exception as exc:
             self.write_failures += 1
-            instruments.current.errors.add(1, {"code": "session_write_failed"})
+            instruments.current.errors.add(1, {"code": ErrorCode.SESSION_WRITE_FAILED})
             log.error("session %r: its record was not stored (%s: %s); the session is read "
                       "back from the bus at its next turn", record.session_id,
                       type(exc).__name__, exc)

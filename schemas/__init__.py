@@ -18,6 +18,7 @@ from rlfabric.schemas.codec import (
     headers,
     json_schema,
 )
+from rlfabric.schemas.codes import ErrorCode
 from rlfabric.schemas.control import (
     COLLECTIVE_BACKENDS,
     COMMAND_TYPES,
@@ -157,6 +158,7 @@ __all__ = [
     "CudaIpc",
     "Describe",
     "DesiredState",
+    "ErrorCode",
     "ErrorEvent",
     "Event",
     "FanoutReport",

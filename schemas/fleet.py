@@ -96,7 +96,7 @@ class FanoutReport(Message, frozen=True, kw_only=True):
 
 
 class ErrorEvent(Message, tag_field="kind", tag="error", frozen=True, kw_only=True):
-    """Something a process could not handle, e.g. a malformed command (`code="malformed"`)."""
+    """Something a process could not handle, e.g. a malformed command (code `malformed`)."""
 
     source: str
     code: str

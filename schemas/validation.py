@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from rlfabric.schemas.codes import ErrorCode
 from rlfabric.schemas.errors import RLFabricError
 from rlfabric.schemas.rollout import RolloutRequest
 
@@ -29,7 +30,7 @@ class InvalidRequest(RLFabricError, ValueError):
     """A request that can never be served as written; the message names the field, the value
     and what is allowed. `code` is the `RolloutError.code` a worker answers it with."""
 
-    code = "bad_request"
+    code = ErrorCode.BAD_REQUEST
 
 
 def check_request(req: RolloutRequest) -> None:

@@ -250,7 +250,7 @@ class FabricClient:
         """Submit `requests` and yield each sample's `RolloutResult` (or a `RolloutError`) as
         it arrives, exactly once per (request_id, sample_index), whichever worker served it
         and however often it was redelivered. `timeout` sets a deadline per request; samples
-        still missing at their deadline are yielded as `RolloutError(code="deadline_exceeded")`.
+        still missing at their deadline are yielded as `RolloutError`s, code `deadline_exceeded`.
         """
         return self.rollouts.generate(requests, timeout=timeout)
 

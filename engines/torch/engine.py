@@ -21,6 +21,7 @@ from rlfabric.engines.torch.model_runner import ModelRunner, RunnerState
 from rlfabric.engines.torch.scheduler import Scheduler
 from rlfabric.engines.torch.sequence import Sequence
 from rlfabric.schemas import (
+    ErrorCode,
     PauseMode,
     RolloutRequest,
     RolloutResult,
@@ -79,12 +80,12 @@ class TorchEngine(RuntimeCollective):
         hi = int(ids.max())
         if hi >= vocab:
             raise RequestRejected(
-                "bad_request",
+                ErrorCode.BAD_REQUEST,
                 f"prompt token id {hi} is outside the vocabulary [0, {vocab}) of "
                 f"model {self.model!r}")
         if len(ids) >= context:
             raise RequestRejected(
-                "prompt_too_long",
+                ErrorCode.PROMPT_TOO_LONG,
                 f"prompt of {len(ids)} tokens leaves no room in the context of "
                 f"{context} tokens of model {self.model!r}")
 

@@ -44,6 +44,7 @@ from rlfabric.engines.protocol import (
 )
 from rlfabric.schemas import (
     Collective,
+    ErrorCode,
     InitTransport,
     PackedF32,
     PackedI32,
@@ -204,10 +205,11 @@ class VllmEngine:
         ids = request.prompt_token_ids.numpy()
         hi = int(ids.max())
         if hi >= self._vocab:
-            raise RequestRejected("bad_request", f"prompt token id {hi} is outside the "
+            raise RequestRejected(ErrorCode.BAD_REQUEST, f"prompt token id {hi} is outside the "
                                   f"vocabulary [0, {self._vocab}) of {self.model}")
         if len(ids) >= self.options.max_model_len:
-            raise RequestRejected("prompt_too_long", f"prompt of {len(ids)} tokens leaves no "
+            raise RequestRejected(ErrorCode.PROMPT_TOO_LONG,
+                                  f"prompt of {len(ids)} tokens leaves no "
                                   f"room in --max-model-len {self.options.max_model_len}")
 
     async def generate(self, request: RolloutRequest, *, worker_id: str = "",
@@ -410,9 +412,9 @@ class VllmEngine:
     # run here: no CUDA build of vLLM could be installed on a GPU machine for this project
     async def init_transport(self, cmd: InitTransport, rank_offset: int) -> None:
         if cmd.vllm is None:
-            raise CommandFailed("unsupported", _NOT_VLLM_GROUP)
+            raise CommandFailed(ErrorCode.UNSUPPORTED, _NOT_VLLM_GROUP)
         if _on_cpu():
-            raise CommandFailed("unsupported", _NO_COLLECTIVE_CPU)
+            raise CommandFailed(ErrorCode.UNSUPPORTED, _NO_COLLECTIVE_CPU)
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         # NOTE: one rlfabric worker = one vLLM engine; vLLM adds dp_rank * TP * PP +
@@ -426,17 +428,18 @@ class VllmEngine:
         try:
             await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
         except Exception as exc:
-            raise CommandFailed("group_join_failed", f"vLLM could not join NCCL group epoch "
+            raise CommandFailed(ErrorCode.GROUP_JOIN_FAILED,
+                                f"vLLM could not join NCCL group epoch "
                                 f"{cmd.group_epoch}: {type(exc).__name__}: {exc}") from exc
         self._nccl_epoch = cmd.group_epoch
 
     async def receive_collective(self, cmd: UpdateWeights) -> None:
         if _on_cpu():
-            raise CommandFailed("unsupported", _NO_COLLECTIVE_CPU)
+            raise CommandFailed(ErrorCode.UNSUPPORTED, _NO_COLLECTIVE_CPU)
         t = cmd.transport
         assert isinstance(t, Collective)  # the worker hands only collective updates here
         if t.group_epoch != self._nccl_epoch or not self._nccl_epoch:
-            raise CommandFailed("no_group", f"this vLLM engine is in NCCL group epoch "
+            raise CommandFailed(ErrorCode.NO_GROUP, f"this vLLM engine is in NCCL group epoch "
                                 f"{self._nccl_epoch or None}, not {t.group_epoch}: "
                                 "init_transport first")
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -456,7 +459,8 @@ class VllmEngine:
             # the received weights are gone with the group: a restart serves the last
             # version this engine holds a copy of (or the checkpoint), and says which
             await self._recover(f"v{cmd.version} over NCCL failed inside vLLM ({exc})")
-            raise CommandFailed("broadcast_failed", f"vLLM did not take v{cmd.version} over "
+            raise CommandFailed(ErrorCode.BROADCAST_FAILED,
+                                f"vLLM did not take v{cmd.version} over "
                                 f"NCCL ({type(exc).__name__}: {exc}); the engine was restarted "
                                 f"and serves v{self._version}") from None
         finally:
@@ -476,7 +480,7 @@ class VllmEngine:
     async def sleep(self, level: int) -> None:
         if _on_cpu():
             raise CommandFailed(
-                "unsupported", f"sleep(level={level}): vLLM's CPU build frees no memory in "
+                ErrorCode.UNSUPPORTED, f"sleep(level={level}): vLLM's CPU build frees no memory in "
                 "sleep mode, so nothing would be released; the engine keeps serving")
         # NOTE: CUDA path, coded to vLLM's API and not run here (no CUDA vLLM could be
         # installed): level 1 offloads weights and drops the KV cache, level 2 drops both

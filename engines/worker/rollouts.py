@@ -59,6 +59,7 @@ from rlfabric.schemas import (
     COUNT_HEADER,
     REQUEST_ID_HEADER,
     TRACEPARENTS_HEADER,
+    ErrorCode,
     ErrorEvent,
     MalformedMessage,
     RolloutError,
@@ -187,7 +188,7 @@ class RolloutServer:
             try:
                 reqs = self._decode(msg)
             except SchemaError as exc:
-                await self._reply_error(msg, None, "malformed", str(exc))
+                await self._reply_error(msg, None, ErrorCode.MALFORMED, str(exc))
                 await msg.term()
                 self._wake.fire()  # its credit is spent and no lane will say so: pull again
                 return
@@ -359,7 +360,7 @@ class RolloutServer:
             d.back = max(d.back or 0.0, 0.25)
             return
         log.error("request %s failed", req.request_id, exc_info=exc)
-        await self._reply_error(d.msg, req, "engine_error", f"{type(exc).__name__}: {exc}",
+        await self._reply_error(d.msg, req, ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}",
                                 retryable=True)
 
     def _request_done(self) -> None:
@@ -456,7 +457,7 @@ class RolloutServer:
             if isinstance(err, _HAND_BACK):
                 d.back = max(d.back or 0.0, 0.25)
             else:
-                await self._reply_error(d.msg, todo[rid][0], "engine_error",
+                await self._reply_error(d.msg, todo[rid][0], ErrorCode.ENGINE_ERROR,
                                         f"{type(err).__name__}: {err}", retryable=True)
 
     async def _finish(self, d: _Delivery) -> None:
@@ -487,12 +488,12 @@ class RolloutServer:
             try:
                 subject = self.bus.subjects.rollout_result(req.client_id)
             except ValueError:
-                await self._reply_error(msg, req, "bad_request", "request has no usable "
+                await self._reply_error(msg, req, ErrorCode.BAD_REQUEST, "request has no usable "
                                         f"client_id ({req.client_id!r})")
                 return None
             self._result_subjects[req.client_id] = subject
         if req.deadline and time.time() > req.deadline:  # nobody waits for it: out of the queue
-            await self._reply_error(msg, req, "deadline_exceeded",
+            await self._reply_error(msg, req, ErrorCode.DEADLINE_EXCEEDED,
                                     f"request {req.request_id} expired before a worker took it")
             return None
         if req.min_weight_version > self.engine.version:
@@ -543,7 +544,7 @@ class RolloutServer:
         want = req.min_weight_version
         if desired.weight_version < want and not req.deadline:
             await self._reply_error(
-                d.msg, req, "version_unavailable",
+                d.msg, req, ErrorCode.VERSION_UNAVAILABLE,
                 f"request {req.request_id} needs weight version >= {want}, but the fleet's "
                 f"desired version is {desired.weight_version} and no update to {want} was sent:"
                 " push it first, lower min_weight_version, or give the request a deadline to "

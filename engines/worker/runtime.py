@@ -45,6 +45,7 @@ from rlfabric.schemas import (
     Command,
     Describe,
     DesiredState,
+    ErrorCode,
     ErrorEvent,
     InitTransport,
     Pause,
@@ -135,7 +136,7 @@ class Worker:
                "as version 0 and waits for a weight push. Start it from the same checkpoint, "
                "or clear the claim with `rlfabric ctl reset-state`")
         log.error("%s", why)
-        await self.bus.emit(ErrorEvent(source=self.worker_id, code="checkpoint_mismatch",
+        await self.bus.emit(ErrorEvent(source=self.worker_id, code=ErrorCode.CHECKPOINT_MISMATCH,
                                        message=why, at=time.time()))
 
     async def _run_engine(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -145,7 +146,7 @@ class Worker:
         except Exception as exc:  # the engine is gone: say so, then leave (run() raises it)
             log.error("%s: engine %s stopped: %s", self.worker_id, self.engine.name, exc)
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                await self.bus.emit(ErrorEvent(source=self.worker_id, code="engine_died",
+                await self.bus.emit(ErrorEvent(source=self.worker_id, code=ErrorCode.ENGINE_DIED,
                                                message=str(exc), at=time.time()))
                 await self.bus.nc.flush()
             raise
@@ -203,7 +204,7 @@ class Worker:
                 # work finishes, then the worker leaves
                 ctx.after_done(self.drain)
                 return None
-        raise CommandFailed("unsupported", f"{type(cmd).__name__} is not supported by this "
+        raise CommandFailed(ErrorCode.UNSUPPORTED, f"{type(cmd).__name__} is not supported by this "
                             f"worker ({self.engine.name} engine)")
 
     async def _pause(self, cmd: Pause) -> AckFields | None:
@@ -216,7 +217,7 @@ class Worker:
             if cmd.mode != "keep":
                 await self.rollouts.wait_idle()
         if scope.cancelled_caught:
-            raise CommandFailed("drain_timeout", f"{self.worker_id} still had "
+            raise CommandFailed(ErrorCode.DRAIN_TIMEOUT, f"{self.worker_id} still had "
                                 f"{self.rollouts.in_flight} requests in flight at the pause's "
                                 "deadline; it is paused and will finish them")
         return None

@@ -28,6 +28,7 @@ from rlfabric.engines.protocol import Engine, WeightLoadError
 from rlfabric.schemas import (
     Collective,
     DesiredState,
+    ErrorCode,
     ErrorEvent,
     Filesystem,
     InitTransport,
@@ -77,15 +78,16 @@ class WeightSync:
                    f"({exc.code}: {exc}); it joins on v{self.engine.version} and waits for "
                    "the next update")
             log.error("%s", why)
-            await self.bus.emit(ErrorEvent(source=self.worker_id, code="weights_unavailable",
-                                           message=why, at=time.time()))
+            await self.bus.emit(ErrorEvent(source=self.worker_id,
+                                           code=ErrorCode.WEIGHTS_UNAVAILABLE, message=why,
+                                           at=time.time()))
             return
         log.info("%s: joined on weight version %d", self.worker_id, cmd.version)
 
     # ---- commands ----
     async def update(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
         if isinstance(cmd.target, Lora):
-            raise CommandFailed("unsupported", f"LoRA targets are not supported by the "
+            raise CommandFailed(ErrorCode.UNSUPPORTED, f"LoRA targets are not supported by the "
                                 f"{self.engine.name} engine")
         if isinstance(cmd.transport, Collective):
             if self.engine.owns_collective:
@@ -96,14 +98,16 @@ class WeightSync:
 
     async def init_transport(self, cmd: InitTransport, ctx: CommandContext) -> AckFields:
         if self.worker_id not in cmd.rank_offsets:
-            raise CommandFailed("not_in_group", f"{self.worker_id} has no rank in group epoch "
+            raise CommandFailed(ErrorCode.NOT_IN_GROUP,
+                                f"{self.worker_id} has no rank in group epoch "
                                 f"{cmd.group_epoch}")
         if self.engine.owns_collective:
             await self.engine.init_transport(cmd, cmd.rank_offsets[self.worker_id])
             return AckFields(detail={"rank": str(cmd.rank_offsets[self.worker_id]),
                                      "group_epoch": str(cmd.group_epoch)})
         if cmd.vllm is not None:
-            raise CommandFailed("unsupported", f"group epoch {cmd.group_epoch} speaks vLLM's "
+            raise CommandFailed(ErrorCode.UNSUPPORTED,
+                                f"group epoch {cmd.group_epoch} speaks vLLM's "
                                 f"NCCL weight-transfer protocol, which only vLLM workers "
                                 f"join; {self.worker_id} runs the {self.engine.name} engine: "
                                 "push to it with FabricClient.init_transport/update_weights")
@@ -121,7 +125,8 @@ class WeightSync:
             await ctx.ready()
             await anyio.to_thread.run_sync(group.connect)
         except Exception as exc:
-            raise CommandFailed("group_join_failed", f"{self.worker_id} could not join group "
+            raise CommandFailed(ErrorCode.GROUP_JOIN_FAILED,
+                                f"{self.worker_id} could not join group "
                                 f"epoch {cmd.group_epoch}: {exc}") from exc
         self.group = group
         return AckFields(detail={"rank": str(group.rank), "group_epoch": str(cmd.group_epoch)})
@@ -144,19 +149,20 @@ class WeightSync:
                     elif isinstance(t, Nats):
                         buf = await self._read_nats(t, cmd.version, buffer_size(metas))
                     else:
-                        raise CommandFailed("unsupported",
+                        raise CommandFailed(ErrorCode.UNSUPPORTED,
                                             f"transport {type(t).__name__} is not supported here")
                 except CommandFailed:
                     raise
                 except Exception as exc:
-                    raise CommandFailed("fetch_failed", f"{self.worker_id} could not fetch v"
+                    raise CommandFailed(ErrorCode.FETCH_FAILED,
+                                        f"{self.worker_id} could not fetch v"
                                         f"{cmd.version} over {type(t).__name__}: {exc}") from exc
             view = memoryview(buf)[:buffer_size(metas)]
             with spans.span("verify digest"):
                 got = await _digest_in_thread(view)
             if got != cmd.digest:
                 del view
-                raise CommandFailed("digest_mismatch", f"{self.worker_id}: v{cmd.version} "
+                raise CommandFailed(ErrorCode.DIGEST_MISMATCH, f"{self.worker_id}: v{cmd.version} "
                                     f"payload digest {got} != {cmd.digest}; old weights kept")
             try:
                 with payload(view, metas, path=path) as weights, spans.span("load weights"):
@@ -174,7 +180,8 @@ class WeightSync:
         if why:
             # NOTE: raised outside the except block on purpose: a chained exception would keep
             # the failed frames, and the tensors viewing a shared buffer in them, alive
-            raise CommandFailed("load_failed", f"{self.worker_id}: v{cmd.version} not loaded "
+            raise CommandFailed(ErrorCode.LOAD_FAILED,
+                                f"{self.worker_id}: v{cmd.version} not loaded "
                                 f"({why}); still serving v{self.engine.version}")
         if cmd.reset_prefix_cache:
             await self.engine.reset_prefix_cache()
@@ -238,7 +245,8 @@ class WeightSync:
         group = self.group
         if group is None or group.group_epoch != t.group_epoch:
             have = group.group_epoch if group else None
-            raise CommandFailed("no_group", f"{self.worker_id} is in group epoch {have}, not "
+            raise CommandFailed(ErrorCode.NO_GROUP,
+                                f"{self.worker_id} is in group epoch {have}, not "
                                 f"{t.group_epoch}: init_transport first")
         flat = torch.empty(buffer_size(t.tensors), dtype=torch.uint8)
         await ctx.ready()
@@ -246,12 +254,12 @@ class WeightSync:
             await anyio.to_thread.run_sync(group.broadcast, flat)
         except Exception as exc:
             self.group = None  # a broken group is stale
-            raise CommandFailed("broadcast_failed", f"{self.worker_id}: broadcast of "
+            raise CommandFailed(ErrorCode.BROADCAST_FAILED, f"{self.worker_id}: broadcast of "
                                 f"v{cmd.version} failed: {exc}") from exc
         buf = flat.numpy().data
         got = await _digest_in_thread(buf)
         if got != cmd.digest:
-            raise CommandFailed("digest_mismatch", f"{self.worker_id}: v{cmd.version} "
+            raise CommandFailed(ErrorCode.DIGEST_MISMATCH, f"{self.worker_id}: v{cmd.version} "
                                 f"broadcast digest {got} != {cmd.digest}; old weights kept")
         with payload(memoryview(buf), t.tensors) as weights:
             await self._load(weights, cmd)

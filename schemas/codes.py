@@ -1,0 +1,60 @@
+"""Every stable error code rlfabric puts on the wire or answers with, in one enum.
+
+A code travels as its string (`Ack.error_code`, `RolloutError.code`, `ErrorEvent.code`, the
+gateway's `error.code`); `ErrorCode` is a `StrEnum`, so a member equals its string and code
+that compares with strings keeps working. Add a code here before raising it anywhere.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    # ---- a rollout request (RolloutError.code) ----
+    BAD_REQUEST = "bad_request"  # a field out of range; the request only is refused
+    MALFORMED = "malformed"  # bytes that are not the message they claim to be
+    PROMPT_TOO_LONG = "prompt_too_long"  # the prompt leaves the engine no room
+    VERSION_UNAVAILABLE = "version_unavailable"  # min_weight_version nobody serves
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # a request's or command's deadline passed
+    ENGINE_ERROR = "engine_error"  # the engine failed this request
+
+    # ---- a command (Ack.error_code) ----
+    UNKNOWN_SCHEMA_VERSION = "unknown_schema_version"  # a major version this build cannot read
+    HANDLER_ERROR = "handler_error"  # a command handler raised something unexpected
+    UNSUPPORTED = "unsupported"  # this engine cannot do it (at once, not at a timeout)
+    FETCH_FAILED = "fetch_failed"  # the weights could not be fetched over their transport
+    DIGEST_MISMATCH = "digest_mismatch"  # the fetched payload is not what was sent
+    LOAD_FAILED = "load_failed"  # the engine refused the weights; the old ones serve
+    NOT_IN_GROUP = "not_in_group"  # init_transport gave this worker no rank
+    GROUP_JOIN_FAILED = "group_join_failed"  # the collective group could not be joined
+    NO_GROUP = "no_group"  # a collective update before (or after another) init_transport
+    BROADCAST_FAILED = "broadcast_failed"  # the collective broadcast failed midway
+    DRAIN_TIMEOUT = "drain_timeout"  # requests still in flight at a pause's deadline
+
+    # ---- a worker's own events (ErrorEvent.code) ----
+    WEIGHTS_UNAVAILABLE = "weights_unavailable"  # joined without the fleet's version
+    CHECKPOINT_MISMATCH = "checkpoint_mismatch"  # not the checkpoint the fleet serves as v0
+    ENGINE_DIED = "engine_died"  # the engine process is gone; the worker exits
+
+    # ---- the gateway (its `error.code`) ----
+    INVALID_JSON = "invalid_json"
+    INVALID_VALUE = "invalid_value"
+    INVALID_CONVERSATION = "invalid_conversation"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
+    TOOL_RESULT_WITHOUT_CALL = "tool_result_without_call"
+    INVALID_API_KEY = "invalid_api_key"
+    MODEL_NOT_FOUND = "model_not_found"
+    SESSION_NOT_FOUND = "session_not_found"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    SESSION_ENDED = "session_ended"
+    SESSION_CONFLICT = "session_conflict"
+    SESSION_WRITE_FAILED = "session_write_failed"
+    REQUEST_TOO_LARGE = "request_too_large"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    NO_WORKERS = "no_workers"
+    NO_WEIGHTS = "no_weights"
+    TIMEOUT = "timeout"
+    BUS_UNAVAILABLE = "bus_unavailable"
+    INTERNAL_ERROR = "internal_error"
