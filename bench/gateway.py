@@ -19,8 +19,10 @@ Then the gateway's own cost: agent sessions at concurrency 1 (every turn a new u
 `--cost-tokens` completion tokens), each turn through the gateway and then its prompt tokens
 with its seed straight through `FabricClient.generate` on the same worker, the prefix cache
 reset before each, so both do the same engine work: turn p50 of each, and the median of the
-per-turn differences. Beside it, the HTTP floor: the same request body posted to a trivial
-route on the same stack (Starlette on uvicorn, `rlfabric.bench.asgi_floor`), p50.
+per-turn differences. Beside it, two floors on the same stack (Starlette on uvicorn,
+`rlfabric.bench.asgi_floor`), the same request body posted to each, p50: a route that only
+reads the body (HTTP), and one that also renders the chat template and tokenizes the messages,
+as any chat server must (HTTP + text).
 
     rlfabric bench gateway [--workers 1,2] [--requests 128] [--concurrency 16]
                            [--max-tokens 64] [--engine vllm|torch] [--json]
@@ -193,6 +195,7 @@ async def _cost(url: str, prefix: str, base: str, gw_pid: int, floor: str,
     via: list[float] = []
     direct: list[float] = []
     http: list[float] = []
+    text: list[float] = []
     gw_cpu = 0.0
     n_tokens = args.cost_tokens
     async with aiohttp.ClientSession() as s, \
@@ -226,9 +229,13 @@ async def _cost(url: str, prefix: str, base: str, gw_pid: int, floor: str,
                         out["choices"][0]["token_ids"], "not the same engine work"
                 direct.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                async with s.post(f"{floor}/chat/completions", json=body) as resp:
+                async with s.post(f"{floor}/v1/chat/completions", json=body) as resp:
                     await resp.read()
                 http.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                async with s.post(f"{floor}/template/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                text.append(time.perf_counter() - t0)
                 msgs = [*msgs, out["choices"][0]["message"],
                         {"role": "user", "content": f"And then, part {t + 2}?"}]
     diffs = [a - b for a, b in zip(via, direct, strict=True)]
@@ -236,6 +243,7 @@ async def _cost(url: str, prefix: str, base: str, gw_pid: int, floor: str,
             "direct_p50_ms": 1e3 * pct(direct, 0.5),
             "added_p50_ms": 1e3 * statistics.median(diffs),
             "http_floor_p50_ms": 1e3 * pct(http, 0.5),
+            "text_floor_p50_ms": 1e3 * pct(text, 0.5),
             "gateway_cpu_ms_per_turn": 1e3 * gw_cpu / len(via),
             "prompt_tokens_last": len(ids)}
 
@@ -265,7 +273,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         async with children([["rlfabric.bench.asgi_floor", "--port",
                                               str(port)]], ready="serving", timeout=60):
                             cost = await _cost(nats.url, prefix, base, pid,
-                                               f"http://127.0.0.1:{port}/v1", args)
+                                               f"http://127.0.0.1:{port}", args)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -302,8 +310,8 @@ def main(args: argparse.Namespace) -> int:
               f"({args.cost_tokens} tokens each, last prompt {c['prompt_tokens_last']} "
               f"tokens): turn p50 {c['gateway_p50_ms']:.2f} ms through the gateway, "
               f"{c['direct_p50_ms']:.2f} ms through FabricClient.generate on the same tokens; "
-              f"median per-turn difference {c['added_p50_ms']:+.2f} ms, of which the HTTP floor "
-              f"(the same body to a trivial route on uvicorn + Starlette) is "
-              f"{c['http_floor_p50_ms']:.2f} ms p50; gateway CPU "
+              f"median per-turn difference {c['added_p50_ms']:+.2f} ms; floors on uvicorn + "
+              f"Starlette, the same body: HTTP {c['http_floor_p50_ms']:.2f} ms p50, HTTP + "
+              f"chat template + tokenizer {c['text_floor_p50_ms']:.2f} ms p50; gateway CPU "
               f"{c['gateway_cpu_ms_per_turn']:.2f} ms per turn")
     return 0

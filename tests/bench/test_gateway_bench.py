@@ -29,4 +29,5 @@ def test_the_gateway_rows_and_its_cost_block_run_on_the_echo_engine() -> None:
     assert math.isnan(row["x_vllm"])  # no vLLM row on this engine
     cost = out["cost"]
     assert cost["turns"] == 4 and cost["gateway_p50_ms"] > 0 and cost["direct_p50_ms"] > 0
-    assert cost["prompt_tokens_last"] > 0 and cost["http_floor_p50_ms"] > 0
+    assert cost["prompt_tokens_last"] > 0
+    assert cost["text_floor_p50_ms"] > 0 and cost["http_floor_p50_ms"] > 0
