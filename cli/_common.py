@@ -12,11 +12,19 @@ if TYPE_CHECKING:
     from rlfabric.telemetry import Telemetry
 
 
-def add_bus_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("bus")
-    g.add_argument("--nats", default=os.environ.get("RLFABRIC_NATS", "nats://127.0.0.1:4222"),
-                   help="NATS URL(s), comma-separated (env RLFABRIC_NATS; default %(default)s)")
-    g.add_argument("--prefix", default=os.environ.get("RLFABRIC_PREFIX", "rl"),
+def add_bus_options(p: argparse.ArgumentParser, *,
+                    nats: tuple[str | None, str] | None = None,
+                    prefix_default: str | None = None, title: str = "bus",
+                    description: str | None = None) -> argparse._ArgumentGroup:
+    """The bus flags every command takes (`--nats`, `--prefix`, auth, TLS); the group, for a
+    command's own flags beside them. `nats`: (default, help) of a command whose `--nats`
+    means something else (`rlfabric up`: none, an embedded server)."""
+    g = p.add_argument_group(title, description)
+    default, what = nats or (os.environ.get("RLFABRIC_NATS", "nats://127.0.0.1:4222"),
+                             "NATS URL(s), comma-separated (env RLFABRIC_NATS; default "
+                             "%(default)s)")
+    g.add_argument("--nats", metavar="URL", default=default, help=what)
+    g.add_argument("--prefix", default=prefix_default or os.environ.get("RLFABRIC_PREFIX", "rl"),
                    help="job prefix of subjects, streams and buckets (default %(default)s)")
     g.add_argument("--user", help="NATS user (with --password)")
     g.add_argument("--password", default=os.environ.get("RLFABRIC_NATS_PASSWORD"),
@@ -30,11 +38,14 @@ def add_bus_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", help="client certificate key")
     g.add_argument("--wait", type=float, default=5.0, metavar="S",
                    help="seconds to keep trying to reach the server (default %(default)s)")
+    return g
 
 
-def connect_options(args: argparse.Namespace, name: str) -> ConnectOptions:
+def connect_options(args: argparse.Namespace, name: str, *,
+                    url: str | None = None) -> ConnectOptions:
+    """`args`' bus flags as connect options (`url`: instead of `--nats`)."""
     return ConnectOptions.from_url(
-        args.nats, name=name, user=args.user, password=args.password, token=args.token,
+        url or args.nats, name=name, user=args.user, password=args.password, token=args.token,
         creds_file=args.creds, nkey_seed_file=args.nkey, tls_ca=args.tls_ca,
         tls_cert=args.tls_cert, tls_key=args.tls_key, connect_wait=args.wait,
     )

@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING
 import anyio
 
 from rlfabric.bus import EmbeddedNats
-from rlfabric.cli._common import add_telemetry_options, start_telemetry
+from rlfabric.cli._common import (
+    add_bus_options,
+    add_telemetry_options,
+    connect_options,
+    start_telemetry,
+)
 from rlfabric.cli.up_fleet import ProcessFleet, RayActorFleet
 from rlfabric.engines import registry
 from rlfabric.errors import LaunchError
@@ -65,12 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     p.add_argument("--no-live", action="store_true",
                    help="one line per step instead of the live view (default when not a TTY)")
-    g = p.add_argument_group(
-        "attach", "run the demo on a server and fleet that already run (e.g. compose.yaml's) "
-        "instead of starting its own")
-    g.add_argument("--nats", default=None, metavar="URL",
-                   help="use this NATS server (comma-separated URLs) instead of an embedded one")
-    g.add_argument("--prefix", default="up", help="the job prefix (default %(default)s)")
+    g = add_bus_options(
+        p, nats=(None, "use this NATS server (comma-separated URLs) instead of an embedded one"),
+        prefix_default="up", title="attach",
+        description="run the demo on a server and fleet that already run (e.g. compose.yaml's) "
+        "instead of starting its own; with auth (e.g. `rlfabric nats --auth DIR`: --nkey "
+        "DIR/trainer.nk), start the workers with their own role's key and pass "
+        "--workers-external")
     g.add_argument("--workers-external", action="store_true",
                    help="start no workers: wait for --workers of them to join the job (started "
                    "elsewhere with `rlfabric worker --nats URL --prefix PREFIX`); they are "
@@ -145,7 +151,8 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
             console.print(f"rlfabric up: NATS at {url}, {args.workers} workers "
                           + (f"starting ({fleet.where()})" if fleet is not None
                              else "joining from elsewhere"))
-            async with FabricClient.connect(url, prefix=prefix) as fabric:
+            async with FabricClient.connect(connect_options(args, "rlfabric-up", url=url),
+                                            prefix=prefix) as fabric:
                 await _wait_workers(fabric, fleet, args.workers, args.join_timeout)
                 pids = await anyio.to_thread.run_sync(fleet.pids) if fleet is not None else []
                 (run_dir / "pids.json").write_text(json.dumps(
@@ -263,6 +270,13 @@ def run(args: argparse.Namespace) -> int:
     if args.workers_external and not args.nats:
         print("rlfabric up: --workers-external needs --nats URL, the server those workers use",
               file=sys.stderr)
+        return 2
+    auth = [f"--{n.replace('_', '-')}" for n in ("user", "token", "creds", "nkey", "tls_ca",
+                                                  "tls_cert") if getattr(args, n)]
+    if auth and not args.workers_external:
+        print(f"rlfabric up: {', '.join(auth)}: the workers up starts would connect without "
+              "them; start workers with their own role's key (`rlfabric worker --nkey "
+              "DIR/worker.nk ...`) and pass --workers-external", file=sys.stderr)
         return 2
     if args.workers_external and args.launcher != "process":
         print("rlfabric up: --workers-external starts no workers; drop --launcher",

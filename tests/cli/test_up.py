@@ -121,3 +121,30 @@ def test_ray_launcher_trains_with_actor_workers_and_leaves_no_ray_behind(tmp_pat
     assert "Ray actors in one placement group" in out.stdout
     pids = json.loads(next(tmp_path.glob("*/pids.json")).read_text())["workers"]
     assert len(set(pids)) == 2 and all(gone(p) for p in pids)  # the actors ended with the run
+
+
+def test_attached_with_the_trainer_role_on_a_server_with_auth(tmp_path: Path, spawn,
+                                                              prefix: str) -> None:
+    # `rlfabric nats --auth`: up connects with the trainer's key, its workers with theirs
+    keys = tmp_path / "keys"
+    srv = spawn("nats", "--port", "0", "--auth", str(keys), "--prefix", prefix,
+                module="rlfabric")
+    url = srv.wait_for(r"ready at (nats://\S+)", timeout=30).group(1)
+    worker = spawn("worker", "--nats", url, "--prefix", prefix, "--nkey",
+                   str(keys / "worker.nk"), "--worker-id", "k0", "--threads", "1",
+                   module="rlfabric")
+    worker.wait_for(r"ready \(", timeout=120)
+    base = [EXE, "up", "--nats", url, "--prefix", prefix, "--workers", "1", "--no-live",
+            "--out", str(tmp_path)]
+    own = subprocess.run([*base, "--nkey", str(keys / "trainer.nk")], capture_output=True,
+                         text=True, timeout=60)  # its own workers would have no key
+    assert own.returncode == 2 and "--nkey" in own.stderr and "--workers-external" in own.stderr
+    out = subprocess.run([*base, "--nkey", str(keys / "trainer.nk"), "--workers-external",
+                          "--steps", "2", "--threshold", "0", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workers_on_final"] == {"k0": 2}
+    anon = subprocess.run([*base, "--workers-external", "--steps", "1", "--join-timeout", "5"],
+                          capture_output=True, text=True, timeout=120)
+    assert anon.returncode != 0 and "refused this client" in anon.stdout + anon.stderr
