@@ -76,7 +76,8 @@ async def serve(url: str | ConnectOptions, config: GatewayConfig, opts: ServeOpt
         plane = RolloutPlane(bus, f"g{uuid.uuid4().hex[:12]}")
         store = SessionStore(bus, writer=config.gateway_id,
                              idle_timeout=opts.session_idle_timeout,
-                             max_cached=opts.max_cached_sessions)
+                             max_cached=opts.max_cached_sessions,
+                             wait_timeout=config.request_timeout)
         await tg.start(watcher.run)
         await tg.start(plane.listen)
         await tg.start(store.run)

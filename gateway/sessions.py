@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus
 from rlfabric.bus.sessions import WRITER_HEADER, SessionConflict, SessionLog, session_key
+from rlfabric.gateway.errors import APIError
 from rlfabric.schemas import ErrorCode, SessionEnd, SessionFold, SessionRecord, Trajectory
 from rlfabric.telemetry import instruments
 
@@ -65,12 +66,14 @@ class Session:
 
 class SessionStore:
     def __init__(self, bus: Bus, *, writer: str, idle_timeout: float = 3600.0,
-                 max_cached: int = 10_000) -> None:
+                 max_cached: int = 10_000, wait_timeout: float = 600.0) -> None:
         self.bus = bus
         self.writer = writer
         self.log = SessionLog(bus, writer=writer)
         self.idle_timeout = idle_timeout
         self.max_cached = max_cached
+        #: how long a turn waits for the session's previous record to be stored
+        self.wait_timeout = wait_timeout
         self.write_failures = 0
         self._cache: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._tg: TaskGroup | None = None
@@ -124,10 +127,20 @@ class SessionStore:
         if s.stale:
             await self.refresh(s)
 
+    async def _stored(self, s: Session) -> None:
+        """Wait for this gateway's last write of `s` (a bus that does not answer: 503)."""
+        if s.written is None:
+            return
+        with anyio.move_on_after(self.wait_timeout):
+            await s.written.wait()
+            return
+        raise APIError(503, f"session {s.session_id!r}: its previous turn is not stored yet "
+                       f"after {self.wait_timeout:g} s (the bus is not answering); retry",
+                       code=ErrorCode.BUS_UNAVAILABLE)
+
     async def refresh(self, s: Session) -> bool:
         """Read what the bus holds after `s.seq`; True if anything was."""
-        if s.written is not None:  # our own last write first: the bus is read after it
-            await s.written.wait()
+        await self._stored(s)  # our own last write first: the bus is read after it
         s.stale = False
         seq, _ = await self.log.last(s.key)
         if seq == s.seq:
@@ -148,8 +161,7 @@ class SessionStore:
         next turn here waits for that). `planned_on`: `s.changes` when the turn was planned;
         `SessionConflict` if the session moved since (another turn of it came first, or the
         write of the turn it extends failed)."""
-        if s.written is not None:
-            await s.written.wait()
+        await self._stored(s)
         if s.changes != planned_on:
             raise SessionConflict(f"session {s.session_id!r} had another turn while this one "
                                   "was generated; send the turns of one session one at a time")
@@ -178,8 +190,6 @@ class SessionStore:
     async def trajectory(self, session_id: str) -> Trajectory | None:
         s = self.entry(session_id)
         async with s.lock:
-            if s.written is not None:
-                await s.written.wait()
             await self.refresh(s)
             return s.fold.trajectory() if s.fold.turns else None
 
@@ -188,8 +198,6 @@ class SessionStore:
         no-op."""
         s = self.entry(session_id)
         async with s.lock:
-            if s.written is not None:
-                await s.written.wait()
             await self.refresh(s)
             if not s.fold.turns:
                 return None
