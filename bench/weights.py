@@ -76,7 +76,7 @@ async def nats_floor(url: str, sd: dict[str, torch.Tensor], nbytes: int, rounds:
     from nats.js.api import StorageType, StreamConfig
 
     from rlfabric.bench.floor import READ_WAIT_S
-    from rlfabric.trainer.staging import NATS_CHUNK, NATS_WINDOW
+    from rlfabric.transports.nats import NATS_CHUNK, NATS_WINDOW
 
     buf = bytearray(nbytes)
     off = 0

@@ -16,7 +16,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from rlfabric.bus.errors import NatsAuthFailed, NatsUnavailable
-from rlfabric.bus.sync import Signal
+from rlfabric.concurrency.sync import Signal
 
 log = logging.getLogger("rlfabric.bus")
 

@@ -35,10 +35,10 @@ from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.msg import Msg
 
 from rlfabric.bus.errors import TRANSIENT, DuplicateWorker, MembershipTimeout
-from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
-from rlfabric.bus.sync import Signal, wait_any
+from rlfabric.concurrency.ratelimit import RateLimited
+from rlfabric.concurrency.sync import Signal, wait_any
 from rlfabric.schemas import MembershipSnapshot, SchemaError, WorkerInfo, codec_for, encode
 
 log = logging.getLogger("rlfabric.bus.membership")

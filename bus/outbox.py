@@ -38,7 +38,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from rlfabric.bus.errors import TRANSIENT
 from rlfabric.bus.session import Bus
-from rlfabric.bus.sync import Signal
+from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import TRACEPARENTS_HEADER, encode
 from rlfabric.telemetry import spans
 

@@ -25,7 +25,7 @@ import anyio
 from nats.aio.msg import Msg
 
 from rlfabric.bus.session import Bus
-from rlfabric.bus.sync import Signal, wait_any
+from rlfabric.concurrency.sync import Signal, wait_any
 
 log = logging.getLogger("rlfabric.bus.pull")
 

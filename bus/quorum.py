@@ -37,7 +37,7 @@ from rlfabric.bus.errors import (
 )
 from rlfabric.bus.membership import RECONNECT_SETTLE, MembershipWatcher, fingerprint
 from rlfabric.bus.session import Bus
-from rlfabric.bus.sync import Signal, beside
+from rlfabric.concurrency.sync import Signal, beside
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     STATE_MARK_HEADER,

@@ -53,10 +53,10 @@ from nats.js.errors import NotFoundError
 from opentelemetry.trace import StatusCode
 
 from rlfabric.bus.errors import READ_FAILED, TRANSIENT, CommandFailed
-from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import Subjects, check_token, is_token
-from rlfabric.bus.sync import Signal, wait_any
+from rlfabric.concurrency.ratelimit import RateLimited
+from rlfabric.concurrency.sync import Signal, wait_any
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     SCHEMA_MAJOR,

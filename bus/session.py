@@ -39,9 +39,9 @@ from rlfabric.bus.errors import (
 )
 from rlfabric.bus.provision import Buckets, Limits, bind_buckets, cluster_size, provision
 from rlfabric.bus.puback import PubAcks
-from rlfabric.bus.ratelimit import RateLimited
 from rlfabric.bus.subjects import CHECKPOINT_KEY, STATE_KEY, Subjects
-from rlfabric.bus.sync import beside, wait_any
+from rlfabric.concurrency.ratelimit import RateLimited
+from rlfabric.concurrency.sync import beside, wait_any
 from rlfabric.schemas import (
     STATE_MARK_HEADER,
     CheckpointClaim,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from rlfabric import transports
 from rlfabric.bus import EmbeddedNats
 from rlfabric.cli._common import (
     add_bus_options,
@@ -32,7 +33,6 @@ from rlfabric.cli._common import (
 from rlfabric.cli.up_fleet import ProcessFleet, RayActorFleet
 from rlfabric.engines import registry
 from rlfabric.errors import LaunchError
-from rlfabric.schemas import TRANSPORTS
 
 Fleet = ProcessFleet | RayActorFleet
 
@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="GRPO steps (default 20; 30 with --async, which learns from one-step "
                    "stale samples and needs a few more)")
     p.add_argument("--transport", default="shm",
-                   choices=TRANSPORTS,
+                   choices=transports.names(),
                    help="how weights reach the workers (default %(default)s)")
     p.add_argument("--engine", default="torch", choices=registry.names(trains=True),
                    help="the workers' engine (default %(default)s); vllm serves the tiny64 "

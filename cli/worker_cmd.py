@@ -14,15 +14,16 @@ import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.bus import Bus, NatsUnavailable
-from rlfabric.bus.sync import beside
 from rlfabric.cli._common import (
     add_bus_options,
     add_telemetry_options,
     connect_options,
     start_telemetry,
 )
+from rlfabric.concurrency.sync import beside
 from rlfabric.engines import registry
-from rlfabric.engines.protocol import Engine, EngineDied
+from rlfabric.engines.errors import EngineDied
+from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import RLFabricError
 
 log = logging.getLogger("rlfabric.worker")
@@ -76,7 +77,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 async def _serve(args: argparse.Namespace, engine: Engine, worker_id: str) -> None:
-    from rlfabric.engines.worker import Worker
+    from rlfabric.worker import Worker
 
     async with Bus.connect(connect_options(args, f"rlfabric-worker-{worker_id}"),
                            prefix=args.prefix) as bus:

@@ -9,7 +9,14 @@ from collections.abc import AsyncIterator
 import anyio
 
 from rlfabric.engines import kinds  # noqa: F401  (registers torch, vllm, null)
-from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected, WeightLoadError
+from rlfabric.engines.errors import (
+    EngineDied,
+    EngineError,
+    RequestRejected,
+    Unsupported,
+    WeightLoadError,
+)
+from rlfabric.engines.protocol import Engine
 from rlfabric.engines.registry import EngineKind, make_engine, register
 from rlfabric.schemas import PauseMode
 
@@ -38,5 +45,6 @@ async def running(engine: Engine) -> AsyncIterator[Engine]:
         tg.cancel_scope.cancel()
 
 
-__all__ = ["Engine", "EngineDied", "EngineKind", "PauseMode", "RequestRejected",
-           "WeightLoadError", "checkpoint_dir", "make_engine", "register", "running"]
+__all__ = ["Engine", "EngineDied", "EngineError", "EngineKind", "PauseMode", "RequestRejected",
+           "Unsupported", "WeightLoadError", "checkpoint_dir", "make_engine", "register",
+           "running"]

@@ -23,6 +23,9 @@ class VllmOptions:
     in_process: bool = True  # --no-in-process: vLLM's default 3-process layout
     max_num_seqs: int = 64  # --max-batch (the worker's, shared with torch)
     enforce_eager: bool = True
+    #: the class vLLM mixes into its worker processes: RLFabricWorkerExtension or a subclass
+    #: of it (one that adds RPCs, or instruments loads: tests inject failures this way)
+    worker_extension: str = "rlfabric.engines.vllm.extension.RLFabricWorkerExtension"
 
 
 def _torch(model: str, **options: Any) -> Engine:
@@ -60,6 +63,9 @@ def _vllm_options(p: argparse.ArgumentParser) -> None:
                    default=d["in_process"],
                    help="vLLM's own 3-process layout instead of the model in its EngineCore "
                    "process (slower to start here)")
+    g.add_argument("--worker-extension", default=d["worker_extension"], metavar="CLASS",
+                   help="the class vLLM mixes into its worker processes, as module.Class: "
+                   "rlfabric's own or a subclass of it (default %(default)s)")
 
 
 def _null(model: str, **options: Any) -> Engine:
@@ -77,7 +83,8 @@ VLLM = register(EngineKind(
     add_options=_vllm_options,
     options=lambda a: {"options": VllmOptions(
         max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib, dtype=a.dtype,
-        threads_bind=a.threads_bind, in_process=a.in_process, max_num_seqs=a.max_batch)},
+        threads_bind=a.threads_bind, in_process=a.in_process, max_num_seqs=a.max_batch,
+        worker_extension=a.worker_extension)},
     # vLLM's CPU build takes 64-wide heads only
     default_model="tiny64", up_worker_args=("--kv-cache-gib", "1")))
 NULL = register(EngineKind(

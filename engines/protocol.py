@@ -12,11 +12,11 @@ from typing import Protocol, runtime_checkable
 import anyio
 from anyio.abc import TaskStatus
 
+from rlfabric.engines.errors import EngineDied, RequestRejected, Unsupported, WeightLoadError
 from rlfabric.engines.payload import PackedWeights
 from rlfabric.schemas import (
     InitTransport,
     PauseMode,
-    RLFabricError,
     RolloutRequest,
     RolloutResult,
     TokenDelta,
@@ -29,15 +29,6 @@ from rlfabric.schemas.validation import InvalidRequest, check_request
 TokenSink = Callable[[TokenDelta], None]
 
 
-class RequestRejected(RLFabricError):
-    """Raised by `Engine.check` for a request the engine cannot serve. `code` is the stable
-    `RolloutError.code` (`bad_request`, `prompt_too_long`, ...)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def checked(request: RolloutRequest) -> None:
     """The engine-independent checks (`rlfabric.schemas.validation`), as `RequestRejected`:
     every `Engine.check` starts with it."""
@@ -45,17 +36,6 @@ def checked(request: RolloutRequest) -> None:
         check_request(request)
     except InvalidRequest as exc:
         raise RequestRejected(exc.code, str(exc)) from None
-
-
-class EngineDied(RLFabricError):
-    """Raised out of `Engine.run` when the engine is gone (its process killed or crashed);
-    the message names the cause (vLLM: with the tail of its log). The worker reports it as an
-    `ErrorEvent` (code `engine_died`), leaves membership and exits with status 3."""
-
-
-class WeightLoadError(RLFabricError):
-    """Raised by `Engine.load_weights` when the new weights cannot be applied; the engine
-    keeps serving the previous version."""
 
 
 class RuntimeCollective:
@@ -153,8 +133,7 @@ class Engine(Protocol):
     async def init_transport(self, cmd: InitTransport, rank_offset: int) -> None:
         """(`owns_collective` engines) Join the weight-broadcast group `cmd` describes as
         ranks `rank_offset...` (this worker's offset from rlfabric's handshake) of
-        `cmd.world_size`; raise `CommandFailed` with code `unsupported` at once where the
-        engine cannot, never hang."""
+        `cmd.world_size`; raise `Unsupported` at once where the engine cannot, never hang."""
         ...
 
     async def receive_collective(self, cmd: UpdateWeights) -> None:
@@ -195,5 +174,5 @@ class ServesMany(Protocol):
         ...
 
 
-__all__ = ["Engine", "PauseMode", "RequestRejected", "ServesMany", "TokenSink",
-           "WeightLoadError"]
+__all__ = ["Engine", "EngineDied", "PauseMode", "RequestRejected", "ServesMany", "TokenSink",
+           "Unsupported", "WeightLoadError"]

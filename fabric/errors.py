@@ -18,7 +18,13 @@ from rlfabric.bus.errors import (
     ProvisioningError,
     QuorumNotReached,
 )
-from rlfabric.engines.protocol import EngineDied, RequestRejected, WeightLoadError
+from rlfabric.engines.errors import (
+    EngineDied,
+    EngineError,
+    RequestRejected,
+    Unsupported,
+    WeightLoadError,
+)
 from rlfabric.schemas.errors import (
     MalformedMessage,
     RLFabricError,
@@ -28,6 +34,7 @@ from rlfabric.schemas.errors import (
 from rlfabric.schemas.validation import InvalidRequest
 from rlfabric.tensors.errors import CollectiveTimeout
 from rlfabric.trainer.errors import RolloutFailed, TransportInitFailed, WeightsMismatch
+from rlfabric.transports.protocol import TransportError
 
 
 class LaunchError(RLFabricError):
@@ -41,6 +48,7 @@ __all__ = [
     "CommandFailed",
     "DuplicateWorker",
     "EngineDied",
+    "EngineError",
     "InvalidName",
     "InvalidRequest",
     "LaunchError",
@@ -57,8 +65,10 @@ __all__ = [
     "RequestRejected",
     "RolloutFailed",
     "SchemaError",
+    "TransportError",
     "TransportInitFailed",
     "UnknownSchemaVersion",
+    "Unsupported",
     "WeightLoadError",
     "WeightsMismatch",
 ]

@@ -21,7 +21,7 @@ from anyio.abc import TaskStatus
 
 from rlfabric.bus import Bus, ConnectOptions, MembershipWatcher
 from rlfabric.bus.rollouts import RolloutPlane
-from rlfabric.bus.sync import beside
+from rlfabric.concurrency.sync import beside
 from rlfabric.gateway.app import create_app
 from rlfabric.gateway.service import Gateway, GatewayConfig
 from rlfabric.gateway.sessions import SessionStore

@@ -34,7 +34,7 @@ from rlfabric.bus import Bus, ConnectOptions
 from rlfabric.errors import LaunchError
 
 if TYPE_CHECKING:
-    from rlfabric.engines.worker import Worker
+    from rlfabric.worker import Worker
 
 SERVE_GROUP = "serve"  # the worker runtime: one call, for the actor's life
 PROBE_GROUP = "probe"  # health, describe, drain: never queued behind the engine
@@ -75,8 +75,8 @@ class WorkerActor:
 
     async def serve(self) -> str:
         from rlfabric.engines import registry
-        from rlfabric.engines.worker import Worker
         from rlfabric.telemetry import configure
+        from rlfabric.worker import Worker
 
         self.loop = asyncio.get_running_loop()
         spec = self.spec

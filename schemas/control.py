@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 from typing import Literal, get_args
 
+import msgspec
+
 from rlfabric.schemas._base import Message
 
 # ---- update targets and weight transports -------------------------------------------------
@@ -78,12 +80,19 @@ class CudaIpc(Message, tag_field="kind", tag="cuda_ipc", frozen=True, kw_only=Tr
     tensors: tuple[TensorMeta, ...] = ()
 
 
-Transport = SharedMemory | Filesystem | Nats | Collective | CudaIpc
-#: every transport's `kind` tag, in declaration order
+class External(Message, tag_field="kind", tag="external", frozen=True, kw_only=True):
+    """Tensors moved by a transport registered outside rlfabric (`rlfabric.transports`):
+    the name it was registered under and its own parameters."""
+
+    transport: str
+    params: dict[str, str] = msgspec.field(default_factory=dict)
+    tensors: tuple[TensorMeta, ...] = ()
+
+
+Transport = SharedMemory | Filesystem | Nats | Collective | CudaIpc | External
+#: every locator's `kind` tag, in declaration order (the transports that can be staged are
+#: those registered in `rlfabric.transports`; CudaIpc is declared only)
 TRANSPORT_KINDS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in get_args(Transport))
-#: the transports `FabricClient.update_weights` can stage and send (CudaIpc is declared only:
-#: its sender needs a GPU build)
-TRANSPORTS: tuple[str, ...] = tuple(k for k in TRANSPORT_KINDS if k != "cuda_ipc")
 
 # ---- commands -------------------------------------------------------------------------------
 

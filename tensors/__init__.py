@@ -12,9 +12,8 @@ _WHERE = {
     "CollectiveGroup": "collective",
     "CollectiveTimeout": "errors",
     "build_model": "models",
-    **{name: "packing" for name in ("STABLE_MARKER", "WEIGHTS_FILE", "buffer_size", "checksum",
-                                     "digest", "pack_into", "plan", "shm_file",
-                                     "unpack")},
+    **{name: "packing" for name in ("buffer_size", "checksum", "digest", "pack_buffer",
+                                     "pack_file", "pack_into", "plan", "unpack")},
 }
 
 

@@ -17,17 +17,6 @@ from rlfabric.schemas.control import TensorMeta
 ALIGN = 64
 #: bytes packed and digested at a time: the digest reads a piece while it is still in cache
 PIECE = 1 << 20
-#: filesystem transport: the packed buffer's file name, and the marker written once it is whole
-WEIGHTS_FILE = "weights.bin"
-STABLE_MARKER = "STABLE"
-
-
-def shm_file(name: str) -> str | None:
-    """The file holding POSIX shared-memory segment `name` (Linux keeps segments in
-    /dev/shm), or None where there is none: its bytes can then go in with `pwrite` and be
-    mapped with flags `SharedMemory` does not take, and engines can load from its path."""
-    path = f"/dev/shm/{name}"
-    return path if os.path.exists(path) else None
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -100,6 +89,36 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
+
+
+def pack_buffer(state: Mapping[str, Any], metas: Iterable[TensorMeta], buf: Any) -> str:
+    """Pack `state` into `buf`, which must read zero where no tensor goes (a fresh buffer
+    does), and return the buffer's digest."""
+    view = memoryview(buf).cast("B")
+
+    def put(offset: int, piece: memoryview) -> None:
+        view[offset:offset + len(piece)] = piece
+
+    try:
+        return pack_digest(state, metas, put)
+    finally:
+        view.release()
+
+
+def pack_file(state: Mapping[str, Any], metas: Iterable[TensorMeta], path: str, size: int, *,
+              create: bool, sync: bool) -> str:
+    """Pack `state` into the file at `path` (`size` bytes) with `pwrite` and return the digest:
+    no page of a mapping is faulted in and nothing is zeroed first."""
+    flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
+    fd = os.open(path, flags, 0o666)  # as open(path, "wb"): the umask decides
+    try:
+        os.ftruncate(fd, size)
+        dg = pack_digest(state, metas, lambda offset, piece: pwrite_all(fd, piece, offset))
+        if sync:
+            os.fsync(fd)
+        return dg
+    finally:
+        os.close(fd)
 
 
 def unpack(buf: Any, metas: Iterable[TensorMeta]) -> dict[str, Any]:

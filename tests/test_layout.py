@@ -68,3 +68,30 @@ def test_every_package_folder_is_listed_for_the_wheel() -> None:
                 continue
             found.add(".".join([pkg, *rel]))
     assert found == listed, f"not listed: {sorted(found - listed)}; stale: {sorted(listed - found)}"
+
+
+def _imports(path) -> set[str]:
+    """Every module `path` imports (at any depth of the file: lazy imports count)."""
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_no_engine_module_imports_the_bus() -> None:
+    # engines raise engine errors; the worker runtime (rlfabric.worker) is where bus meets
+    # engine and turns them into acks
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1] / "engines"
+    bad = {str(p.relative_to(root.parent)): sorted(m for m in _imports(p)
+                                                   if m == "rlfabric.bus"
+                                                   or m.startswith("rlfabric.bus."))
+           for p in root.rglob("*.py")}
+    assert {p: m for p, m in bad.items() if m} == {}
+    assert len(bad) >= 10  # the walk found the engines

@@ -7,12 +7,11 @@ other control-only users of `FabricClient` start without it.
 from typing import Any
 
 from rlfabric.bus import QuorumPolicy
-from rlfabric.schemas import TRANSPORTS
 from rlfabric.trainer.client import FabricClient
 from rlfabric.trainer.continuation import continuation, merge
 from rlfabric.trainer.errors import RolloutFailed, TransportInitFailed, WeightsMismatch
 
-_LAZY = {"build_model": "rlfabric.tensors.models", "Staged": "rlfabric.trainer.staging",
+_LAZY = {"build_model": "rlfabric.tensors.models", "Staged": "rlfabric.transports",
          "VllmNcclSync": "rlfabric.trainer.vllm_sync",
          "BusWeightSyncClient": "rlfabric.trainer.vllm_sync"}
 
@@ -26,7 +25,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "TRANSPORTS",
     "BusWeightSyncClient",
     "FabricClient",
     "QuorumPolicy",

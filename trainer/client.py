@@ -31,7 +31,7 @@ from rlfabric.bus import (
 )
 from rlfabric.bus.rollouts import RolloutPlane
 from rlfabric.bus.subjects import check_token
-from rlfabric.bus.sync import beside
+from rlfabric.concurrency.sync import beside
 from rlfabric.schemas import (
     COLLECTIVE_BACKENDS,
     PAUSE_MODES,
@@ -60,8 +60,8 @@ MIN_SPREAD = 8
 MAX_BATCH = 64
 
 if TYPE_CHECKING:  # the weight path imports torch: loaded on the first weight call
-    from rlfabric.trainer.staging import Staged
     from rlfabric.trainer.updates import Verify, WeightUpdates
+    from rlfabric.transports import Staged
 
 
 class FabricClient:

@@ -27,8 +27,8 @@ from typing import Any
 import anyio
 import torch
 
+from rlfabric import transports
 from rlfabric.schemas import (
-    TRANSPORTS,
     PackedI32,
     PauseMode,
     RolloutError,
@@ -68,8 +68,8 @@ class GRPOConfig:
             (self.prompts_per_step >= 1, f"--prompts {self.prompts_per_step}: need >= 1"),
             (self.max_tokens >= 1, f"--max-tokens {self.max_tokens}: need >= 1"),
             (self.lr > 0, f"--lr {self.lr}: must be > 0"),
-            (self.transport in TRANSPORTS,
-             f"--transport {self.transport}: use one of {', '.join(TRANSPORTS)}"),
+            (self.transport in transports.names(),
+             f"--transport {self.transport}: use one of {', '.join(transports.names())}"),
         ]
         for ok, msg in checks:
             if not ok:

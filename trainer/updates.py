@@ -26,7 +26,7 @@ from rlfabric.bus import (
     QuorumPolicy,
     new_cmd_id,
 )
-from rlfabric.bus.sync import beside
+from rlfabric.concurrency.sync import beside
 from rlfabric.schemas import (
     Collective,
     CollectiveBackend,
@@ -39,7 +39,8 @@ from rlfabric.schemas import (
 from rlfabric.tensors import CollectiveGroup, CollectiveTimeout
 from rlfabric.trainer.desired import DesiredStateWriter
 from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
-from rlfabric.trainer.staging import Staged, WeightStager, as_state_dict
+from rlfabric.trainer.staging import WeightStager, as_state_dict
+from rlfabric.transports import Staged
 
 Verify = Literal["sender", "workers", "off"]
 

@@ -27,7 +27,7 @@ import anyio
 import anyio.lowlevel
 
 from rlfabric.bus import QuorumPolicy, new_cmd_id
-from rlfabric.bus.sync import beside
+from rlfabric.concurrency.sync import beside
 from rlfabric.schemas import (
     Collective,
     FanoutReport,

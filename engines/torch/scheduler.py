@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import anyio
 
-from rlfabric.bus.sync import Signal
+from rlfabric.concurrency import Signal
 from rlfabric.engines.torch.sequence import Sequence
 from rlfabric.schemas import PauseMode
 

@@ -31,17 +31,17 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
-from rlfabric.bus import CommandFailed
-from rlfabric.bus.sync import Signal, beside
+from rlfabric.concurrency import Signal, beside
+from rlfabric.engines.errors import (
+    EngineDied,
+    EngineError,
+    RequestRejected,
+    Unsupported,
+    WeightLoadError,
+)
 from rlfabric.engines.kinds import VllmOptions
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import (
-    EngineDied,
-    RequestRejected,
-    TokenSink,
-    WeightLoadError,
-    checked,
-)
+from rlfabric.engines.protocol import TokenSink, checked
 from rlfabric.schemas import (
     Collective,
     ErrorCode,
@@ -61,7 +61,6 @@ from rlfabric.schemas import (
 
 log = logging.getLogger("rlfabric.engines.vllm")
 
-EXTENSION = "rlfabric.engines.vllm.extension.RLFabricWorkerExtension"
 #: vLLM's version name before any update_weight_version call
 _INITIAL = "default"
 
@@ -154,8 +153,7 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(o.kv_cache_gib))))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", o.threads_bind)
         # NOTE: OpenMP threads that sleep when idle instead of spinning 200 ms: the engine
-        # shares its cores with the bus, the worker and often other engines (measured here:
-        # 2 vLLM workers on 2 cores went from 0.24x to 0.78x of one in-process engine)
+        # shares its cores with the bus, the worker and often other engines
         os.environ.setdefault("KMP_BLOCKTIME", "0")
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -165,7 +163,7 @@ class VllmEngine:
             model=self.model, skip_tokenizer_init=True, dtype=o.dtype,
             enforce_eager=o.enforce_eager, max_model_len=o.max_model_len,
             max_num_seqs=o.max_num_seqs, logprobs_mode="raw_logprobs",
-            worker_extension_cls=EXTENSION, disable_log_stats=True,
+            worker_extension_cls=o.worker_extension, disable_log_stats=True,
             enable_sleep_mode=not _on_cpu(), **_weight_transfer_args())
         # NOTE: off the event loop: building the engine blocks for 10-20 s
         self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
@@ -258,7 +256,9 @@ class VllmEngine:
                     if on_tokens is not None:
                         sent = self._delta(request, index, out, sent, on_tokens)
             except Exception as exc:
-                if type(exc).__name__ == "EngineDeadError":  # vLLM's, imported lazily
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                if isinstance(exc, EngineDeadError):
                     raise EngineDied(self._why_dead(exc)) from exc
                 raise
             except anyio.get_cancelled_exc_class():
@@ -407,14 +407,13 @@ class VllmEngine:
     def weights_checksum(self) -> str:
         return self._checksum
 
-    # NOTE: the two methods below are the CUDA path, coded to vLLM's weight-transfer API
-    # (the same module ships in the CPU build, where it cannot run: NCCL needs CUDA) and not
-    # run here: no CUDA build of vLLM could be installed on a GPU machine for this project
+    # NOTE: the two methods below are the CUDA path, coded to vLLM's weight-transfer API;
+    # the same module ships in the CPU build, where NCCL cannot run, so they refuse there
     async def init_transport(self, cmd: InitTransport, rank_offset: int) -> None:
         if cmd.vllm is None:
-            raise CommandFailed(ErrorCode.UNSUPPORTED, _NOT_VLLM_GROUP)
+            raise Unsupported(_NOT_VLLM_GROUP)
         if _on_cpu():
-            raise CommandFailed(ErrorCode.UNSUPPORTED, _NO_COLLECTIVE_CPU)
+            raise Unsupported(_NO_COLLECTIVE_CPU)
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         # NOTE: one rlfabric worker = one vLLM engine; vLLM adds dp_rank * TP * PP +
@@ -428,20 +427,20 @@ class VllmEngine:
         try:
             await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
         except Exception as exc:
-            raise CommandFailed(ErrorCode.GROUP_JOIN_FAILED,
-                                f"vLLM could not join NCCL group epoch "
-                                f"{cmd.group_epoch}: {type(exc).__name__}: {exc}") from exc
+            raise EngineError(f"vLLM could not join NCCL group epoch {cmd.group_epoch}: "
+                              f"{type(exc).__name__}: {exc}",
+                              code=ErrorCode.GROUP_JOIN_FAILED) from exc
         self._nccl_epoch = cmd.group_epoch
 
     async def receive_collective(self, cmd: UpdateWeights) -> None:
         if _on_cpu():
-            raise CommandFailed(ErrorCode.UNSUPPORTED, _NO_COLLECTIVE_CPU)
+            raise Unsupported(_NO_COLLECTIVE_CPU)
         t = cmd.transport
         assert isinstance(t, Collective)  # the worker hands only collective updates here
         if t.group_epoch != self._nccl_epoch or not self._nccl_epoch:
-            raise CommandFailed(ErrorCode.NO_GROUP, f"this vLLM engine is in NCCL group epoch "
-                                f"{self._nccl_epoch or None}, not {t.group_epoch}: "
-                                "init_transport first")
+            raise EngineError(f"this vLLM engine is in NCCL group epoch "
+                              f"{self._nccl_epoch or None}, not {t.group_epoch}: "
+                              "init_transport first", code=ErrorCode.NO_GROUP)
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         info = {"names": [m.name for m in t.tensors],
@@ -459,10 +458,10 @@ class VllmEngine:
             # the received weights are gone with the group: a restart serves the last
             # version this engine holds a copy of (or the checkpoint), and says which
             await self._recover(f"v{cmd.version} over NCCL failed inside vLLM ({exc})")
-            raise CommandFailed(ErrorCode.BROADCAST_FAILED,
-                                f"vLLM did not take v{cmd.version} over "
-                                f"NCCL ({type(exc).__name__}: {exc}); the engine was restarted "
-                                f"and serves v{self._version}") from None
+            raise EngineError(f"vLLM did not take v{cmd.version} over NCCL "
+                              f"({type(exc).__name__}: {exc}); the engine was restarted "
+                              f"and serves v{self._version}",
+                              code=ErrorCode.BROADCAST_FAILED) from None
         finally:
             if frozen_here and self._llm is not None and self._paused is None:
                 await self._llm.resume_generation()
@@ -479,11 +478,10 @@ class VllmEngine:
 
     async def sleep(self, level: int) -> None:
         if _on_cpu():
-            raise CommandFailed(
-                ErrorCode.UNSUPPORTED, f"sleep(level={level}): vLLM's CPU build frees no memory in "
+            raise Unsupported(
+                f"sleep(level={level}): vLLM's CPU build frees no memory in "
                 "sleep mode, so nothing would be released; the engine keeps serving")
-        # NOTE: CUDA path, coded to vLLM's API and not run here (no CUDA vLLM could be
-        # installed): level 1 offloads weights and drops the KV cache, level 2 drops both
+        # level 1 offloads weights and drops the KV cache, level 2 drops both
         await self._llm.sleep(level=level, mode="abort")
 
     async def wake(self, tags: tuple[str, ...] = ()) -> None:

@@ -38,7 +38,7 @@ class RLFabricWorkerExtension:
             state = unpack(mapped, metas)
             worker: Any = self
             items = list(state.items())
-            worker.reload_weights(weights_iterator=_with_fault(items, version),
+            worker.reload_weights(weights_iterator=self.rlfabric_weights(items, version),
                                   is_checkpoint_format=True)
             _refresh_tied_head(worker)
             return len(state)
@@ -49,24 +49,15 @@ class RLFabricWorkerExtension:
             except BufferError:  # a view survived in vLLM: unmapped when it goes
                 pass
 
+    def rlfabric_weights(self, items: list[tuple[str, torch.Tensor]], version: int
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The (name, tensor) pairs vLLM's loader reads for `version`, in order: a subclass
+        may watch or interrupt the load here."""
+        yield from items
+
     def rlfabric_ping(self) -> str:
         """Answers while the worker process is alive and serving RPCs."""
         return "ok"
-
-
-#: fault injection for tests and chaos runs: a comma-separated list of weight versions whose
-#: load fails inside vLLM's loader after half of the tensors were written (a half-loaded model)
-FAULT_ENV = "RLFABRIC_FAULT_VLLM_LOAD"
-
-
-def _with_fault(items: list[tuple[str, torch.Tensor]], version: int
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    faulty = {v.strip() for v in os.environ.get(FAULT_ENV, "").split(",") if v.strip()}
-    for i, item in enumerate(items):
-        if str(version) in faulty and i == len(items) // 2:
-            raise RuntimeError(f"{FAULT_ENV}: injected failure loading v{version} after "
-                               f"{i} of {len(items)} tensors")
-        yield item
 
 
 def _refresh_tied_head(worker: Any) -> None:

@@ -23,7 +23,7 @@ from rlfabric.bus import (
     new_worker_info,
 )
 from rlfabric.bus.receiver import CommandContext
-from rlfabric.bus.sync import Signal
+from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     SCHEMA_HEADER,

@@ -6,40 +6,32 @@ Each failed on the code before its fix (as run); the finding number is in the te
 
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
 import sys
 import time
 
 import anyio
+import helpers
 import pytest
+from helpers import collect
 
 from rlfabric.bus import Bus, new_cmd_id
 from rlfabric.bus.session import STATE_KEY
 from rlfabric.schemas import (
     ErrorEvent,
     RolloutError,
-    RolloutRequest,
     RolloutResult,
-    SamplingParams,
     Shutdown,
     codec_for,
 )
 from rlfabric.schemas.validation import InvalidRequest
 from rlfabric.tensors.models import build_model
 
+req = functools.partial(helpers.req, max_tokens=4)
+
 pytestmark = [pytest.mark.nats, pytest.mark.anyio, pytest.mark.timeout(300)]
-
-
-def req(rid: str, *, prompt=(256, 5, 6), min_version: int = -1, deadline: float = 0.0,
-        **sampling) -> RolloutRequest:
-    return RolloutRequest(request_id=rid, prompt_token_ids=list(prompt),
-                          min_weight_version=min_version, deadline=deadline,
-                          sampling=SamplingParams(**{"max_tokens": 4, **sampling}))
-
-
-async def collect(fabric, reqs, timeout: float = 60) -> list:
-    return [r async for r in fabric.generate(reqs, timeout=timeout)]
 
 
 async def test_2_a_reused_request_id_gets_its_own_result(client, workers) -> None:

@@ -15,8 +15,8 @@ from rlfabric.cli import build_parser, main
 from rlfabric.engines import registry
 from rlfabric.engines.null import NullEngine
 from rlfabric.engines.registry import EngineKind
-from rlfabric.engines.worker import Worker
 from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
+from rlfabric.worker import Worker
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 

@@ -8,17 +8,13 @@ import time
 import anyio
 import pytest
 import torch
+from helpers import req
 
 from rlfabric.engines import make_engine, running
 from rlfabric.engines.torch.sampling import sample
 from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
 
 pytestmark = pytest.mark.anyio
-
-
-def req(rid: str, prompt: list[int], **sampling) -> RolloutRequest:
-    return RolloutRequest(request_id=rid, prompt_token_ids=prompt, min_weight_version=-1,
-                          sampling=SamplingParams(**sampling))
 
 
 def gen(seed: int) -> torch.Generator:

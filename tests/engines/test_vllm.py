@@ -8,6 +8,7 @@ the venv the README's vLLM command builds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import signal
@@ -18,12 +19,14 @@ import uuid
 from collections.abc import Iterator
 
 import anyio
+import helpers
 import numpy as np
 import pytest
 import torch
+from helpers import taken_logprobs
 
 from rlfabric.bus import Limits, QuorumNotReached, QuorumPolicy
-from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
+from rlfabric.schemas import RolloutRequest, RolloutResult
 from rlfabric.tensors.models import build_model
 from rlfabric.tensors.packing import checksum
 from rlfabric.trainer import FabricClient
@@ -36,23 +39,9 @@ pytestmark = [
 ]
 
 MODEL = "tiny64"
+perturbed = functools.partial(helpers.perturbed, model_name=MODEL)
+req = functools.partial(helpers.req, min_version=0)
 EOS = 257
-
-
-def perturbed(seed: int) -> torch.nn.Module:
-    model = build_model(MODEL)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
-
-
-def taken_logprobs(model: torch.nn.Module, prompt: list[int], comp: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([prompt + comp])).logits.float(), -1)[0]
-    idx = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(comp))
-    return logp[idx, torch.tensor(comp)].numpy()
 
 
 def worst_gap(model: torch.nn.Module, reqs: list[RolloutRequest], out: list) -> float:
@@ -60,11 +49,6 @@ def worst_gap(model: torch.nn.Module, reqs: list[RolloutRequest], out: list) -> 
     gaps = [np.abs(taken_logprobs(model, by_id[r.request_id], r.completion_token_ids.tolist())
                    - r.logprobs.numpy()).max() for r in out if len(r.completion_token_ids)]
     return float(max(gaps))
-
-
-def req(rid: str, prompt: list[int], *, min_version: int = 0, **sampling) -> RolloutRequest:
-    return RolloutRequest(request_id=rid, prompt_token_ids=prompt, min_weight_version=min_version,
-                          sampling=SamplingParams(**sampling))
 
 
 class Fleet:
@@ -193,14 +177,16 @@ async def test_corrupted_payload_is_refused_and_the_old_weights_keep_serving(
 
 async def test_load_failing_inside_vllm_restarts_the_engine_on_the_previous_weights(
         nats_url: str) -> None:
-    """A load vLLM's loader gives up on halfway (injected: RLFABRIC_FAULT_VLLM_LOAD) leaves a
-    half-written model: the worker acks the error only once a restarted engine serves the
-    previous version again; requests in flight across it complete, and a later update lands."""
-    from rlfabric.engines.vllm.extension import FAULT_ENV
-
+    """A load vLLM's loader gives up on halfway (injected by a worker extension of this folder's)
+    leaves a half-written model: the worker acks the error only once a restarted engine serves
+    the previous version again; requests in flight across it complete, and a later update
+    lands."""
     v1, v2, v3 = perturbed(21), perturbed(22), perturbed(23)
+    here = os.path.dirname(os.path.abspath(__file__))
     with fleet(nats_url) as f:
-        proc = f.start("fl0", env={FAULT_ENV: "2"})
+        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+        proc = f.start("fl0", "--worker-extension", "failing_vllm_load.FailingLoad",
+                       env={"PYTHONPATH": path})
         async with client(f) as fabric:
             await fabric.wait_for_workers(1, timeout=240)
             await fabric.update_weights(1, module=v1)

@@ -11,21 +11,12 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from helpers import collect, req
 
 from rlfabric.schemas import RolloutError, RolloutRequest, RolloutResult, SamplingParams
 from rlfabric.tensors.models import build_model
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
-
-
-def req(rid: str, prompt: list[int], **sampling) -> RolloutRequest:
-    # min_weight_version=-1: serve the workers' initial weights (no trainer push in these tests)
-    return RolloutRequest(request_id=rid, prompt_token_ids=prompt, min_weight_version=-1,
-                          sampling=SamplingParams(**sampling))
-
-
-async def collect(fabric, requests, timeout: float = 120.0) -> list:
-    return [r async for r in fabric.generate(requests, timeout=timeout)]
 
 
 async def test_logprobs_match_the_models_own_forward_pass(client, workers) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import signal
 import time
@@ -9,22 +10,24 @@ from collections import Counter
 from dataclasses import dataclass
 
 import anyio
+import helpers
 import numpy as np
 import pytest
 import torch
+from helpers import perturbed, taken_logprobs
 
 from rlfabric.bus import MembershipChanged, QuorumNotReached, QuorumPolicy
 from rlfabric.schemas import (
     RolloutReplies,
     RolloutReply,
-    RolloutRequest,
     RolloutResult,
-    SamplingParams,
     codec_for,
 )
 from rlfabric.tensors.models import build_model
 from rlfabric.tensors.packing import checksum
 from rlfabric.trainer import TransportInitFailed
+
+req = functools.partial(helpers.req, min_version=0)
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -62,28 +65,6 @@ ENGINES = [
                 importlib.util.find_spec("vllm") is None,
                 reason="vLLM is not installed here (README, 'vLLM': its CPU build)")]),
 ]
-
-
-def perturbed(seed: int, model_name: str = "tiny") -> torch.nn.Module:
-    """The tiny model with every weight moved: a v1 that differs from v0."""
-    model = build_model(model_name)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
-
-
-def req(rid: str, prompt: list[int], *, min_version: int = 0, **sampling) -> RolloutRequest:
-    return RolloutRequest(request_id=rid, prompt_token_ids=prompt, min_weight_version=min_version,
-                          sampling=SamplingParams(**sampling))
-
-
-def taken_logprobs(model: torch.nn.Module, prompt: list[int], comp: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([prompt + comp])).logits.float(), -1)[0]
-    idx = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(comp))
-    return logp[idx, torch.tensor(comp)].numpy()
 
 
 @pytest.mark.parametrize("transport", ["shm", "filesystem", "nats", "collective"])

@@ -10,7 +10,7 @@ import torch
 
 from rlfabric.tensors.packing import digest, pack_into, plan
 from rlfabric.trainer import FabricClient
-from rlfabric.trainer.staging import Staged
+from rlfabric.transports import Staged
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -40,7 +40,7 @@ async def test_next_version_of_a_layout_packs_into_the_last_buffer(client) -> No
     v0, v1, other = weights(0, 10, 100), weights(1, 10, 100), weights(2, 100, 10)
     assert plan(other)[1] == plan(v1)[1] == 512 and plan(other)[0] != plan(v1)[0]
     async with client() as fabric:
-        stager = fabric.updates.stager
+        stager = fabric.updates.stager.transports.get("nats")
         s0 = await fabric.stage_weights(0, v0, "nats", with_checksum=False)
         assert stager._spare is not None
         kept = stager._spare[1]

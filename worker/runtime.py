@@ -36,10 +36,9 @@ from rlfabric.bus import (
     new_worker_info,
 )
 from rlfabric.bus.subjects import check_token
-from rlfabric.bus.sync import beside
+from rlfabric.concurrency.sync import beside
+from rlfabric.engines.errors import EngineDied, EngineError
 from rlfabric.engines.protocol import Engine
-from rlfabric.engines.worker.rollouts import RolloutServer
-from rlfabric.engines.worker.weights import WeightSync
 from rlfabric.schemas import (
     CheckpointClaim,
     Command,
@@ -59,6 +58,8 @@ from rlfabric.schemas import (
     WorkerInfo,
 )
 from rlfabric.telemetry import instruments, spans
+from rlfabric.worker.rollouts import RolloutServer
+from rlfabric.worker.weights import WeightSync
 
 log = logging.getLogger("rlfabric.worker")
 STATE_WRITE_S = 1.0  # how long a command waits for the worker's state to be written
@@ -181,6 +182,14 @@ class Worker:
 
     # ---- commands: one method per op ----
     async def _handle_command(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
+        try:
+            return await self._dispatch(cmd, ctx)
+        except EngineDied:
+            raise
+        except EngineError as exc:  # the engine said what failed: the ack carries its code
+            raise CommandFailed(exc.code, str(exc)) from exc
+
+    async def _dispatch(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
         match cmd:
             case Pause():
                 return await self._pause(cmd)

@@ -51,9 +51,10 @@ from rlfabric.bus import Bus, Registration
 from rlfabric.bus.errors import TRANSIENT
 from rlfabric.bus.outbox import Outbox
 from rlfabric.bus.pull import Puller
-from rlfabric.bus.ratelimit import RateLimited
-from rlfabric.bus.sync import Signal
-from rlfabric.engines.protocol import Engine, EngineDied, RequestRejected, ServesMany, TokenSink
+from rlfabric.concurrency.ratelimit import RateLimited
+from rlfabric.concurrency.sync import Signal
+from rlfabric.engines.errors import EngineDied, RequestRejected
+from rlfabric.engines.protocol import Engine, ServesMany, TokenSink
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     COUNT_HEADER,

@@ -1,0 +1,160 @@
+"""`nats`: the packed buffer in 4 MiB chunks on `<prefix>.weights.<version>.<i>` in the weights
+stream, so any host can pull it; older versions are purged once a newer one is in place.
+
+Staged by `update_weights`, the chunks are sent while the command is out: each worker's
+consumer reads a chunk as soon as it is stored, so publish and read overlap (the command
+carries the chunk count). The buffer they are packed in is kept once they are stored and the
+next version of the same layout is packed into it: one buffer the size of the weights stays
+with the sender (until `close()`), and an update does not pay for faulting in a fresh one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+
+from rlfabric import tensors
+from rlfabric.bus.errors import TRANSIENT
+from rlfabric.schemas import Nats, TensorMeta
+from rlfabric.transports.protocol import Received, ReceiveJob, Staged, StageJob
+
+if TYPE_CHECKING:
+    from rlfabric.bus import Bus
+
+NATS_CHUNK = 4 * 1024 * 1024
+NATS_WINDOW = 16  # chunks in flight: bounds the client's buffer, keeps the pipe full
+NATS_RETRY_S = 60.0  # a chunk not stored after a reconnect is retried this long, then fails
+
+
+class NatsTransport:
+    name = "nats"
+    help = "chunks in a JetStream stream (any host that reaches the server)"
+    locator = Nats
+    pull = True
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        #: the last buffer whose chunks are all stored, and the layout packed in it
+        self._spare: tuple[tuple[TensorMeta, ...], bytearray] | None = None
+
+    def close(self) -> None:
+        """Drop the kept buffer (the memory goes back at once, not with the client)."""
+        self._spare = None
+
+    async def _pack(self, state: Mapping[str, Any], metas: tuple[TensorMeta, ...],
+                    size: int) -> tuple[bytearray, str]:
+        """Pack into the spare buffer if it holds this very layout (its padding still reads
+        zero, as `pack_buffer` needs), else into a fresh one, made in the packing thread:
+        zeroing it there leaves the event loop free. The spare is taken either way: two
+        stagings never share one."""
+        spare, self._spare = self._spare, None
+        # NOTE: handed over in a box the thread empties: an idle worker thread keeps the
+        # arguments of its last call, which would pin a buffer the next layout replaced
+        box = [spare[1] if spare is not None and spare[0] == metas else None]
+
+        def fill() -> tuple[bytearray, str]:
+            buf = box.pop()
+            if buf is None:
+                buf = bytearray(size)
+            return buf, tensors.pack_buffer(state, metas, buf)
+
+        return await anyio.to_thread.run_sync(fill)
+
+    async def stage(self, job: StageJob) -> Staged:
+        s = self.bus.subjects
+        buf, dg = await self._pack(job.state, job.tensors, job.size)
+        subject = s.weights(job.version)
+        await self._purge(subject)  # a re-send starts clean
+        chunks = -(-job.size // NATS_CHUNK)
+
+        async def send() -> None:
+            await self._send(subject, memoryview(buf), chunks)
+            self._spare = (job.tensors, buf)  # every chunk stored: the next version packs here
+
+        st = Staged(job.version, Nats(stream=s.weights_stream, subject=subject, chunks=chunks,
+                                      chunk_bytes=NATS_CHUNK, tensors=job.tensors),
+                    dg, job.expected_checksum, job.size)
+        st.on_release(lambda: self._purge(subject))
+        if job.send_now:
+            await send()
+        else:
+            st.unsent = send
+        return st
+
+    async def _purge(self, subject: str) -> None:
+        await self.bus.js.purge_stream(self.bus.subjects.weights_stream, subject=f"{subject}.>")
+
+    async def _send(self, subject: str, view: memoryview, chunks: int) -> None:
+        """Every chunk, NATS_WINDOW in flight at a time."""
+
+        async def one(i: int) -> None:
+            # NOTE: no headers: nats-py copies the payload to prepend them. A reconnect or a
+            # lost PubAck: sent again (a chunk stored twice is read once: workers count chunk
+            # indices, not messages)
+            chunk = view[i * NATS_CHUNK:(i + 1) * NATS_CHUNK]
+            try:
+                await self.bus.publish_stored(f"{subject}.{i}", chunk)
+            except TRANSIENT:
+                await self.bus.persist(f"{subject}.{i}", bytes(chunk), {},
+                                       until=time.time() + NATS_RETRY_S)
+
+        async with anyio.create_task_group() as tg:
+            window = anyio.Semaphore(NATS_WINDOW)
+            for i in range(chunks):
+                await window.acquire()
+
+                async def go(i: int = i) -> None:
+                    try:
+                        await one(i)
+                    finally:
+                        window.release()
+
+                tg.start_soon(go)
+
+    @contextlib.asynccontextmanager
+    async def receive(self, locator: Nats, job: ReceiveJob) -> AsyncIterator[Received]:
+        yield Received(await self._read(locator, job.fetch_timeout))
+
+    async def _read(self, t: Nats, timeout: float) -> bytearray:
+        """Every chunk of the version into one buffer (an ordered push consumer:
+        flow-controlled by the server, no pull round trips)."""
+        # zeroed in a thread: on the event loop, a large buffer would stall heartbeats
+        buf = await anyio.to_thread.run_sync(bytearray, tensors.buffer_size(t.tensors))
+        seen = bytearray(t.chunks)  # by chunk index: a chunk the sender stored twice counts once
+        got = 0
+        done = anyio.Event()
+
+        async def on_chunk(m: Msg) -> None:
+            nonlocal got
+            try:
+                i = int(m.subject.rsplit(".", 1)[1])
+            except ValueError:  # not a chunk of ours
+                return
+            if not 0 <= i < t.chunks or seen[i]:
+                return
+            off = i * t.chunk_bytes
+            buf[off:off + len(m.data)] = m.data
+            seen[i] = 1
+            got += 1
+            if got >= t.chunks:
+                done.set()
+
+        # an ordered consumer re-creates itself from the last chunk it got after two missed
+        # idle heartbeats: a broker restart mid-read costs about a second, not the timeout
+        sub = await self.bus.js.subscribe(f"{t.subject}.>", stream=t.stream, cb=on_chunk,
+                                          ordered_consumer=True, idle_heartbeat=0.5,
+                                          deliver_policy=DeliverPolicy.ALL)
+        try:
+            with anyio.fail_after(timeout):
+                await done.wait()
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        return buf

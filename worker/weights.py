@@ -1,0 +1,183 @@
+"""The receiving side of weight updates: open the version with the transport that staged it,
+verify the digest, swap atomically, report.
+
+Pull transports are one phase; a two-phase one (collective) acks `ready` before it enters the
+broadcast, then `done`. A failure at any step leaves the old weights serving and answers with
+an error Ack whose code says which step failed (`fetch_failed`, `digest_mismatch`,
+`load_failed`, `no_group`, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import anyio
+
+from rlfabric.bus import AckFields, Bus, CommandContext, CommandFailed
+from rlfabric.engines.errors import WeightLoadError
+from rlfabric.engines.payload import PackedWeights, payload
+from rlfabric.engines.protocol import Engine
+from rlfabric.schemas import (
+    Collective,
+    DesiredState,
+    ErrorCode,
+    ErrorEvent,
+    InitTransport,
+    Lora,
+    UpdateWeights,
+)
+from rlfabric.telemetry import spans
+from rlfabric.tensors import buffer_size, digest
+from rlfabric.transports import (
+    GroupSlot,
+    Received,
+    ReceiveJob,
+    TransportError,
+    Transports,
+    name_of,
+)
+from rlfabric.transports.collective import join
+
+log = logging.getLogger("rlfabric.worker.weights")
+
+
+class WeightSync:
+    def __init__(self, bus: Bus, engine: Engine, worker_id: str, *,
+                 fetch_timeout: float = 120.0) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.worker_id = worker_id
+        self.fetch_timeout = fetch_timeout
+        self.transports = Transports(bus)
+        self.groups = GroupSlot()
+
+    # ---- join ----
+    async def load_current(self, state: DesiredState) -> None:
+        """At join: serve the fleet's current version if it can be pulled."""
+        cmd = state.locator
+        if cmd is None or cmd.version <= self.engine.version:
+            return
+        if isinstance(cmd.transport, Collective):
+            log.info("%s: v%d was pushed over a collective group; waiting for the next push",
+                     self.worker_id, cmd.version)
+            return
+        try:
+            await self._apply(cmd)
+        except CommandFailed as exc:
+            # e.g. the shm segment of a trainer that died: join anyway, on the weights we
+            # have, say so, and take the next push (requests for v<N> wait for it)
+            why = (f"{self.worker_id} cannot load the fleet's weight version {cmd.version} "
+                   f"({exc.code}: {exc}); it joins on v{self.engine.version} and waits for "
+                   "the next update")
+            log.error("%s", why)
+            await self.bus.emit(ErrorEvent(source=self.worker_id,
+                                           code=ErrorCode.WEIGHTS_UNAVAILABLE, message=why,
+                                           at=time.time()))
+            return
+        log.info("%s: joined on weight version %d", self.worker_id, cmd.version)
+
+    # ---- commands ----
+    async def update(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
+        if isinstance(cmd.target, Lora):
+            raise CommandFailed(ErrorCode.UNSUPPORTED, f"LoRA targets are not supported by the "
+                                f"{self.engine.name} engine")
+        if isinstance(cmd.transport, Collective) and self.engine.owns_collective:
+            await self.engine.receive_collective(cmd)
+            return AckFields(weight_version=self.engine.version)
+        return await self._apply(cmd, ready=ctx.ready)
+
+    async def init_transport(self, cmd: InitTransport, ctx: CommandContext) -> AckFields:
+        if self.worker_id not in cmd.rank_offsets:
+            raise CommandFailed(ErrorCode.NOT_IN_GROUP,
+                                f"{self.worker_id} has no rank in group epoch "
+                                f"{cmd.group_epoch}")
+        rank = cmd.rank_offsets[self.worker_id]
+        detail = {"rank": str(rank), "group_epoch": str(cmd.group_epoch)}
+        if self.engine.owns_collective:
+            await self.engine.init_transport(cmd, rank)
+            return AckFields(detail=detail)
+        if cmd.vllm is not None:
+            raise CommandFailed(ErrorCode.UNSUPPORTED,
+                                f"group epoch {cmd.group_epoch} speaks vLLM's "
+                                f"NCCL weight-transfer protocol, which only vLLM workers "
+                                f"join; {self.worker_id} runs the {self.engine.name} engine: "
+                                "push to it with FabricClient.init_transport/update_weights")
+        if self.groups.group is not None:
+            self.groups.group.close()  # an old group is torn down, never reused
+            self.groups.group = None
+        remaining = cmd.deadline - time.time() if cmd.deadline else 60.0
+        try:
+            self.groups.group = await join(
+                self.worker_id, rank, backend=cmd.backend, master_addr=cmd.master_addr,
+                master_port=cmd.master_port, world_size=cmd.world_size,
+                group_epoch=cmd.group_epoch, timeout=max(1.0, remaining), ready=ctx.ready)
+        except TransportError as exc:
+            raise CommandFailed(exc.code, str(exc)) from exc
+        return AckFields(detail=detail)
+
+    # ---- any transport ----
+    async def _apply(self, cmd: UpdateWeights, ready: Any = None) -> AckFields:
+        t = cmd.transport
+        job = ReceiveJob(worker_id=self.worker_id, version=cmd.version, deadline=cmd.deadline,
+                         fetch_timeout=self.fetch_timeout, ready=ready, groups=self.groups)
+        async with contextlib.AsyncExitStack() as keep:
+            got = await self._open(cmd, job, keep)
+            view = memoryview(got.buffer)[:buffer_size(t.tensors)]
+            with spans.span("verify digest"):
+                dg = await _digest_in_thread(view)
+            if dg != cmd.digest:
+                del view
+                raise CommandFailed(ErrorCode.DIGEST_MISMATCH, f"{self.worker_id}: v{cmd.version} "
+                                    f"payload digest {dg} != {cmd.digest}; old weights kept")
+            try:
+                with payload(view, t.tensors, path=got.path) as weights, \
+                        spans.span("load weights"):
+                    await self._load(weights, cmd)
+            finally:
+                del view  # no view may outlive the buffer
+        return AckFields(weight_version=self.engine.version)
+
+    async def _open(self, cmd: UpdateWeights, job: ReceiveJob,
+                    keep: contextlib.AsyncExitStack) -> Received:
+        """The version's bytes, held open by `keep`; any failure is a CommandFailed."""
+        t = cmd.transport
+        kind = name_of(t)
+        try:
+            transport = self.transports.get(kind)
+        except ValueError as exc:
+            raise CommandFailed(ErrorCode.UNSUPPORTED, f"{self.worker_id} cannot open v"
+                                f"{cmd.version}: {exc}") from exc
+        with spans.span("fetch weights", attributes={"rlfabric.transport": kind}):
+            try:
+                return await keep.enter_async_context(transport.receive(t, job))
+            except TransportError as exc:
+                raise CommandFailed(exc.code, str(exc)) from exc
+            except Exception as exc:
+                raise CommandFailed(ErrorCode.FETCH_FAILED,
+                                    f"{self.worker_id} could not fetch v{cmd.version} over "
+                                    f"{kind}: {exc}") from exc
+
+    async def _load(self, weights: PackedWeights, cmd: UpdateWeights) -> None:
+        why = ""
+        try:
+            await self.engine.load_weights(weights, cmd.version)
+        except (WeightLoadError, ValueError, TypeError, RuntimeError) as exc:
+            why = str(exc)
+        if why:
+            # NOTE: raised outside the except block on purpose: a chained exception would keep
+            # the failed frames, and the tensors viewing a shared buffer in them, alive
+            raise CommandFailed(ErrorCode.LOAD_FAILED,
+                                f"{self.worker_id}: v{cmd.version} not loaded "
+                                f"({why}); still serving v{self.engine.version}")
+        if cmd.reset_prefix_cache:
+            await self.engine.reset_prefix_cache()
+
+
+async def _digest_in_thread(view: memoryview) -> str:
+    # NOTE: an idle anyio worker thread keeps the arguments of its last call alive; a view of
+    # a shared-memory segment held there would keep the segment mapped after close().
+    box = [view]
+    return await anyio.to_thread.run_sync(lambda: digest(box.pop()))
