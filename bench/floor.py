@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import signal
+from typing import Any
 
 import anyio
 import msgspec
@@ -69,85 +70,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 async def _serve(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> None:
-    subs = []
-    if args.pattern == "control":
-        for i in range(args.count):
-            me = f"f{i}".encode()
-
-            async def answer(msg: Msg, me: bytes = me) -> None:
-                await nc.publish((msg.headers or {})[ACK_TO], me)
-
-            subs.append(await nc.subscribe(f"{args.subject}.>", cb=answer))
-    elif args.pattern == "rollout":
-        js = nc.jetstream(publish_async_max_pending=4096)
-        dec = msgspec.msgpack.Decoder(list[FloorRequest])
-        enc = msgspec.msgpack.Encoder()
-        stream = await js.find_stream_name_by_subject(args.subject)
-        # NOTE: one standing pull request, renewed as it ends, not `fetch`: nats-py's fetch
-        # waits out its timeout for a full batch once the first message came, which stalls
-        # lanes that wait for their results (a second at every start from idle)
-        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.FLOOR"
-        inbox = nc.new_inbox()
-        left = 0
-
-        async def ask() -> None:
-            nonlocal left
-            left = PULL_BATCH
-            await nc.publish(next_subject, json.dumps(
-                {"batch": PULL_BATCH, "expires": int(5e9)}).encode(), reply=inbox)
-
-        async def ack_once_stored(fut: asyncio.Future, msg: Msg) -> None:
-            # persisted before the request is acked; no PubAck in time: not acked, the
-            # server delivers the request again after its ack wait
-            with anyio.move_on_after(PUBACK_WAIT_S):
-                await fut
-                await msg.ack()
-
-        async def on_msg(msg: Msg) -> None:
-            nonlocal left
-            status = (msg.headers or {}).get("Status")
-            if status is not None:
-                if status != "100":  # the pull request ended (expired, ...): a new one
-                    await ask()
-                return
-            results = [echo(r) for r in dec.decode(msg.data)]
-            fut = await js.publish_async((msg.headers or {})[REPLY_TO], enc.encode(results))
-            tg.start_soon(ack_once_stored, fut, msg)
-            left -= 1
-            if left == 0:
-                await ask()
-
-        subs.append(await nc.subscribe(inbox, cb=on_msg))
-        await ask()
-    elif args.pattern == "weights":
-        js = nc.jetstream()
-
-        async def read(msg: Msg) -> None:
-            job = json.loads(msg.data)
-            buf = bytearray(job["size"])
-            got = 0
-            done = anyio.Event()
-
-            async def chunk(m: Msg) -> None:
-                nonlocal got
-                off = int(m.subject.rsplit(".", 1)[1]) * job["chunk_bytes"]
-                buf[off:off + len(m.data)] = m.data
-                got += 1
-                if got >= job["chunks"]:
-                    done.set()
-
-            sub = await js.subscribe(f"{job['subject']}.>", stream=job["stream"], cb=chunk,
-                                     ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-            try:
-                with anyio.move_on_after(READ_WAIT_S):
-                    await done.wait()
-            finally:
-                await sub.unsubscribe()
-            await msg.respond(b"done" if done.is_set() else
-                              f"read {got} of {job['chunks']} chunks in {READ_WAIT_S:.0f}s"
-                              .encode())
-
-        subs.append(await nc.subscribe(args.subject, cb=read))
+    serve_pattern = {"control": _control, "rollout": _rollout, "weights": _weights}
+    subs = await serve_pattern[args.pattern](args, nc, tg)
     await nc.flush()
     print(f"floor: {args.pattern} ready", flush=True)
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -155,6 +79,98 @@ async def _serve(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> None
             break
     for sub in subs:
         await sub.unsubscribe()
+
+
+async def _control(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> list[Any]:
+    """`count` responders that each answer every command on its ack subject."""
+    subs = []
+    for i in range(args.count):
+        me = f"f{i}".encode()
+
+        async def answer(msg: Msg, me: bytes = me) -> None:
+            await nc.publish((msg.headers or {})[ACK_TO], me)
+
+        subs.append(await nc.subscribe(f"{args.subject}.>", cb=answer))
+    return subs
+
+
+async def _rollout(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> list[Any]:
+    """A pull consumer that echoes each batch of requests into its reply stream, acking each
+    batch once its results are stored."""
+    js = nc.jetstream(publish_async_max_pending=4096)
+    dec = msgspec.msgpack.Decoder(list[FloorRequest])
+    enc = msgspec.msgpack.Encoder()
+    stream = await js.find_stream_name_by_subject(args.subject)
+    # NOTE: one standing pull request, renewed as it ends, not `fetch`: nats-py's fetch
+    # waits out its timeout for a full batch once the first message came, which stalls
+    # lanes that wait for their results (a second at every start from idle)
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.FLOOR"
+    inbox = nc.new_inbox()
+    left = 0
+
+    async def ask() -> None:
+        nonlocal left
+        left = PULL_BATCH
+        await nc.publish(next_subject, json.dumps(
+            {"batch": PULL_BATCH, "expires": int(5e9)}).encode(), reply=inbox)
+
+    async def ack_once_stored(fut: asyncio.Future, msg: Msg) -> None:
+        # persisted before the request is acked; no PubAck in time: not acked, the
+        # server delivers the request again after its ack wait
+        with anyio.move_on_after(PUBACK_WAIT_S):
+            await fut
+            await msg.ack()
+
+    async def on_msg(msg: Msg) -> None:
+        nonlocal left
+        status = (msg.headers or {}).get("Status")
+        if status is not None:
+            if status != "100":  # the pull request ended (expired, ...): a new one
+                await ask()
+            return
+        results = [echo(r) for r in dec.decode(msg.data)]
+        fut = await js.publish_async((msg.headers or {})[REPLY_TO], enc.encode(results))
+        tg.start_soon(ack_once_stored, fut, msg)
+        left -= 1
+        if left == 0:
+            await ask()
+
+    subs = [await nc.subscribe(inbox, cb=on_msg)]
+    await ask()
+    return subs
+
+
+async def _weights(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> list[Any]:
+    """For each job on the subject: read every chunk it names from the weights stream into one
+    buffer, then answer."""
+    js = nc.jetstream()
+
+    async def read(msg: Msg) -> None:
+        job = json.loads(msg.data)
+        buf = bytearray(job["size"])
+        got = 0
+        done = anyio.Event()
+
+        async def chunk(m: Msg) -> None:
+            nonlocal got
+            off = int(m.subject.rsplit(".", 1)[1]) * job["chunk_bytes"]
+            buf[off:off + len(m.data)] = m.data
+            got += 1
+            if got >= job["chunks"]:
+                done.set()
+
+        sub = await js.subscribe(f"{job['subject']}.>", stream=job["stream"], cb=chunk,
+                                 ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        try:
+            with anyio.move_on_after(READ_WAIT_S):
+                await done.wait()
+        finally:
+            await sub.unsubscribe()
+        await msg.respond(b"done" if done.is_set() else
+                          f"read {got} of {job['chunks']} chunks in {READ_WAIT_S:.0f}s"
+                          .encode())
+
+    return [await nc.subscribe(args.subject, cb=read)]
 
 
 def main(argv: list[str] | None = None) -> int:

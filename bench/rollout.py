@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -169,75 +170,93 @@ async def fabric_path(engine_kind: str, workers: int, conc: int, torch_threads: 
 
 @contextlib.asynccontextmanager
 async def floor_path(workers: int) -> AsyncIterator[One]:
-    import msgspec
+    """The same rollouts over raw nats-py: requests batched into a JetStream stream, `workers`
+    echo processes (`rlfabric.bench.floor rollout`), results back through a second stream."""
     import nats
-    from nats.aio.msg import Msg
-    from nats.js.api import (
-        AckPolicy,
-        ConsumerConfig,
-        DeliverPolicy,
-        StorageType,
-        StreamConfig,
-    )
 
-    from rlfabric.bench.floor import REPLY_TO, FloorRequest, FloorResult
-
-    enc = msgspec.msgpack.Encoder()
-    dec = msgspec.msgpack.Decoder(list[FloorResult])
     async with EmbeddedNats() as srv:
         nc = await nats.connect(srv.url, name="rlfabric-floor-client")
         try:
             js = nc.jetstream(publish_async_max_pending=4096)
-            for name, subj in (("FLOORREQ", "floor.req"), ("FLOORRES", "floor.res.>")):
-                await js.add_stream(StreamConfig(name=name, subjects=[subj],
-                                                 storage=StorageType.FILE))
-            await js.add_consumer("FLOORREQ", ConsumerConfig(
-                durable_name="FLOOR", ack_policy=AckPolicy.EXPLICIT, max_ack_pending=4096))
-            waiting: dict[str, anyio.Event] = {}
-
-            async def on_results(msg: Msg) -> None:
-                for r in dec.decode(msg.data):
-                    ev = waiting.pop(r.request_id, None)
-                    if ev is not None:
-                        ev.set()
-
-            sub = await js.subscribe("floor.res.c", cb=on_results, ordered_consumer=True,
-                                     deliver_policy=DeliverPolicy.NEW)
-            queue: list[FloorRequest] = []
-            queued = [anyio.Event()]
-
-            async def sender() -> None:
-                while True:
-                    if not queue:
-                        await queued[0].wait()
-                        queued[0] = anyio.Event()
-                        continue
-                    batch = queue[:64]
-                    del queue[:64]
-                    await js.publish_async("floor.req", enc.encode(batch),
-                                           headers={REPLY_TO: "floor.res.c"})
-                    await anyio.lowlevel.checkpoint()
-
-            async def one(req: RolloutRequest) -> int:
-                ev = anyio.Event()
-                waiting[req.request_id] = ev
-                queue.append(FloorRequest(request_id=req.request_id,
-                                          prompt=req.prompt_token_ids.tobytes(),
-                                          max_tokens=req.sampling.max_tokens))
-                queued[0].set()
-                await ev.wait()
-                return req.sampling.max_tokens
-
+            await _floor_streams(js)
             cmds = [["rlfabric.bench.floor", "rollout", "--nats", srv.url, "--subject",
                      "floor.req"] for _ in range(workers)]
-            async with children(cmds, ready="floor: rollout ready"), \
-                    anyio.create_task_group() as tg:
-                tg.start_soon(sender)
+            async with _FloorClient(js) as one, children(cmds, ready="floor: rollout ready"):
                 yield one
-                tg.cancel_scope.cancel()
-            await sub.unsubscribe()
         finally:
             await nc.close()
+
+
+async def _floor_streams(js: Any) -> None:
+    from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
+
+    for name, subj in (("FLOORREQ", "floor.req"), ("FLOORRES", "floor.res.>")):
+        await js.add_stream(StreamConfig(name=name, subjects=[subj], storage=StorageType.FILE))
+    await js.add_consumer("FLOORREQ", ConsumerConfig(
+        durable_name="FLOOR", ack_policy=AckPolicy.EXPLICIT, max_ack_pending=4096))
+
+
+class _FloorClient:
+    """`async with _FloorClient(js) as one`: `one(request)` queues it, a sender publishes
+    queued requests in batches of 64, and it returns once its result is back."""
+
+    def __init__(self, js: Any) -> None:
+        import msgspec
+
+        from rlfabric.bench.floor import FloorResult
+
+        self.js = js
+        self.enc = msgspec.msgpack.Encoder()
+        self.dec = msgspec.msgpack.Decoder(list[FloorResult])
+        self.waiting: dict[str, anyio.Event] = {}
+        self.queue: list[Any] = []
+        self.queued = anyio.Event()
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> One:
+        from nats.js.api import DeliverPolicy
+
+        sub = await self.js.subscribe("floor.res.c", cb=self._on_results,
+                                      ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
+        self._stack.push_async_callback(sub.unsubscribe)
+        tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self._stack.callback(tg.cancel_scope.cancel)
+        tg.start_soon(self._sender)
+        return self.one
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _on_results(self, msg: Any) -> None:
+        for r in self.dec.decode(msg.data):
+            ev = self.waiting.pop(r.request_id, None)
+            if ev is not None:
+                ev.set()
+
+    async def _sender(self) -> None:
+        from rlfabric.bench.floor import REPLY_TO
+
+        while True:
+            if not self.queue:
+                await self.queued.wait()
+                self.queued = anyio.Event()
+                continue
+            batch, self.queue = self.queue[:64], self.queue[64:]
+            await self.js.publish_async("floor.req", self.enc.encode(batch),
+                                        headers={REPLY_TO: "floor.res.c"})
+            await anyio.lowlevel.checkpoint()
+
+    async def one(self, req: RolloutRequest) -> int:
+        from rlfabric.bench.floor import FloorRequest
+
+        ev = anyio.Event()
+        self.waiting[req.request_id] = ev
+        self.queue.append(FloorRequest(request_id=req.request_id,
+                                       prompt=req.prompt_token_ids.tobytes(),
+                                       max_tokens=req.sampling.max_tokens))
+        self.queued.set()
+        await ev.wait()
+        return req.sampling.max_tokens
 
 
 class _Runs:
@@ -276,6 +295,21 @@ async def measure(one: One, n: int, conc: int, max_tokens: int, tag: str) -> dic
         return await run_lanes(requests(n, max_tokens, tag), conc, one)
 
 
+@dataclass(frozen=True)
+class _Load:
+    """One engine's workload: how many requests, how many at once, how long each."""
+
+    eng: str
+    n: int
+    conc: int
+    max_tokens: int
+    rounds: int
+    torch_threads: int  # 0: by fleet size (`threads`)
+
+    def threads(self, k: int) -> int:
+        return self.torch_threads or threads(k)
+
+
 async def run(engines: list[str], sizes: list[int], scale: float, rounds: int = 1,
               trace_dir: str | None = None, torch_threads: int = 0,
               completion: int = 0) -> list[dict[str, Any]]:
@@ -288,63 +322,87 @@ async def run(engines: list[str], sizes: list[int], scale: float, rounds: int = 
     rows = []
     for eng in engines:
         n, conc, default_tokens = WORKLOAD[eng]
-        max_tokens = completion or default_tokens
-        n = max(conc, int(n * scale))
-        base = {"engine": eng, "requests": n, "concurrency": conc, "max_tokens": max_tokens}
-        # NOTE: an in-process vLLM sets environment variables (LD_PRELOAD, ...) that processes
-        # started after it would inherit, and two vLLMs on one CPU machine contend: its direct
-        # path is measured on its own, after every fleet is down
-        inline = eng != "vllm"
-        direct = _Runs()
-        blocks: list[tuple[int, dict[str, _Runs]]] = []
-        async with contextlib.AsyncExitStack() as engine_stack:
-            direct_one = (await engine_stack.enter_async_context(
-                direct_path(eng, torch_threads or threads(1))) if inline else None)
-            if direct_one is not None:
-                await measure(direct_one, 50, conc, max_tokens, "w")
-            for k in sizes:
-                runs: dict[str, _Runs] = {}
-                async with contextlib.AsyncExitStack() as stack:
-                    paths: dict[str, One] = {}
-                    if eng != "vllm":  # the HTTP server serves the engines rlfabric ships
-                        paths["http"] = await stack.enter_async_context(
-                            http_path(eng, k, conc, torch_threads or threads(k)))
-                    paths["rlfabric"] = await stack.enter_async_context(
-                        fabric_path(eng, k, conc, torch_threads or threads(k)))
-                    if eng == "null":  # the transport alone: nothing to compare a model with
-                        paths["nats-py floor"] = await stack.enter_async_context(floor_path(k))
-                    for one in paths.values():
-                        await measure(one, 50, conc, max_tokens, "w")
-                    if direct_one is not None:
-                        paths["direct"] = direct_one
-                    names = list(paths)
-                    for r in range(rounds):
-                        for i in range(len(names)):
-                            name = names[(r + i) % len(names)]
-                            measured = await measure(paths[name], n, conc, max_tokens,
-                                                     f"r{r}.")
-                            (direct if name == "direct" else
-                             runs.setdefault(name, _Runs())).by_round[(k, r)] = measured
-                if trace_dir:  # the rlfabric row again, every span written to a file
-                    runs["rlfabric traced"] = await _traced(
-                        eng, k, n, conc, max_tokens, rounds, trace_dir,
-                        torch_threads or threads(k))
-                blocks.append((k, runs))
-        if not inline:
-            async with direct_path(eng, torch_threads or threads(1)) as one:
-                await measure(one, 50, conc, max_tokens, "w")
-                for r in range(rounds):
-                    direct.by_round[(0, r)] = await measure(one, n, conc, max_tokens, f"r{r}.")
-        one_http = next((block.get("http") for size, block in blocks if size == 1), None)
-        rows.append({**base, "path": "direct", "workers": 1, **direct.row(),
-                     "vs_http": paired(direct, one_http, "results_s"), "vs_direct": 1.0})
-        for k, runs in blocks:
-            for name, path_runs in runs.items():
-                rows.append({**base, "path": name, "workers": k, **path_runs.row(),
-                             "vs_http": paired(path_runs, runs.get("http"), "results_s"),
-                             "vs_direct": paired(path_runs, direct, "tokens_s"),
-                             **({"spans": path_runs.spans} if path_runs.spans is not None
-                                else {})})
+        load = _Load(eng=eng, n=max(conc, int(n * scale)), conc=conc,
+                     max_tokens=completion or default_tokens, rounds=rounds,
+                     torch_threads=torch_threads)
+        direct, blocks = await _engine(load, sizes, trace_dir)
+        rows += _rows(load, direct, blocks)
+    return rows
+
+
+async def _engine(load: _Load, sizes: list[int], trace_dir: str | None
+                  ) -> tuple[_Runs, list[tuple[int, dict[str, _Runs]]]]:
+    """Every fleet size of one engine, and its direct path."""
+    # NOTE: an in-process vLLM sets environment variables (LD_PRELOAD, ...) that processes
+    # started after it would inherit, and two vLLMs on one CPU machine contend: its direct
+    # path is measured on its own, after every fleet is down
+    inline = load.eng != "vllm"
+    direct = _Runs()
+    blocks: list[tuple[int, dict[str, _Runs]]] = []
+    async with contextlib.AsyncExitStack() as engine_stack:
+        direct_one = (await engine_stack.enter_async_context(
+            direct_path(load.eng, load.threads(1))) if inline else None)
+        if direct_one is not None:
+            await measure(direct_one, 50, load.conc, load.max_tokens, "w")
+        for k in sizes:
+            runs = await _block(load, k, direct_one, direct)
+            if trace_dir:  # the rlfabric row again, every span written to a file
+                runs["rlfabric traced"] = await _traced(
+                    load.eng, k, load.n, load.conc, load.max_tokens, load.rounds, trace_dir,
+                    load.threads(k))
+            blocks.append((k, runs))
+    if not inline:
+        async with direct_path(load.eng, load.threads(1)) as one:
+            await measure(one, 50, load.conc, load.max_tokens, "w")
+            for r in range(load.rounds):
+                direct.by_round[(0, r)] = await measure(one, load.n, load.conc,
+                                                        load.max_tokens, f"r{r}.")
+    return direct, blocks
+
+
+async def _block(load: _Load, k: int, direct_one: One | None, direct: _Runs
+                 ) -> dict[str, _Runs]:
+    """Every path at fleet size k, started and warmed, then measured round by round in a
+    rotating order (the direct path's rounds go into `direct`)."""
+    runs: dict[str, _Runs] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        paths: dict[str, One] = {}
+        if load.eng != "vllm":  # the HTTP server serves the engines rlfabric ships
+            paths["http"] = await stack.enter_async_context(
+                http_path(load.eng, k, load.conc, load.threads(k)))
+        paths["rlfabric"] = await stack.enter_async_context(
+            fabric_path(load.eng, k, load.conc, load.threads(k)))
+        if load.eng == "null":  # the transport alone: nothing to compare a model with
+            paths["nats-py floor"] = await stack.enter_async_context(floor_path(k))
+        for one in paths.values():
+            await measure(one, 50, load.conc, load.max_tokens, "w")
+        if direct_one is not None:
+            paths["direct"] = direct_one
+        names = list(paths)
+        for r in range(load.rounds):
+            for i in range(len(names)):
+                name = names[(r + i) % len(names)]
+                measured = await measure(paths[name], load.n, load.conc, load.max_tokens,
+                                         f"r{r}.")
+                (direct if name == "direct" else
+                 runs.setdefault(name, _Runs())).by_round[(k, r)] = measured
+    return runs
+
+
+def _rows(load: _Load, direct: _Runs, blocks: list[tuple[int, dict[str, _Runs]]]
+          ) -> list[dict[str, Any]]:
+    base = {"engine": load.eng, "requests": load.n, "concurrency": load.conc,
+            "max_tokens": load.max_tokens}
+    one_http = next((block.get("http") for size, block in blocks if size == 1), None)
+    rows = [{**base, "path": "direct", "workers": 1, **direct.row(),
+             "vs_http": paired(direct, one_http, "results_s"), "vs_direct": 1.0}]
+    for k, runs in blocks:
+        for name, path_runs in runs.items():
+            rows.append({**base, "path": name, "workers": k, **path_runs.row(),
+                         "vs_http": paired(path_runs, runs.get("http"), "results_s"),
+                         "vs_direct": paired(path_runs, direct, "tokens_s"),
+                         **({"spans": path_runs.spans} if path_runs.spans is not None
+                            else {})})
     return rows
 
 

@@ -58,77 +58,100 @@ class Permissions:
 
 def permissions(role: str, s: Subjects) -> Permissions:
     """What `role` may publish and subscribe to in job `s.prefix`."""
-    p = s.prefix
-    members, state = f"KV_{s.members_bucket}", f"KV_{s.state_bucket}"
-    streams = (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
-               s.sessions_stream, members, state)
-    api = "$JS.API"
-    read = [
-        f"{api}.INFO", f"{api}.STREAM.NAMES",
-        *(f"{api}.STREAM.INFO.{x}" for x in streams),
-        *(f"{api}.CONSUMER.INFO.{x}.>" for x in streams),
-        *(f"{api}.DIRECT.GET.{b}.>" for b in (members, state)),
-        *(f"{api}.DIRECT.GET.{b}" for b in (members, state)),
-        *(f"{api}.STREAM.MSG.GET.{b}" for b in (members, state)),
+    by_role = {"trainer": _trainer, "worker": _worker, "gateway": _gateway,
+               "observer": _observer}
+    if role not in by_role:
+        raise ValueError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+    return by_role[role](s)
+
+
+_API = "$JS.API"
+
+
+def _streams(s: Subjects) -> tuple[str, ...]:
+    return (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
+            s.sessions_stream, f"KV_{s.members_bucket}", f"KV_{s.state_bucket}")
+
+
+def _read(s: Subjects) -> list[str]:
+    """What every role may ask of JetStream: stream and consumer info, bucket reads and
+    watches."""
+    buckets = (f"KV_{s.members_bucket}", f"KV_{s.state_bucket}")
+    return [
+        f"{_API}.INFO", f"{_API}.STREAM.NAMES",
+        *(f"{_API}.STREAM.INFO.{x}" for x in _streams(s)),
+        *(f"{_API}.CONSUMER.INFO.{x}.>" for x in _streams(s)),
+        *(f"{_API}.DIRECT.GET.{b}.>" for b in buckets),
+        *(f"{_API}.DIRECT.GET.{b}" for b in buckets),
+        *(f"{_API}.STREAM.MSG.GET.{b}" for b in buckets),
         # ordered consumers: bucket watches and key listings
-        *(f"{api}.CONSUMER.CREATE.{b}{t}" for b in (members, state) for t in ("", ".>")),
+        *(f"{_API}.CONSUMER.CREATE.{b}{t}" for b in buckets for t in ("", ".>")),
         "$JS.FC.>",
     ]
-    if role == "trainer":
-        return Permissions(
-            publish_allow=(f"{p}.>", f"{api}.>", f"$KV.{s.members_bucket}.>",
-                           f"$KV.{s.state_bucket}.>", "$JS.ACK.>", "$JS.FC.>", "_INBOX.>"),
-            subscribe_allow=(f"{p}.>", "_INBOX.>"),
-        )
-    if role == "worker":
-        ctl, roll, w = s.control_stream, s.rollout_stream, s.weights_stream
-        return Permissions(
-            publish_allow=(
-                *read,
-                *(f"{api}.STREAM.CREATE.{x}" for x in streams),  # whoever comes first
-                f"{api}.STREAM.MSG.GET.{ctl}",  # a gap in the live commands, from the log
-                f"{api}.CONSUMER.CREATE.{roll}.{s.rollout_consumer}.>",
-                f"{api}.CONSUMER.DURABLE.CREATE.{roll}.{s.rollout_consumer}",
-                f"{api}.CONSUMER.MSG.NEXT.{roll}.{s.rollout_consumer}",
-                f"{api}.CONSUMER.CREATE.{w}", f"{api}.CONSUMER.CREATE.{w}.>",
-                f"$JS.ACK.{roll}.>",
-                f"{p}.rollout.result.>", f"{p}.ack.>", f"{p}.events.>",
-                f"{p}.stream.>",  # token deltas of streamed requests
-                f"{p}.worker.*.ping",  # a new worker asks whether its id is taken
-                f"$KV.{s.members_bucket}.>",
-                f"$KV.{s.state_bucket}.{CHECKPOINT_KEY}",  # version 0 with no trainer
-            ),
-            publish_deny=(f"{p}.control.>", f"{p}.live.>",
-                          f"$KV.{s.state_bucket}.{STATE_KEY}",
-                          f"{api}.STREAM.UPDATE.>", f"{api}.STREAM.DELETE.>",
-                          f"{api}.STREAM.PURGE.>", f"{api}.STREAM.MSG.DELETE.>",
-                          f"{api}.CONSUMER.DELETE.{roll}.>"),
-            subscribe_allow=("_INBOX.>", f"{p}.worker.*.ping", f"{p}.live.>"),
-            allow_responses=True,  # ping answers
-        )
-    if role == "gateway":
-        roll, res, ses = s.rollout_stream, s.results_stream, s.sessions_stream
-        return Permissions(
-            publish_allow=(
-                *read,
-                *(f"{api}.STREAM.CREATE.{x}" for x in streams),  # whoever comes first
-                f"{api}.CONSUMER.CREATE.{roll}.{s.rollout_consumer}.>",
-                f"{api}.CONSUMER.DURABLE.CREATE.{roll}.{s.rollout_consumer}",
-                f"{api}.CONSUMER.CREATE.{res}", f"{api}.CONSUMER.CREATE.{res}.>",
-                f"{api}.DIRECT.GET.{ses}", f"{api}.DIRECT.GET.{ses}.>",
-                f"{p}.rollout.request", f"{p}.session.>", f"{p}.events.>",
-            ),
-            publish_deny=(f"{p}.control.>", f"{p}.live.>", f"$KV.{s.state_bucket}.>",
-                          f"$KV.{s.members_bucket}.>", f"{api}.STREAM.UPDATE.>",
-                          f"{api}.STREAM.DELETE.>", f"{api}.STREAM.PURGE.>",
-                          f"{api}.STREAM.MSG.DELETE.>", f"{api}.CONSUMER.DELETE.{roll}.>"),
-            # sessions: the records other gateways append (this one's copy goes stale)
-            subscribe_allow=("_INBOX.>", f"{p}.stream.>", f"{p}.events.>", f"{p}.session.>"),
-        )
-    if role == "observer":
-        return Permissions(publish_allow=tuple(read),
-                           subscribe_allow=("_INBOX.>", f"{p}.events.>"))
-    raise ValueError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+
+
+def _trainer(s: Subjects) -> Permissions:
+    return Permissions(
+        publish_allow=(f"{s.prefix}.>", f"{_API}.>", f"$KV.{s.members_bucket}.>",
+                       f"$KV.{s.state_bucket}.>", "$JS.ACK.>", "$JS.FC.>", "_INBOX.>"),
+        subscribe_allow=(f"{s.prefix}.>", "_INBOX.>"),
+    )
+
+
+def _worker(s: Subjects) -> Permissions:
+    p, api = s.prefix, _API
+    ctl, roll, w = s.control_stream, s.rollout_stream, s.weights_stream
+    return Permissions(
+        publish_allow=(
+            *_read(s),
+            *(f"{api}.STREAM.CREATE.{x}" for x in _streams(s)),  # whoever comes first
+            f"{api}.STREAM.MSG.GET.{ctl}",  # a gap in the live commands, from the log
+            f"{api}.CONSUMER.CREATE.{roll}.{s.rollout_consumer}.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.{roll}.{s.rollout_consumer}",
+            f"{api}.CONSUMER.MSG.NEXT.{roll}.{s.rollout_consumer}",
+            f"{api}.CONSUMER.CREATE.{w}", f"{api}.CONSUMER.CREATE.{w}.>",
+            f"$JS.ACK.{roll}.>",
+            f"{p}.rollout.result.>", f"{p}.ack.>", f"{p}.events.>",
+            f"{p}.stream.>",  # token deltas of streamed requests
+            f"{p}.worker.*.ping",  # a new worker asks whether its id is taken
+            f"$KV.{s.members_bucket}.>",
+            f"$KV.{s.state_bucket}.{CHECKPOINT_KEY}",  # version 0 with no trainer
+        ),
+        publish_deny=(f"{p}.control.>", f"{p}.live.>",
+                      f"$KV.{s.state_bucket}.{STATE_KEY}",
+                      f"{api}.STREAM.UPDATE.>", f"{api}.STREAM.DELETE.>",
+                      f"{api}.STREAM.PURGE.>", f"{api}.STREAM.MSG.DELETE.>",
+                      f"{api}.CONSUMER.DELETE.{roll}.>"),
+        subscribe_allow=("_INBOX.>", f"{p}.worker.*.ping", f"{p}.live.>"),
+        allow_responses=True,  # ping answers
+    )
+
+
+def _gateway(s: Subjects) -> Permissions:
+    p, api = s.prefix, _API
+    roll, res, ses = s.rollout_stream, s.results_stream, s.sessions_stream
+    return Permissions(
+        publish_allow=(
+            *_read(s),
+            *(f"{api}.STREAM.CREATE.{x}" for x in _streams(s)),  # whoever comes first
+            f"{api}.CONSUMER.CREATE.{roll}.{s.rollout_consumer}.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.{roll}.{s.rollout_consumer}",
+            f"{api}.CONSUMER.CREATE.{res}", f"{api}.CONSUMER.CREATE.{res}.>",
+            f"{api}.DIRECT.GET.{ses}", f"{api}.DIRECT.GET.{ses}.>",
+            f"{p}.rollout.request", f"{p}.session.>", f"{p}.events.>",
+        ),
+        publish_deny=(f"{p}.control.>", f"{p}.live.>", f"$KV.{s.state_bucket}.>",
+                      f"$KV.{s.members_bucket}.>", f"{api}.STREAM.UPDATE.>",
+                      f"{api}.STREAM.DELETE.>", f"{api}.STREAM.PURGE.>",
+                      f"{api}.STREAM.MSG.DELETE.>", f"{api}.CONSUMER.DELETE.{roll}.>"),
+        # sessions: the records other gateways append (this one's copy goes stale)
+        subscribe_allow=("_INBOX.>", f"{p}.stream.>", f"{p}.events.>", f"{p}.session.>"),
+    )
+
+
+def _observer(s: Subjects) -> Permissions:
+    return Permissions(publish_allow=tuple(_read(s)),
+                       subscribe_allow=("_INBOX.>", f"{s.prefix}.events.>"))
 
 
 @dataclass(slots=True)

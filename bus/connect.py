@@ -150,6 +150,28 @@ class _ConnLog:
             log.info("nats: reconnected to %s", self.servers)
 
 
+def _not_connected(opts: ConnectOptions, exc: Exception, seen: list[Exception]
+                   ) -> NatsAuthFailed | NatsUnavailable:
+    """What a failed first connect means to the user: refused credentials, or no server."""
+    where = ", ".join(opts.servers)
+    if isinstance(exc, (nats.errors.NoServersError, OSError, TimeoutError)):
+        refusal = next((e for e in reversed(seen) if _is_auth_error(e)), None)
+        if refusal is not None:
+            return NatsAuthFailed(
+                f"NATS at {where} refused this client: authentication failed (the server "
+                f"said: {refusal}); check --nkey / --creds / --token / --user, e.g. the role "
+                "seed `rlfabric nats --auth DIR` wrote")
+        return NatsUnavailable(
+            f"no NATS server answered at {where} within {opts.connect_wait}s "
+            f"({type(exc).__name__}: {str(exc) or 'no servers available'}); start one with "
+            "`rlfabric nats --port 4222` or pass the right --nats URL")
+    if _is_auth_error(exc):  # auth and TLS failures
+        return NatsAuthFailed(f"NATS at {where} refused this client: authentication failed "
+                              f"({exc})")
+    return NatsUnavailable(f"NATS at {where} refused the connection: {exc}; check the "
+                           "credentials / TLS options")
+
+
 async def connect(opts: ConnectOptions | str, *, link: Link | None = None) -> NATS:
     """Open a NATS connection, or raise `NatsUnavailable` naming the URLs tried. `link` (if
     given) follows the connection's state from then on."""
@@ -185,27 +207,8 @@ async def connect(opts: ConnectOptions | str, *, link: Link | None = None) -> NA
             disconnected_cb=conn_log.disconnected,
             reconnected_cb=conn_log.reconnected,
         )
-    except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
-        refusal = next((e for e in reversed(seen) if _is_auth_error(e)), None)
-        if refusal is not None:
-            raise NatsAuthFailed(
-                f"NATS at {', '.join(opts.servers)} refused this client: authentication failed "
-                f"(the server said: {refusal}); check --nkey / --creds / --token / --user, "
-                "e.g. the role seed `rlfabric nats --auth DIR` wrote"
-            ) from exc
-        raise NatsUnavailable(
-            f"no NATS server answered at {', '.join(opts.servers)} within {opts.connect_wait}s "
-            f"({type(exc).__name__}: {str(exc) or 'no servers available'}); start one with "
-            "`rlfabric nats --port 4222` or pass the right --nats URL"
-        ) from exc
-    except nats.errors.Error as exc:  # auth and TLS failures
-        if _is_auth_error(exc):
-            raise NatsAuthFailed(f"NATS at {', '.join(opts.servers)} refused this client: "
-                                 f"authentication failed ({exc})") from exc
-        raise NatsUnavailable(
-            f"NATS at {', '.join(opts.servers)} refused the connection: {exc}; check the "
-            "credentials / TLS options"
-        ) from exc
+    except (nats.errors.NoServersError, OSError, TimeoutError, nats.errors.Error) as exc:
+        raise _not_connected(opts, exc, seen) from exc
     # NOTE: the initial-connect budget above reuses nats-py's reconnect counter; from here on
     # the user's reconnect policy applies.
     nc.options["max_reconnect_attempts"] = opts.max_reconnect_attempts

@@ -245,7 +245,7 @@ class MembershipWatcher:
         """The members bucket's keys as listed now; none if the listing fails (the watch's own
         end mark then stands)."""
         try:
-            return set(await self.bus.member_keys())
+            return set(await self.bus.fleet.member_keys())
         except _REWATCH as exc:
             log.debug("could not list the members bucket's keys: %s", exc)
             return set()
@@ -255,7 +255,7 @@ class MembershipWatcher:
         it answers a ping (a broker restart, not a death; its next heartbeat re-puts it)."""
         link = self.bus.link
         while key in self.members:
-            answer = await self.bus.ping(key, timeout=1.0)
+            answer = await self.bus.fleet.ping(key, timeout=1.0)
             if answer == "alive":
                 return
             if answer == "silent" or link.settled(RECONNECT_SETTLE):

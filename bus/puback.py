@@ -2,10 +2,12 @@
 subscription, and the stream's answer (its PubAck, or its error) resolves that publish's
 future.
 
-nats-py's `publish_async` does the same with more work per publish (a semaphore through
-`asyncio.wait_for`, a token from `os.urandom`, the answer read with `json` and a walk over the
-dataclass's fields), and an error answer never reaches its future: the parser raises out of
-the subscription's callback, so the publisher waits out its timeout.
+Why not nats-py's `publish_async` (checked against nats-py 2.16): an error answer (a stream
+that refuses the message: wrong last sequence, maximum bytes) never reaches its future, since
+`APIError.from_error` raises out of the reply callback instead of returning the error, so the
+publisher waits out its timeout where it must fail at once; and it does more work per publish
+(a semaphore through `asyncio.wait_for`, a token from `os.urandom`, the answer read with `json`
+and a walk over the dataclass's fields).
 """
 
 from __future__ import annotations

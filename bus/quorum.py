@@ -189,7 +189,7 @@ class Fanout:
             in_flight[wid] = in_flight.get(wid, 0) + 1
             try:
                 # the seq tells a worker that missed the live copy to read it from the stream
-                answer = await self.b.bus.ping(wid, timeout=policy.ping_timeout,
+                answer = await self.b.bus.fleet.ping(wid, timeout=policy.ping_timeout,
                                                payload=str(self.cmd.seq).encode())
             finally:
                 in_flight[wid] -= 1
@@ -347,8 +347,8 @@ class Broadcaster:
         retried: list[Exception] = []  # transient failures: a duplicate after one is ours
         data = encode(cmd)
         hdrs = self.bus.headers({CMD_ID_HEADER: cmd.cmd_id, "Nats-Msg-Id": cmd.cmd_id})
-        if self.bus.state_mark is not None:  # a joiner waits for that state (see `Bus`)
-            hdrs[STATE_MARK_HEADER] = self.bus.state_mark
+        if self.bus.state.mark is not None:  # a joiner waits for that state (see `Bus`)
+            hdrs[STATE_MARK_HEADER] = self.bus.state.mark
         ack = await self.bus.persist(s.control(op), data, hdrs, until=cmd.deadline or None,
                                      on_retry=retried.append)
         if ack.duplicate and not retried:

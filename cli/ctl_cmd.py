@@ -81,7 +81,7 @@ async def _repair(args: argparse.Namespace) -> str:
 
     async with Bus.connect(connect_options(args, "rlfabric-ctl"), prefix=args.prefix) as bus:
         if args.op == "reset-state":
-            await bus.put_desired_state(DesiredState())
+            await bus.state.put(DesiredState())
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):
                 await bus.buckets.state.delete(CHECKPOINT_KEY)
             return (f"desired state of job {args.prefix!r} reset to empty, checkpoint claim "

@@ -28,10 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 async def gather(args: argparse.Namespace) -> dict[str, Any]:
     async with Bus.connect(connect_options(args, "rlfabric-status"), prefix=args.prefix,
                            provision_streams=False) as bus:
-        members = await bus.members()
-        depths = await bus.stream_depths()
-        desired = await bus.desired_state()
-        claim = await bus.checkpoint_claim()
+        members = await bus.fleet.members()
+        depths = await bus.fleet.stream_depths()
+        desired = await bus.state.read()
+        claim = await bus.state.checkpoint_claim()
     now = time.time()
     return {
         "nats": args.nats,

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -33,24 +35,30 @@ from rlfabric.cli._common import (
 from rlfabric.cli.up_fleet import ProcessFleet, RayActorFleet
 from rlfabric.engines import registry
 from rlfabric.errors import LaunchError
+from rlfabric.trainer import config
 
 Fleet = ProcessFleet | RayActorFleet
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from rlfabric.telemetry import Telemetry
     from rlfabric.telemetry.report import PhaseRow
+    from rlfabric.trainer import FabricClient
+    from rlfabric.trainer.config import GRPOConfig
+    from rlfabric.trainer.grpo import GRPOTrainer, StepStats
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "up", help="the demo: embedded NATS + N workers + GRPO on a toy task, live",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = config.defaults()
     p.add_argument("--workers", type=int, default=2, help="worker processes (default %(default)s)")
     p.add_argument("--steps", type=int, default=None,
-                   help="GRPO steps (default 20; 30 with --async, which learns from one-step "
-                   "stale samples and needs a few more)")
-    p.add_argument("--transport", default="shm",
-                   choices=transports.names(),
+                   help=f"GRPO steps (default {d['steps']}; {config.ASYNC_STEPS} with --async, "
+                   "which learns from one-step stale samples and needs a few more)")
+    p.add_argument("--transport", default=d["transport"], choices=transports.names(),
                    help="how weights reach the workers (default %(default)s)")
     p.add_argument("--engine", default="torch", choices=registry.names(trains=True),
                    help="the workers' engine (default %(default)s); vllm serves the tiny64 "
@@ -58,12 +66,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--async", dest="async_mode", action="store_true",
                    help="overlap generation of step k+1 with training of step k (one step "
                    "off-policy; keep pauses; version spans)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step (default %(default)s)")
-    p.add_argument("--group-size", type=int, default=8,
+    p.add_argument("--prompts", type=int, default=d["prompts_per_step"],
+                   help="prompts per step (default %(default)s)")
+    p.add_argument("--group-size", type=int, default=d["group_size"],
                    help="samples per prompt (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens per sample (default 8)")
-    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
-    p.add_argument("--threshold", type=float, default=0.8,
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"],
+                   help="tokens per sample (default %(default)s)")
+    p.add_argument("--lr", type=float, default=d["lr"],
+                   help="Adam learning rate (default %(default)s)")
+    p.add_argument("--threshold", type=float, default=d["reward_threshold"],
                    help="final reward needed for exit 0 (default %(default)s)")
     p.add_argument("--out", default="rlfabric-runs",
                    help="folder for the run's plot, summary and worker logs (default %(default)s)")
@@ -123,125 +134,171 @@ async def _wait_workers(fabric, fleet: Fleet | None, n: int, timeout: float = 18
             await changed.wait()
 
 
+@dataclass
+class _Run:
+    """What `up` needs to report a run: the steps it trained, where it ended, and how."""
+
+    args: argparse.Namespace
+    cfg: GRPOConfig
+    mode: str
+    run_dir: Path
+    console: Console
+    history: list[StepStats] = field(default_factory=list)
+    final: int = -1
+    on_final: dict[str, int] = field(default_factory=dict)
+    wall: float = 0.0
+
+
 async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
                 telemetry: Telemetry) -> int:
     from rich.console import Console
-    from rich.live import Live
 
-    from rlfabric.cli import up_view
-    from rlfabric.tensors.models import build_model
-    from rlfabric.trainer import FabricClient
-    from rlfabric.trainer.grpo import GRPOConfig, GRPOTrainer, StepStats
+    from rlfabric.trainer.config import GRPOConfig
 
-    steps = args.steps or (30 if args.async_mode else 20)
-    model = registry.kind(args.engine).default_model
-    cfg = GRPOConfig(steps=steps, prompts_per_step=args.prompts, group_size=args.group_size,
+    cfg = GRPOConfig(steps=args.steps or (config.ASYNC_STEPS if args.async_mode
+                                          else config.defaults()["steps"]),
+                     prompts_per_step=args.prompts, group_size=args.group_size,
                      max_tokens=args.max_tokens, lr=args.lr, transport=args.transport,
                      async_mode=args.async_mode, reward_threshold=args.threshold)
-    console = Console() if sys.stdout.isatty() else Console(width=150)
-    live_ok = console.is_terminal and not args.no_live
-    mode = "async (1 step off-policy)" if args.async_mode else "sync"
+    run = _Run(args=args, cfg=cfg, run_dir=run_dir,
+               mode="async (1 step off-policy)" if args.async_mode else "sync",
+               console=Console() if sys.stdout.isatty() else Console(width=150))
     t_start = time.monotonic()
     async with _server(args.nats) as (url, nats_pid):
         try:
-            prefix = args.prefix
-            if fleet is not None:
-                await anyio.to_thread.run_sync(fleet.start, args.workers, url, prefix,
-                                               args.engine, model, args.trace, args.metrics)
-            console.print(f"rlfabric up: NATS at {url}, {args.workers} workers "
-                          + (f"starting ({fleet.where()})" if fleet is not None
-                             else "joining from elsewhere"))
-            async with FabricClient.connect(connect_options(args, "rlfabric-up", url=url),
-                                            prefix=prefix) as fabric:
-                await _wait_workers(fabric, fleet, args.workers, args.join_timeout)
-                pids = await anyio.to_thread.run_sync(fleet.pids) if fleet is not None else []
-                (run_dir / "pids.json").write_text(json.dumps(
-                    {"up": os.getpid(), "nats": nats_pid, "workers": pids}))
-                torch_model = build_model(model)
-                history: list[StepStats] = []
-
-                def on_step(s: StepStats) -> None:
-                    history.append(s)
-                    if not live_ok:
-                        mm = "-" if s.mismatch is None else f"{s.mismatch:.1e}"
-                        console.print(f"step {s.step + 1}/{cfg.steps}  reward {s.reward:.3f}  "
-                                      f"mismatch {mm}  pause/update/resume "
-                                      f"{s.pause_ms:.1f}/{s.update_ms:.1f}/{s.resume_ms:.1f} ms  "
-                                      f"{s.tokens_per_s:.0f} tokens/s")
-
-                trainer = GRPOTrainer(fabric, torch_model, cfg, on_step=on_step)
-
-                def view():
-                    return up_view.live_view(history, fabric.watcher.snapshot(), steps=cfg.steps,
-                                             mode=mode, transport=cfg.transport,
-                                             status="training")
-
-                if live_ok:
-                    with Live(view(), console=console, refresh_per_second=4) as live:
-                        async with anyio.create_task_group() as tg:
-                            async def refresh() -> None:
-                                while True:
-                                    live.update(view())
-                                    await anyio.sleep(0.25)
-
-                            tg.start_soon(refresh)
-                            await trainer.run()
-                            tg.cancel_scope.cancel()
-                        live.update(view())
-                else:
-                    await trainer.run()
-                final = trainer.version
-                with anyio.move_on_after(10):
-                    await fabric.watcher.wait_until(
-                        lambda s: len(s.members) == args.workers
-                        and all(m.weight_version == final for m in s.members), timeout=10)
-                snap = fabric.watcher.snapshot()
+            await _train(run, url, nats_pid, fleet)
         finally:
             # NOTE: workers first, while the bus is still there for their clean exit
             if fleet is not None:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(fleet.stop)
-    wall = time.monotonic() - t_start
+    run.wall = time.monotonic() - t_start
     telemetry.shutdown()  # this process's spans written, beside the workers' (they exited)
-    on_final = {m.worker_id: m.weight_version for m in snap.members}
-    all_final = len(on_final) == args.workers and all(v == final for v in on_final.values())
-    first, last = history[0].reward, history[-1].reward
-    passed = last >= cfg.reward_threshold and last > first and all_final
-    plot_path = run_dir / "rlfabric-up.png"
-    up_view.plot(history, str(plot_path),
-                 f"rlfabric up: {args.workers} workers, {mode}, {cfg.transport} weights")
-    mismatches = [h.mismatch for h in history if h.mismatch is not None]
-    summary = up_view.summary_json(
-        history, workers=args.workers, mode=mode, transport=cfg.transport,
-        final_version=final, workers_on_final=on_final, all_workers_on_final=all_final,
+    return _report(run)
+
+
+async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None) -> None:
+    """Start the workers, train, and wait (10 s at most) for every one to serve the last
+    version."""
+    from rlfabric.tensors.models import build_model
+    from rlfabric.trainer import FabricClient
+    from rlfabric.trainer.grpo import GRPOTrainer
+
+    args = run.args
+    model = registry.kind(args.engine).default_model
+    if fleet is not None:
+        await anyio.to_thread.run_sync(fleet.start, args.workers, url, args.prefix,
+                                       args.engine, model, args.trace, args.metrics)
+    run.console.print(f"rlfabric up: NATS at {url}, {args.workers} workers "
+                      + (f"starting ({fleet.where()})" if fleet is not None
+                         else "joining from elsewhere"))
+    async with FabricClient.connect(connect_options(args, "rlfabric-up", url=url),
+                                    prefix=args.prefix) as fabric:
+        await _wait_workers(fabric, fleet, args.workers, args.join_timeout)
+        pids = await anyio.to_thread.run_sync(fleet.pids) if fleet is not None else []
+        (run.run_dir / "pids.json").write_text(json.dumps(
+            {"up": os.getpid(), "nats": nats_pid, "workers": pids}))
+        live = run.console.is_terminal and not args.no_live
+        trainer = GRPOTrainer(fabric, build_model(model), run.cfg,
+                              on_step=functools.partial(_on_step, run, live))
+        await _drive(run, trainer, fabric, live)
+        run.final = trainer.version
+        with anyio.move_on_after(10):
+            await fabric.watcher.wait_until(
+                lambda s: len(s.members) == args.workers
+                and all(m.weight_version == run.final for m in s.members), timeout=10)
+        run.on_final = {m.worker_id: m.weight_version for m in fabric.watcher.snapshot().members}
+
+
+def _on_step(run: _Run, live: bool, s: StepStats) -> None:
+    run.history.append(s)
+    if not live:
+        mm = "-" if s.mismatch is None else f"{s.mismatch:.1e}"
+        run.console.print(f"step {s.step + 1}/{run.cfg.steps}  reward {s.reward:.3f}  "
+                          f"mismatch {mm}  pause/update/resume "
+                          f"{s.pause_ms:.1f}/{s.update_ms:.1f}/{s.resume_ms:.1f} ms  "
+                          f"{s.tokens_per_s:.0f} tokens/s")
+
+
+async def _drive(run: _Run, trainer: GRPOTrainer, fabric: FabricClient, live: bool) -> None:
+    """Run the trainer, under the live view when there is a terminal for it."""
+    from rich.live import Live
+
+    from rlfabric.cli import up_view
+
+    if not live:
+        await trainer.run()
+        return
+
+    def view() -> Any:
+        return up_view.live_view(run.history, fabric.watcher.snapshot(), steps=run.cfg.steps,
+                                 mode=run.mode, transport=run.cfg.transport, status="training")
+
+    with Live(view(), console=run.console, refresh_per_second=4) as shown:
+        async with anyio.create_task_group() as tg:
+            async def refresh() -> None:
+                while True:
+                    shown.update(view())
+                    await anyio.sleep(0.25)
+
+            tg.start_soon(refresh)
+            await trainer.run()
+            tg.cancel_scope.cancel()
+        shown.update(view())
+
+
+def _summary(run: _Run) -> dict[str, Any]:
+    from rlfabric.cli import up_view
+
+    h, cfg, args = run.history, run.cfg, run.args
+    all_final = len(run.on_final) == args.workers and all(
+        v == run.final for v in run.on_final.values())
+    first, last = h[0].reward, h[-1].reward
+    plot_path = run.run_dir / "rlfabric-up.png"
+    up_view.plot(h, str(plot_path),
+                 f"rlfabric up: {args.workers} workers, {run.mode}, {cfg.transport} weights")
+    mismatches = [x.mismatch for x in h if x.mismatch is not None]
+    busy = sum(x.wall_s for x in h)
+    return up_view.summary_json(
+        h, workers=args.workers, mode=run.mode, transport=cfg.transport,
+        final_version=run.final, workers_on_final=run.on_final, all_workers_on_final=all_final,
         reward_first=first, reward_last=last, threshold=cfg.reward_threshold,
         mismatch_mean=sum(mismatches) / len(mismatches) if mismatches else None,
         mismatch_max=max(mismatches) if mismatches else None,
-        wall_s=wall, steps_per_s=len(history) / sum(h.wall_s for h in history),
-        tokens_per_s=sum(h.tokens for h in history) / sum(h.wall_s for h in history),
-        passed=passed, plot=str(plot_path))
-    rows, step_ms, n_steps = _breakdown(args.trace, run_dir) if args.trace else ([], 0.0, 0)
+        wall_s=run.wall, steps_per_s=len(h) / busy, tokens_per_s=sum(x.tokens for x in h) / busy,
+        passed=last >= cfg.reward_threshold and last > first and all_final,
+        plot=str(plot_path))
+
+
+def _report(run: _Run) -> int:
+    """Write summary.json (and the trace breakdown), print the verdict; the exit status."""
+    from rlfabric.cli import up_view
+
+    args, console = run.args, run.console
+    summary = _summary(run)
+    rows, step_ms, n_steps = _breakdown(args.trace, run.run_dir) if args.trace else ([], 0.0, 0)
     if args.trace:
         summary["trace"] = args.trace
         summary["breakdown_ms"] = {r.phase: round(r.mean_ms, 3) for r in rows}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(up_view.summary_table(history))
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    console.print(up_view.summary_table(run.history))
     if n_steps:
         console.print(up_view.breakdown_table(rows, step_ms, n_steps, args.trace))
-        console.print(f"the last step's trace, drawn: {run_dir / 'last-step-trace.txt'}")
+        console.print(f"the last step's trace, drawn: {run.run_dir / 'last-step-trace.txt'}")
     elif args.trace:
         console.print(f"no step spans in {args.trace}")
     console.print(
-        f"reward {first:.3f} -> {last:.3f} (threshold {cfg.reward_threshold}); mismatch mean "
-        f"{summary['mismatch_mean']:.1e}, max {summary['mismatch_max']:.1e}; workers on final "
-        f"version {final}: {on_final}; {summary['steps_per_s']:.2f} steps/s, "
-        f"{summary['tokens_per_s']:.0f} tokens/s; {wall:.1f}s in all")
-    console.print(f"plot: {plot_path}\nsummary: {run_dir / 'summary.json'}")
-    console.print("[bold green]PASS[/]" if passed else
+        f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} (threshold "
+        f"{run.cfg.reward_threshold}); mismatch mean {summary['mismatch_mean']:.1e}, max "
+        f"{summary['mismatch_max']:.1e}; workers on final version {run.final}: "
+        f"{run.on_final}; {summary['steps_per_s']:.2f} steps/s, "
+        f"{summary['tokens_per_s']:.0f} tokens/s; {run.wall:.1f}s in all")
+    console.print(f"plot: {summary['plot']}\nsummary: {run.run_dir / 'summary.json'}")
+    console.print("[bold green]PASS[/]" if summary["passed"] else
                   "[bold red]FAIL[/]: reward below threshold or a worker not on the final version")
     if args.json:
         print(json.dumps(summary))
-    return 0 if passed else 1
+    return 0 if summary["passed"] else 1
 
 
 def _breakdown(path: str, run_dir: Path) -> tuple[list[PhaseRow], float, int]:

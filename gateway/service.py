@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,37 +196,11 @@ class Gateway:
     # ---- chat ----
     async def chat(self, req: ChatRequest, *, session_id: str | None, tenant: str = "default",
                    ) -> ChatCompletion | AsyncIterator[bytes]:
-        self._check_model(req.model)
-        self._refuse_unsupported(req)
+        self._check_chat(req)
         conv = conversation.read(req.messages)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "structured output needs constrained "
-                              "sampling, which the workers do not do")
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs={req.top_logprobs}: needs 0 to {MAX_LOGPROBS}",
-                              "top_logprobs")
-        if req.top_logprobs and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if req.stream_options is not None and not req.stream:
-            raise bad_request("stream_options needs stream: true", "stream_options")
         tools = _tools(req.tools)
-        choice = req.tool_choice
-        forced: str | None = None
-        if isinstance(choice, NamedToolChoice):
-            names = {t["function"]["name"] for t in tools or ()}
-            if choice.function.name not in names:
-                raise bad_request(f"tool_choice names {choice.function.name!r}, which is not "
-                                  "among tools", "tool_choice")
-            forced = self.tools.prefill(choice.function.name)
-        elif choice not in (None, "auto", "none", "required"):
-            raise bad_request(f"tool_choice {choice!r}: use auto, none, required or "
-                              "{\"type\": \"function\", \"function\": {\"name\": ...}}",
-                              "tool_choice")
-        elif choice == "required":
-            if not tools:
-                raise bad_request("tool_choice required needs tools", "tool_choice")
-            forced = self.tools.prefill(None)
-        parse = tools is not None and choice != "none"
+        forced = self._forced_call(req.tool_choice, tools)
+        parse = tools is not None and req.tool_choice != "none"
         prefill = self.fmt.encode(forced) if forced else []
         self._check_workers()
         kwargs = req.chat_template_kwargs or {}
@@ -236,20 +210,7 @@ class Gateway:
                         tools=tools, prompt_text=s.prompt_text, prefill=prefill,
                         texts=s.texts, **kwargs)
 
-        if session_id:
-            session = self.store.entry(session_id)
-            async with session.lock:
-                await self.store.open(session)
-                self._check_not_ended(session)
-                p = make_plan(session)
-                # a new segment is declared only against the freshest state
-                if p.reason and not session.new and await self.store.refresh(session):
-                    self._check_not_ended(session)
-                    p = make_plan(session)
-                planned_on = session.changes
-        else:
-            session = self.store.local(f"one-{uuid.uuid4().hex}")
-            p, planned_on = make_plan(session), session.changes
+        session, p, planned_on = await self._planned(session_id, make_plan)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         sp, stops = self._sampling(
@@ -271,6 +232,55 @@ class Gateway:
         finals = await self._generate(turn)
         await self._record(turn, finals)
         return self._chat_response(turn, finals, logprobs=req.logprobs)
+
+    def _check_chat(self, req: ChatRequest) -> None:
+        self._check_model(req.model)
+        self._refuse_unsupported(req)
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", "structured output needs constrained "
+                              "sampling, which the workers do not do")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs={req.top_logprobs}: needs 0 to {MAX_LOGPROBS}",
+                              "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options needs stream: true", "stream_options")
+
+    def _forced_call(self, choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
+        """The text that opens a forced tool call (tool_choice required or named), if any."""
+        if isinstance(choice, NamedToolChoice):
+            names = {t["function"]["name"] for t in tools or ()}
+            if choice.function.name not in names:
+                raise bad_request(f"tool_choice names {choice.function.name!r}, which is not "
+                                  "among tools", "tool_choice")
+            return self.tools.prefill(choice.function.name)
+        if choice not in (None, "auto", "none", "required"):
+            raise bad_request(f"tool_choice {choice!r}: use auto, none, required or "
+                              "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                              "tool_choice")
+        if choice == "required":
+            if not tools:
+                raise bad_request("tool_choice required needs tools", "tool_choice")
+            return self.tools.prefill(None)
+        return None
+
+    async def _planned(self, session_id: str | None, make_plan: Callable[[Session], Plan]
+                       ) -> tuple[Session, Plan, int]:
+        """The session, the turn's plan, and the session state it was planned on."""
+        if not session_id:
+            session = self.store.local(f"one-{uuid.uuid4().hex}")
+            return session, make_plan(session), session.changes
+        session = self.store.entry(session_id)
+        async with session.lock:
+            await self.store.open(session)
+            self._check_not_ended(session)
+            p = make_plan(session)
+            # a new segment is declared only against the freshest state
+            if p.reason and not session.new and await self.store.refresh(session):
+                self._check_not_ended(session)
+                p = make_plan(session)
+            return session, p, session.changes
 
     async def _generate(self, turn: _Turn) -> list[Final]:
         n = turn.request.sampling.n

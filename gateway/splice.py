@@ -82,60 +82,89 @@ def plan(fmt: ChatFormat, fold: SessionFold | None, messages: Sequence[dict[str,
     session). `prompt_text`, if known, is `decode(fold.prompt)`. `prefill` opens the assistant
     turn after the generation prompt (not sampled). `texts` caches the text of returned
     choices (`raw_text`)."""
-    opening = list(prefill)
     returned = fold.returned if fold is not None else {}
-    msgs = _as_sampled(fmt, messages, digests, returned, texts)
+    r = _Render(fmt, _as_sampled(fmt, messages, digests, returned, texts), tools,
+                template_kwargs, list(prefill))
+    last = fold.last if fold is not None else None
+    if fold is None or last is None:
+        return r.fresh("new_session")
+    if tuple(digests) == last.message_digests and last.choices and \
+            last.choices[0].prefill.tolist() == r.opening:
+        return Plan(prompt=list(fold.prompt), added=[], text=prompt_text, resample=True,
+                    branch=-1)
+    branch, why = _branch(messages, digests, last, returned)
+    if why:
+        return r.fresh(why[0], why[1], branch)
+    return _splice(r, fold, last.choices[branch], prompt_text, branch)
 
-    def render(part: Sequence[dict[str, Any]], gen: bool) -> str:
-        return fmt.render(part, tools=tools, add_generation_prompt=gen, **template_kwargs)
 
-    def fresh(reason: str, detail: str = "", branch: int = -1) -> Plan:
-        text = render(msgs, True)
-        ids = fmt.encode(text) + opening
+class _Render:
+    """The conversation as the template renders it (with its tools and options), and the
+    tokens that open the assistant turn."""
+
+    def __init__(self, fmt: ChatFormat, msgs: list[dict[str, Any]],
+                 tools: Sequence[Mapping[str, Any]] | None, kwargs: dict[str, Any],
+                 opening: list[int]) -> None:
+        self.fmt, self.msgs, self.tools, self.kwargs = fmt, msgs, tools, kwargs
+        self.opening = opening
+
+    def text(self) -> str:
+        return self.fmt.render(self.msgs, tools=self.tools, add_generation_prompt=True,
+                               **self.kwargs)
+
+    def fresh(self, reason: str, detail: str = "", branch: int = -1) -> Plan:
+        """A new segment: the whole conversation tokenized from its render."""
+        text = self.text()
+        ids = self.fmt.encode(text) + self.opening
         return Plan(prompt=ids, added=ids, text=text, reason=reason, detail=detail,
                     branch=branch)
 
-    last = fold.last if fold is not None else None
-    if fold is None or last is None:
-        return fresh("new_session")
+
+def _branch(messages: Sequence[dict[str, Any]], digests: Sequence[str], last: Any,
+            returned: Mapping[str, TurnChoice]) -> tuple[int, tuple[str, str] | None]:
+    """Which of the previous turn's choices the messages extend, or why they extend none:
+    (branch, None) or (branch or -1, (reason, detail))."""
     before = last.message_digests
     k = len(before)
-    if tuple(digests) == before and last.choices and \
-            last.choices[0].prefill.tolist() == opening:
-        return Plan(prompt=list(fold.prompt), added=[], text=prompt_text, resample=True,
-                    branch=-1)
     if tuple(digests[:k]) != before:
         at = next((i for i, (a, b) in enumerate(zip(digests, before, strict=False)) if a != b),
                   min(len(digests), k))
-        return fresh("messages_not_extended",
-                     f"message {at} differs from the previous request's (of {k})")
+        return -1, ("messages_not_extended",
+                    f"message {at} differs from the previous request's (of {k})")
     if len(digests) <= k or messages[k]["role"] != "assistant":
-        return fresh("assistant_not_sampled", f"message {k} is not the assistant's reply "
-                     "to the previous request")
+        return -1, ("assistant_not_sampled", f"message {k} is not the assistant's reply to "
+                    "the previous request")
     branch = next((i for i, c in enumerate(last.choices) if c.message_digest == digests[k]), -1)
     if branch < 0:
-        return fresh("assistant_not_sampled", f"message {k} (assistant) is none of the "
-                     f"{len(last.choices)} choices this session returned")
+        return -1, ("assistant_not_sampled", f"message {k} (assistant) is none of the "
+                    f"{len(last.choices)} choices this session returned")
     for i in range(k + 1, len(messages)):  # a reply the agent wrote among the new messages
         if messages[i]["role"] == "assistant" and digests[i] not in returned:
-            return fresh("assistant_not_sampled", f"message {i} (assistant) is none this "
-                         "session returned", branch)
-    choice = last.choices[branch]
+            return branch, ("assistant_not_sampled", f"message {i} (assistant) is none this "
+                            "session returned")
+    return branch, None
+
+
+def _splice(r: _Render, fold: SessionFold, choice: TurnChoice, prompt_text: str | None,
+            branch: int) -> Plan:
+    """The previous prompt + the sampled ids + the tokens of the render after them, checked
+    against the full render."""
+    fmt, k = r.fmt, len(fold.last.message_digests) if fold.last is not None else 0
     sampled = choice.completion_token_ids.tolist()
     opened = choice.prefill.tolist()
     before_opening = fold.prompt[:len(fold.prompt) - len(opened)]
     t0 = prompt_text if prompt_text is not None and not opened else fmt.decode(before_opening)
     c = fmt.decode(opened + sampled)
-    t = render(msgs, True)
+    t = r.text()
     if not t.startswith(t0):
-        return fresh("template_rewrote_history", "the history up to the previous prompt "
-                     "renders differently now", branch)
+        return r.fresh("template_rewrote_history", "the history up to the previous prompt "
+                       "renders differently now", branch)
     if not t.startswith(c, len(t0)):
-        return fresh("template_rewrote_history", f"message {k} (assistant) renders "
-                     "differently from the text the model sampled", branch)
+        return r.fresh("template_rewrote_history", f"message {k} (assistant) renders "
+                       "differently from the text the model sampled", branch)
     rest = fmt.encode(t[len(t0) + len(c):])
     prompt = fold.prompt + sampled + rest
     if fmt.decode(prompt) != t:  # the whole turn against the template's full render
-        return fresh("template_rewrote_history", "the spliced tokens do not decode to the "
-                     "template's render", branch)
-    return Plan(prompt=prompt + opening, added=rest + opening, text=t, branch=branch)
+        return r.fresh("template_rewrote_history", "the spliced tokens do not decode to the "
+                       "template's render", branch)
+    return Plan(prompt=prompt + r.opening, added=rest + r.opening, text=t, branch=branch)

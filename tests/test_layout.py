@@ -95,3 +95,25 @@ def test_no_engine_module_imports_the_bus() -> None:
            for p in root.rglob("*.py")}
     assert {p: m for p, m in bad.items() if m} == {}
     assert len(bad) >= 10  # the walk found the engines
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_library_function_is_over_60_lines() -> None:
+    # a longer one mixes concerns: split it along them (docstring and comments count)
+    import ast
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).parents[1]
+    dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    long = []
+    for folder in dirs["package-dir"].values():
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    n = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n})")
+    assert long == [], "functions over 60 lines:\n" + "\n".join(long)

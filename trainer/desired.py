@@ -26,12 +26,12 @@ class DesiredStateWriter:
 
     async def load(self) -> DesiredState:
         """Start from what the bucket holds (a restarted trainer resumes its fleet's state)."""
-        self.state = await self.bus.desired_state()
+        self.state = await self.bus.state.read()
         return self.state
 
     async def write(self, **changes: Any) -> DesiredState:
         self.state = msgspec.structs.replace(self.state, updated_at=time.time(), **changes)
-        await self.bus.put_desired_state(self.state)
+        await self.bus.state.put(self.state)
         return self.state
 
     @contextlib.asynccontextmanager
@@ -43,11 +43,11 @@ class DesiredStateWriter:
         before = self.state
         self.state = msgspec.structs.replace(before, updated_at=time.time(), **changes)
         try:
-            async with self.bus.desired_state_written(self.state):
+            async with self.bus.state.written(self.state):
                 yield self.state
         except Exception:
             if rollback:
                 self.state = before
                 with anyio.CancelScope(shield=True):
-                    await self.bus.put_desired_state(before)
+                    await self.bus.state.put(before)
             raise

@@ -27,7 +27,6 @@ from typing import Any
 import anyio
 import torch
 
-from rlfabric import transports
 from rlfabric.schemas import (
     PackedI32,
     PauseMode,
@@ -39,41 +38,9 @@ from rlfabric.schemas import (
 from rlfabric.telemetry import spans
 from rlfabric.trainer.buffer import RolloutBuffer, sample_version
 from rlfabric.trainer.client import FabricClient
+from rlfabric.trainer.config import GRPOConfig
 from rlfabric.trainer.errors import RolloutFailed
 from rlfabric.trainer.task import LetterTask
-
-
-@dataclass(kw_only=True, slots=True)
-class GRPOConfig:
-    """Knobs of the reference loop; each error names the `rlfabric up` flag to change."""
-
-    steps: int = 20
-    prompts_per_step: int = 16
-    group_size: int = 8
-    max_tokens: int = 8
-    lr: float = 1e-2
-    temperature: float = 1.0
-    clip_eps: float = 0.2
-    transport: str = "shm"
-    async_mode: bool = False
-    max_staleness: int = 1
-    reward_threshold: float = 0.8
-    request_timeout: float = 120.0
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.steps >= 1, f"--steps {self.steps}: need at least 1 step"),
-            (self.group_size >= 2, f"--group-size {self.group_size}: GRPO needs >= 2 samples "
-                                   "per prompt to normalise within a group"),
-            (self.prompts_per_step >= 1, f"--prompts {self.prompts_per_step}: need >= 1"),
-            (self.max_tokens >= 1, f"--max-tokens {self.max_tokens}: need >= 1"),
-            (self.lr > 0, f"--lr {self.lr}: must be > 0"),
-            (self.transport in transports.names(),
-             f"--transport {self.transport}: use one of {', '.join(transports.names())}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -197,7 +164,7 @@ class GRPOTrainer:
             loss_terms.append(-torch.minimum(ratio * a, clipped * a).mean())
         loss = torch.stack(loss_terms).mean()
         self.opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         self.opt.step()
         return (*reward, sum(mismatch) / len(mismatch) if mismatch else None)
 
@@ -253,7 +220,7 @@ class GRPOTrainer:
         await self.push_initial()
         pending: dict[int, Any] = {}
         async with anyio.create_task_group() as tg:
-            async def gen_into(step: int, box: dict) -> None:
+            async def gen_into(step: int, box: dict[str, Any]) -> None:
                 with spans.within(box["span"]):
                     box["out"] = await self._generate(step)
                 box["done"].set()

@@ -47,8 +47,10 @@ class FilesystemTransport:
             os.makedirs(path, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(path, STABLE_MARKER))
-            return tensors.pack_file(job.state, job.tensors, os.path.join(path, WEIGHTS_FILE),
-                                     job.size, create=True, sync=True)
+            dg: str = tensors.pack_file(job.state, job.tensors,
+                                        os.path.join(path, WEIGHTS_FILE), job.size,
+                                        create=True, sync=True)
+            return dg
 
         dg = await anyio.to_thread.run_sync(write)
         st = Staged(job.version, Filesystem(path=path, require_marker=True, tensors=job.tensors),

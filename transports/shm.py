@@ -52,13 +52,15 @@ class SharedMemoryTransport:
 
         def fill() -> str:
             if as_file is not None:
-                return tensors.pack_file(job.state, job.tensors, as_file, max(job.size, 1),
-                                         create=False, sync=False)
+                dg: str = tensors.pack_file(job.state, job.tensors, as_file, max(job.size, 1),
+                                            create=False, sync=False)
+                return dg
             # NOTE: the view is made and dropped inside the thread: an idle worker thread keeps
             # its last arguments, and a view of the segment held there would block its close()
             buf = shm.buf
             assert buf is not None  # a segment we created is mapped
-            return tensors.pack_buffer(job.state, job.tensors, buf[:job.size])
+            packed: str = tensors.pack_buffer(job.state, job.tensors, buf[:job.size])
+            return packed
 
         try:
             dg = await anyio.to_thread.run_sync(fill)

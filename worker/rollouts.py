@@ -104,8 +104,27 @@ class _Many:
 
     left: dict[str, int]
     posted: dict[str, int]
+    request_done: Callable[[], None]  # a request's every sample stored (or never to come)
     errors: dict[str, BaseException] = field(default_factory=dict)
     settled: anyio.Event = field(default_factory=anyio.Event)
+
+    def settle(self, rid: str, samples: int = 1) -> None:
+        if rid not in self.left:  # an engine that yields a sample twice: nothing left
+            return
+        self.left[rid] -= samples
+        if self.left[rid] == 0:
+            del self.left[rid]
+            self.request_done()
+            if not self.left:
+                self.settled.set()
+
+    def stored(self, rid: str) -> Callable[[BaseException | None], None]:
+        """The outbox's callback for one of `rid`'s results."""
+        def on_done(error: BaseException | None) -> None:
+            if error is not None:
+                self.errors.setdefault(rid, error)
+            self.settle(rid)
+        return on_done
 
 
 class RolloutServer:
@@ -398,31 +417,34 @@ class RolloutServer:
 
     async def _generate_many(self, d: _Delivery,
                              todo: dict[str, tuple[RolloutRequest, str]]) -> None:
-        assert self._many is not None
         many = _Many(left={rid: req.sampling.n for rid, (req, _) in todo.items()},
-                     posted=dict.fromkeys(todo, 0))
+                     posted=dict.fromkeys(todo, 0), request_done=self._request_done)
+        failed = await self._post_many(d, todo, many)
+        # samples that will not come (generation ended early) settle now
+        for rid, (req, _) in todo.items():
+            if many.posted[rid] < req.sampling.n:
+                if failed is not None:
+                    many.errors.setdefault(rid, failed)
+                many.settle(rid, req.sampling.n - many.posted[rid])
+        if many.left:
+            await many.settled.wait()
+        self.served += sum(1 for rid, (req, _) in todo.items()
+                           if many.posted[rid] == req.sampling.n and rid not in many.errors)
+        for rid, err in many.errors.items():
+            if isinstance(err, _HAND_BACK):
+                d.back = max(d.back or 0.0, 0.25)
+            else:
+                await self._reply_error(d.msg, todo[rid][0], ErrorCode.ENGINE_ERROR,
+                                        f"{type(err).__name__}: {err}", retryable=True)
 
-        def settle(rid: str, samples: int = 1) -> None:
-            if rid not in many.left:  # an engine that yields a sample twice: nothing left
-                return
-            many.left[rid] -= samples
-            if many.left[rid] == 0:
-                del many.left[rid]
-                self._request_done()
-                if not many.left:
-                    many.settled.set()
-
-        def stored(rid: str) -> Callable[[BaseException | None], None]:
-            def on_done(error: BaseException | None) -> None:
-                if error is not None:
-                    many.errors.setdefault(rid, error)
-                settle(rid)
-            return on_done
-
+    async def _post_many(self, d: _Delivery, todo: dict[str, tuple[RolloutRequest, str]],
+                         many: _Many) -> Exception | None:
+        """Generate the message's requests in one call, posting each result as it comes; the
+        error that stopped generation, if it was the requests' (else handed back)."""
+        assert self._many is not None
         attempt = d.msg.metadata.num_delivered or 1
         tokens = instruments.current.tokens
         who = {spans.WORKER_ID: self.worker_id}
-        failed: Exception | None = None
         try:
             results = self._many.generate_many(
                 [req for req, _ in todo.values()], worker_id=self.worker_id,
@@ -437,29 +459,14 @@ class RolloutServer:
                     # past its deadline + a margin nobody waits for a result: stop retrying
                     self.outbox.post(subject, [(res, _result_id(req, res.sample_index))],
                                      until=req.deadline + 10.0 if req.deadline else None,
-                                     on_done=stored(req.request_id))
+                                     on_done=many.stored(req.request_id))
         except _HAND_BACK as exc:  # not the requests' fault: the message goes back
             log.debug("%d requests handed back: %r", len(todo), exc)
             d.back = max(d.back or 0.0, 0.25)
         except Exception as exc:  # never let one message take the worker down
             log.exception("requests %s failed", ", ".join(todo))
-            failed = exc
-        # samples that will not come (generation ended early) settle now
-        for rid, (req, _) in todo.items():
-            if many.posted[rid] < req.sampling.n:
-                if failed is not None:
-                    many.errors.setdefault(rid, failed)
-                settle(rid, req.sampling.n - many.posted[rid])
-        if many.left:
-            await many.settled.wait()
-        self.served += sum(1 for rid, (req, _) in todo.items()
-                           if many.posted[rid] == req.sampling.n and rid not in many.errors)
-        for rid, err in many.errors.items():
-            if isinstance(err, _HAND_BACK):
-                d.back = max(d.back or 0.0, 0.25)
-            else:
-                await self._reply_error(d.msg, todo[rid][0], ErrorCode.ENGINE_ERROR,
-                                        f"{type(err).__name__}: {err}", retryable=True)
+            return exc
+        return None
 
     async def _finish(self, d: _Delivery) -> None:
         """Every request of the message answered: ack it; or, if one must be served again
@@ -541,7 +548,7 @@ class RolloutServer:
         while, backing off, so the requests behind it are served meanwhile. If no update to
         it was ever sent, a request without a deadline fails now (nothing would ever serve
         it); one with a deadline waits for it until then."""
-        desired = await self.bus.desired_state()
+        desired = await self.bus.state.read()
         want = req.min_weight_version
         if desired.weight_version < want and not req.deadline:
             await self._reply_error(

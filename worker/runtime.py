@@ -99,7 +99,7 @@ class Worker:
             await tg.start(self._run_engine)
             await tg.start(self.receiver.run)
             # no older than the last command the receiver will not apply
-            desired = await self.bus.desired_state_after(self.receiver.start_end)
+            desired = await self.bus.state.after(self.receiver.start_end)
             await self.weights.load_current(desired)  # never serve a stale version
             if desired.locator is None and self.engine.version < 0:
                 await self._serve_checkpoint(desired)
@@ -125,7 +125,7 @@ class Worker:
         self.reg.update(checkpoint=checksum)
         if desired.weight_version > 0:  # a version was pushed over a collective: wait for it
             return
-        held = await self.bus.claim_checkpoint(CheckpointClaim(
+        held = await self.bus.state.claim_checkpoint(CheckpointClaim(
             model=self.engine.model, checksum=checksum, worker_id=self.worker_id,
             at=time.time()))
         if held.checksum == checksum:

@@ -14,6 +14,7 @@ import inspect
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -151,69 +152,115 @@ class ModelRunner:
         return out, out[self._cache_kw]
 
     def _decode(self, batch: list[Sequence]) -> None:
-        dev = self.device
+        """Prefill, then one step per token: sample, postprocess (append, emit, finish),
+        schedule (drop finished rows), run the next forward pass."""
+        step = self._prefill(batch)
+        while step.rows:
+            if not self._boundary():
+                return
+            keep, nxt = self._postprocess(step, self._sample(step))
+            if not keep:
+                return
+            self._schedule(step, keep)
+            self._run(step, nxt)
+
+    def _prefill(self, batch: list[Sequence]) -> _Step:
         t0 = time.monotonic()
         for s in batch:
             s.t_started = t0
         width = max(len(s.prompt) for s in batch)
         ids = torch.tensor([[self.pad_id] * (width - len(s.prompt)) + s.prompt for s in batch],
-                           device=dev)
+                           device=self.device)
         mask = torch.tensor([[0] * (width - len(s.prompt)) + [1] * len(s.prompt) for s in batch],
-                            device=dev)
+                            device=self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        rows = list(batch)
         with self._step_lock:
             out, cache = self._forward(ids, mask, pos, DynamicCache())
             version = self.version
-        while rows:
-            if not self._boundary():
-                return
-            logits = out.logits[:, -1, :]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            toks = sample(logits, [s.request.sampling for s in rows], [s.generator for s in rows])
-            taken = logp.gather(1, toks[:, None])[:, 0].tolist()
-            k_max = max(s.request.sampling.logprobs for s in rows)
-            top = torch.topk(logp, k_max) if k_max else None
-            top_ids = top.indices.tolist() if top is not None else []
-            top_lps = top.values.tolist() if top is not None else []
-            keep, nxt = [], []
-            for r, (seq, tok) in enumerate(zip(rows, toks.tolist(), strict=True)):
-                if seq.cancelled:
-                    seq.finish = "abort"
-                    continue
-                seq.append(tok, taken[r], version)
-                k = seq.request.sampling.logprobs
-                if k:
-                    seq.top_ids.append(top_ids[r][:k])
-                    seq.top_lps.append(top_lps[r][:k])
-                if seq.emit is not None:
-                    seq.emit_delta()
-                if tok in seq.stop_ids:
-                    seq.finish = "stop"
-                elif (len(seq.tokens) >= seq.request.sampling.max_tokens
-                      or len(seq.prompt) + len(seq.tokens) >= self.context_len):
-                    seq.finish = "length"
-                else:
-                    keep.append(r)
-                    nxt.append(tok)
-            if not keep:
-                return
-            if len(keep) < len(rows):
-                idx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(idx)
-                mask, pos = mask[idx], pos[idx]
-                rows = [rows[r] for r in keep]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            pos = pos[:, -1:] + 1
-            with self._step_lock:
-                if self.version != version:
-                    # new weights landed between two steps (a keep pause and an update): the
-                    # cache holds keys and values of the old ones; recompute it, never reuse it
-                    full = torch.tensor([[self.pad_id] * (width - len(s.prompt)) + s.prompt
-                                         + s.tokens for s in rows], device=dev)
-                    out, cache = self._forward(full, mask, (mask.cumsum(-1) - 1).clamp(min=0),
-                                               DynamicCache())
-                else:
-                    out, cache = self._forward(torch.tensor(nxt, device=dev)[:, None], mask,
-                                               pos, cache)
-                version = self.version
+        return _Step(rows=list(batch), width=width, mask=mask, pos=pos, cache=cache, out=out,
+                     version=version)
+
+    def _sample(self, step: _Step) -> _Sampled:
+        logits = step.out.logits[:, -1, :]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        toks = sample(logits, [s.request.sampling for s in step.rows],
+                      [s.generator for s in step.rows])
+        taken = logp.gather(1, toks[:, None])[:, 0].tolist()
+        k_max = max(s.request.sampling.logprobs for s in step.rows)
+        top = torch.topk(logp, k_max) if k_max else None
+        return _Sampled(tokens=toks.tolist(), taken=taken,
+                        top_ids=top.indices.tolist() if top is not None else [],
+                        top_lps=top.values.tolist() if top is not None else [])
+
+    def _postprocess(self, step: _Step, got: _Sampled) -> tuple[list[int], list[int]]:
+        """Each row's token appended (and streamed); the rows that go on, and their tokens."""
+        keep, nxt = [], []
+        for r, (seq, tok) in enumerate(zip(step.rows, got.tokens, strict=True)):
+            if seq.cancelled:
+                seq.finish = "abort"
+                continue
+            seq.append(tok, got.taken[r], step.version)
+            k = seq.request.sampling.logprobs
+            if k:
+                seq.top_ids.append(got.top_ids[r][:k])
+                seq.top_lps.append(got.top_lps[r][:k])
+            if seq.emit is not None:
+                seq.emit_delta()
+            if tok in seq.stop_ids:
+                seq.finish = "stop"
+            elif (len(seq.tokens) >= seq.request.sampling.max_tokens
+                  or len(seq.prompt) + len(seq.tokens) >= self.context_len):
+                seq.finish = "length"
+            else:
+                keep.append(r)
+                nxt.append(tok)
+        return keep, nxt
+
+    def _schedule(self, step: _Step, keep: list[int]) -> None:
+        """Narrow the batch (cache, mask, positions) to the rows that go on; one more slot."""
+        if len(keep) < len(step.rows):
+            idx = torch.tensor(keep, device=self.device)
+            step.cache.batch_select_indices(idx)
+            step.mask, step.pos = step.mask[idx], step.pos[idx]
+            step.rows = [step.rows[r] for r in keep]
+        step.mask = torch.cat([step.mask, torch.ones_like(step.mask[:, :1])], dim=1)
+        step.pos = step.pos[:, -1:] + 1
+
+    def _run(self, step: _Step, nxt: list[int]) -> None:
+        with self._step_lock:
+            if self.version != step.version:
+                # new weights landed between two steps (a keep pause and an update): the
+                # cache holds keys and values of the old ones; recompute it, never reuse it
+                full = torch.tensor([[self.pad_id] * (step.width - len(s.prompt)) + s.prompt
+                                     + s.tokens for s in step.rows], device=self.device)
+                step.out, step.cache = self._forward(
+                    full, step.mask, (step.mask.cumsum(-1) - 1).clamp(min=0), DynamicCache())
+            else:
+                step.out, step.cache = self._forward(
+                    torch.tensor(nxt, device=self.device)[:, None], step.mask, step.pos,
+                    step.cache)
+            step.version = self.version
+
+
+@dataclass
+class _Step:
+    """A batch between two decode steps: its rows, attention mask, positions, KV cache, the
+    last forward pass's output, and the weight version that computed them."""
+
+    rows: list[Sequence]
+    width: int
+    mask: torch.Tensor
+    pos: torch.Tensor
+    cache: DynamicCache
+    out: Any
+    version: int
+
+
+@dataclass
+class _Sampled:
+    """One step's sampled token per row, its logprob, and the top-k where asked for."""
+
+    tokens: list[int]
+    taken: list[float]
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_lps: list[list[float]] = field(default_factory=list)

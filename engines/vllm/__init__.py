@@ -9,6 +9,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         f"--engine vllm needs vLLM ({exc}): on a CUDA machine `pip install 'rlfabric[vllm]'`; "
         "on a CPU machine install its CPU build as the README's vLLM section shows") from exc
 
-from rlfabric.engines.vllm.engine import VllmEngine, VllmOptions
+from rlfabric.engines.kinds import VllmOptions
+from rlfabric.engines.vllm.engine import VllmEngine
 
 __all__ = ["VllmEngine", "VllmOptions"]

@@ -99,8 +99,8 @@ async def test_role_permissions_as_the_server_enforces_them(auth_server, prefix,
             assert "permissions violation" in str(refused.value).lower()
             assert time.monotonic() - t0 < 3  # at once, not at a timeout
             with pytest.raises(PermissionDenied, match=re.escape(f"{prefix}_state")):
-                await bus.put_desired_state(DesiredState(weight_version=99))
-            assert (await bus.desired_state()).weight_version == 0  # read, unchanged
+                await bus.state.put(DesiredState(weight_version=99))
+            assert (await bus.state.read()).weight_version == 0  # read, unchanged
 
     # the observer role: status works
     status = subprocess.run(

@@ -19,24 +19,24 @@ pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 async def test_a_desired_state_write_is_stored_when_its_block_ends(nats_url, prefix):
     async with Bus.connect(nats_url, prefix=prefix) as bus:
         # the connection's first write: stored before the body (a refusal shows at once)
-        async with bus.desired_state_written(DesiredState(weight_version=1)):
-            assert (await bus.desired_state()).weight_version == 1
+        async with bus.state.written(DesiredState(weight_version=1)):
+            assert (await bus.state.read()).weight_version == 1
         # later ones: sent before the body, their PubAck awaited after it
         for version in (2, 3, 4):
-            async with bus.desired_state_written(DesiredState(weight_version=version)):
+            async with bus.state.written(DesiredState(weight_version=version)):
                 pass
-            assert (await bus.desired_state()).weight_version == version
+            assert (await bus.state.read()).weight_version == version
         assert not bus.link.pending_acks
 
         class Failed(Exception):
             pass
 
         with pytest.raises(Failed):
-            async with bus.desired_state_written(DesiredState(weight_version=5)):
+            async with bus.state.written(DesiredState(weight_version=5)):
                 raise Failed
         assert not bus.link.pending_acks  # nothing waits on the abandoned PubAck
-        await bus.put_desired_state(DesiredState(weight_version=4))  # a writer's rollback
-        assert (await bus.desired_state()).weight_version == 4
+        await bus.state.put(DesiredState(weight_version=4))  # a writer's rollback
+        assert (await bus.state.read()).weight_version == 4
 
 
 async def test_a_command_names_the_state_write_sent_before_it(nats_url, prefix):
@@ -47,9 +47,9 @@ async def test_a_command_names_the_state_write_sent_before_it(nats_url, prefix):
         await client.resume()
         bus = client.bus
         stored = await bus.js.get_msg(bus.subjects.control_stream, seq=2)
-        state = await bus.desired_state()
+        state = await bus.state.read()
         assert not state.paused and state.serial == 2  # resume's write, the second
-        assert stored.headers[STATE_MARK_HEADER] == f"{state.writer}.2" == bus.state_mark
+        assert stored.headers[STATE_MARK_HEADER] == f"{state.writer}.2" == bus.state.mark
 
 
 async def test_a_joiner_waits_for_a_state_write_stored_after_its_command(nats_url, prefix):
@@ -57,18 +57,18 @@ async def test_a_joiner_waits_for_a_state_write_stored_after_its_command(nats_ur
     # the write is held back until the joiner has read the state once
     async with Bus.connect(nats_url, prefix=prefix) as trainer, \
             Bus.connect(nats_url, prefix=prefix) as joiner:
-        await trainer.put_desired_state(DesiredState(paused=False))  # write 1, stored
-        held = trainer._state_put(DesiredState(paused=True))  # write 2, not sent yet
+        await trainer.state.put(DesiredState(paused=False))  # write 1, stored
+        held = trainer.state._prepared(DesiredState(paused=True))  # write 2, not sent yet
         cmd = Pause(cmd_id=new_cmd_id(), mode="wait")
         ack = await trainer.persist(trainer.subjects.control("pause"), encode(cmd),
                                     trainer.headers({CMD_ID_HEADER: cmd.cmd_id,
-                                                     STATE_MARK_HEADER: trainer.state_mark}))
+                                                     STATE_MARK_HEADER: trainer.state.mark}))
         # what the join read before: the state from before the command it will not apply
-        assert not (await joiner.desired_state()).paused
+        assert not (await joiner.state.read()).paused
 
         reads = 0
         read_once = anyio.Event()
-        plain = joiner.desired_state
+        plain = joiner.state.read
 
         async def counted() -> DesiredState:
             nonlocal reads
@@ -77,12 +77,12 @@ async def test_a_joiner_waits_for_a_state_write_stored_after_its_command(nats_ur
             read_once.set()
             return state
 
-        joiner.desired_state = counted  # type: ignore[method-assign]
+        joiner.state.read = counted  # type: ignore[method-assign]
         got: list[DesiredState] = []
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 async def join() -> None:
-                    got.append(await joiner.desired_state_after(ack.seq))
+                    got.append(await joiner.state.after(ack.seq))
 
                 tg.start_soon(join)
                 await read_once.wait()  # it read write 1 ...
@@ -91,12 +91,12 @@ async def test_a_joiner_waits_for_a_state_write_stored_after_its_command(nats_ur
         assert reads >= 2
 
         # a write that never lands: the joiner goes on after its wait, with what is there
-        trainer._state_put(DesiredState(paused=False))  # write 3, never sent
+        trainer.state._prepared(DesiredState(paused=False))  # write 3, never sent
         cmd = Pause(cmd_id=new_cmd_id(), mode="wait")
         ack = await trainer.persist(trainer.subjects.control("pause"), encode(cmd),
                                     trainer.headers({CMD_ID_HEADER: cmd.cmd_id,
-                                                     STATE_MARK_HEADER: trainer.state_mark}))
-        joiner.desired_state = plain  # type: ignore[method-assign]
+                                                     STATE_MARK_HEADER: trainer.state.mark}))
+        joiner.state.read = plain  # type: ignore[method-assign]
         t0 = time.monotonic()
-        state = await joiner.desired_state_after(ack.seq, wait=0.3)
+        state = await joiner.state.after(ack.seq, wait=0.3)
         assert state.serial == 2 and time.monotonic() - t0 >= 0.3

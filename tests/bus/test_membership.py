@@ -25,17 +25,17 @@ async def test_join_heartbeat_update_and_clean_leave(fabric) -> None:
             assert snap.members[0].capacity == 4 and snap.members[0].state == "starting"
             reg.update(state="ready", weight_version=3)
             await reg.flush()
-            info = (await bus.members())["w1"]
+            info = (await bus.fleet.members())["w1"]
             assert info.state == "ready" and info.weight_version == 3
-            assert await bus.ping("w1") == "alive"
+            assert await bus.fleet.ping("w1") == "alive"
             epoch_before_beats = watcher.snapshot().epoch
             await anyio.sleep(reg.heartbeat * 2.5)  # heartbeats land; they are not joins
             assert watcher.snapshot().epoch == epoch_before_beats
             tg.cancel_scope.cancel()  # a clean exit deletes the key
         snap = await watcher.wait_until(lambda s: s.worker_ids == (), timeout=5)
         assert snap.epoch == e0 + 2
-        assert await bus.members() == {}
-        assert await bus.ping("w1") == "dead"
+        assert await bus.fleet.members() == {}
+        assert await bus.fleet.ping("w1") == "dead"
 
 
 async def test_sigkilled_worker_expires_at_ttl_and_ping_says_dead_at_once(fabric, sims) -> None:
@@ -48,7 +48,7 @@ async def test_sigkilled_worker_expires_at_ttl_and_ping_says_dead_at_once(fabric
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         t0 = time.monotonic()
-        assert await bus.ping("k1") == "dead"
+        assert await bus.fleet.ping("k1") == "dead"
         assert time.monotonic() - t0 < 0.5
         await watcher.wait_until(lambda s: s.worker_ids == (), timeout=5)  # expiry marker
 
@@ -105,7 +105,7 @@ async def test_members_and_a_new_watcher_list_every_member_while_they_heartbeat(
         async with Bus.connect(nats_url, prefix=prefix, provision_streams=False) as reader:
             missed = []
             for n in range(300):
-                listed = sorted(await reader.members())
+                listed = sorted(await reader.fleet.members())
                 if listed != ids:
                     missed.append(("members()", n, listed))
             for n in range(150):

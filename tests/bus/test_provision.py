@@ -41,7 +41,7 @@ async def test_two_prefixes_do_not_share_anything(nats_url: str) -> None:
         assert a.subjects.control_stream == "JOBA_CONTROL"
         assert b.subjects.control_stream == "JOBB_CONTROL"
         await a.buckets.members.put("w", b"x")
-        assert await b.members() == {}
+        assert await b.fleet.members() == {}
 
 
 def test_bad_prefix_is_refused() -> None:

@@ -18,7 +18,7 @@ import pytest
 from helpers import collect
 
 from rlfabric.bus import Bus, new_cmd_id
-from rlfabric.bus.session import STATE_KEY
+from rlfabric.bus.subjects import STATE_KEY
 from rlfabric.schemas import (
     ErrorEvent,
     RolloutError,
@@ -124,9 +124,9 @@ async def test_5_garbage_in_both_buckets_is_skipped_and_repairable(
                              "--prefix", prefix, *op], capture_output=True, text=True, timeout=60)
         assert rc.returncode == 0, rc.stderr
     async with Bus.connect(nats_url, prefix=prefix) as bus:
-        assert "junk" not in await bus.members()
+        assert "junk" not in await bus.fleet.members()
         state = await bus.buckets.state.get(STATE_KEY)
-        assert state.value and (await bus.desired_state()).weight_version == -1
+        assert state.value and (await bus.state.read()).weight_version == -1
 
 
 async def test_6_late_joiner_after_the_shm_trainer_died_joins_and_waits_for_a_push(

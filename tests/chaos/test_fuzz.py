@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from rlfabric.bus import Bus
 from rlfabric.bus.server import DEFAULT_MAX_PAYLOAD
-from rlfabric.bus.session import STATE_KEY
+from rlfabric.bus.subjects import STATE_KEY
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     SCHEMA_HEADER,
@@ -172,4 +172,4 @@ async def test_fuzz_every_subject_and_bucket_then_serve(nats_url, prefix, worker
     assert status.returncode == 0, status.stderr
     assert "z0" in status.stdout and "z1" in status.stdout, status.stdout
     async with Bus.connect(nats_url, prefix=prefix) as bus:
-        assert {"z0", "z1"} <= set(await bus.members())
+        assert {"z0", "z1"} <= set(await bus.fleet.members())

@@ -53,7 +53,7 @@ def test_first_request_is_served_from_the_checkpoint_with_no_weight_push(fleet, 
 
     async def state() -> tuple[Any, Any]:
         async with Bus.connect(fleet.nats, prefix=fleet.prefix) as bus:
-            return await bus.desired_state(), await bus.checkpoint_claim()
+            return await bus.state.read(), await bus.state.checkpoint_claim()
 
     desired, claim = anyio.run(state)
     assert desired.locator is None and desired.weight_version == -1  # nobody pushed

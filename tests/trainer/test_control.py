@@ -83,7 +83,7 @@ async def test_update_reaches_every_worker_and_results_use_it(client, workers, t
         snap = await fabric.watcher.wait_until(
             lambda s: all(m.weight_version == 1 for m in s.members), timeout=10)
         assert len(snap.members) == 3
-        assert (await fabric.bus.desired_state()).weight_version == 1
+        assert (await fabric.bus.state.read()).weight_version == 1
         reqs = [req(f"r{i}", [256, i, i + 1], min_version=1, max_tokens=12, seed=i)
                 for i in range(12)]
         out = [r async for r in fabric.generate(reqs, timeout=60)]
@@ -262,7 +262,7 @@ async def test_corrupted_or_wrong_payload_keeps_old_weights_and_names_workers(
         with pytest.raises(QuorumNotReached, match=r"c0 \(load_failed.*lm_head.weight") as ei:
             await fabric.update_weights(2, state_dict=bad_shape)
         assert set(ei.value.report.failed) == {"c0", "c1"}
-        assert (await fabric.bus.desired_state()).weight_version == 0
+        assert (await fabric.bus.state.read()).weight_version == 0
         out = [r async for r in fabric.generate(
             [req(f"r{i}", [256, i], max_tokens=10, seed=i) for i in range(6)], timeout=60)]
     for r in out:
@@ -306,7 +306,7 @@ async def test_gloo_init_names_the_worker_that_never_joins_then_a_new_epoch_work
         await fabric.watcher.wait_until(lambda s: s.worker_ids == ("g0", "g1"), timeout=30)
         rep = await fabric.init_transport("gloo", timeout=30.0)
         assert rep.ok == ("g0", "g1")
-        assert (await fabric.bus.desired_state()).group_epoch > first_epoch
+        assert (await fabric.bus.state.read()).group_epoch > first_epoch
         v1 = perturbed(5)
         rep = await fabric.update_weights(1, module=v1, transport="collective")
         assert {a.weights_checksum for a in rep.acks.values()} == {checksum(v1.state_dict())}

@@ -1,0 +1,49 @@
+"""The reference GRPO loop's knobs (no torch here: `rlfabric up --help` reads its defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from rlfabric import transports
+
+#: `steps` when `async_mode` is on and none was given: one-step-stale samples learn slower
+ASYNC_STEPS = 30
+
+
+@dataclass(kw_only=True, slots=True)
+class GRPOConfig:
+    """Knobs of the reference loop; each error names the `rlfabric up` flag to change."""
+
+    steps: int = 20
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_tokens: int = 8
+    lr: float = 1e-2
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    transport: str = "shm"
+    async_mode: bool = False
+    max_staleness: int = 1
+    reward_threshold: float = 0.8
+    request_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.steps >= 1, f"--steps {self.steps}: need at least 1 step"),
+            (self.group_size >= 2, f"--group-size {self.group_size}: GRPO needs >= 2 samples "
+                                   "per prompt to normalise within a group"),
+            (self.prompts_per_step >= 1, f"--prompts {self.prompts_per_step}: need >= 1"),
+            (self.max_tokens >= 1, f"--max-tokens {self.max_tokens}: need >= 1"),
+            (self.lr > 0, f"--lr {self.lr}: must be > 0"),
+            (self.transport in transports.names(),
+             f"--transport {self.transport}: use one of {', '.join(transports.names())}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+def defaults() -> dict[str, Any]:
+    """Each field's default, by name (what the CLI's flags default to)."""
+    return {f.name: f.default for f in fields(GRPOConfig)}
