@@ -15,6 +15,7 @@ from rlfabric.cli._common import (
     connect_options,
     start_telemetry,
 )
+from rlfabric.gateway import config
 from rlfabric.schemas import RLFabricError
 
 _DESCRIPTION = """\
@@ -47,15 +48,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the model the workers serve: a built-in name with a tokenizer "
                    "(tinyqwen) or a local Hugging Face checkpoint dir (its tokenizer.json and "
                    "chat template are used)")
-    p.add_argument("--served-model-name", default="",
+    g, o = config.defaults(config.GatewayConfig), config.defaults(config.ServeOptions)
+    p.add_argument("--served-model-name", default=g["served_name"],
                    help="the name agents send as `model` (default: --model as given)")
-    p.add_argument("--host", default="127.0.0.1",
+    p.add_argument("--host", default=o["host"],
                    help="address to listen on (default %(default)s; 0.0.0.0 for other hosts)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
+    p.add_argument("--port", type=int, default=o["port"], help="HTTP port (default %(default)s)")
     p.add_argument("--chat-template", default=None, metavar="FILE|NAME",
                    help="a Jinja chat template file, or a built-in one (chatml-tools, "
                    "chatml-think), instead of the model's own")
-    p.add_argument("--tool-call-parser", default="qwen", choices=("qwen", "hermes"),
+    p.add_argument("--tool-call-parser", default=g["tool_parser"], choices=("qwen", "hermes"),
                    help="how tool calls are read from the model's output (qwen = hermes: "
                    "<tool_call>{json}</tool_call>; default %(default)s)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -64,18 +66,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="keys to accept, one per line: 'KEY' or 'TENANT KEY' (the tenant names "
                    "the key's requests in metrics, traces and session records)")
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20,
+    p.add_argument("--max-body-bytes", type=int, default=o["max_body_bytes"],
                    help="larger request bodies get 413 (default %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=0,
+    p.add_argument("--max-model-len", type=int, default=g["max_model_len"],
                    help="context length in tokens (default: the model's own); a longer "
                    "prompt gets 413")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=float, default=g["request_timeout"],
                    help="seconds a request may wait for workers (a paused fleet) before it "
                    "gets 503 (default %(default)s)")
-    p.add_argument("--session-idle-timeout", type=float, default=3600.0,
+    p.add_argument("--session-idle-timeout", type=float, default=o["session_idle_timeout"],
                    help="seconds after which an idle session ends (its trajectory stays "
                    "readable; default %(default)s)")
-    p.add_argument("--max-cached-sessions", type=int, default=10_000,
+    p.add_argument("--max-cached-sessions", type=int, default=o["max_cached_sessions"],
                    help="sessions kept in memory (others are read back from the bus when "
                    "they come again; default %(default)s)")
     add_telemetry_options(p)
@@ -100,8 +102,8 @@ def _keys(args: argparse.Namespace) -> dict[str, str]:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from rlfabric.gateway import GatewayConfig
-    from rlfabric.gateway.server import ServeOptions, serve
+    from rlfabric.gateway.config import GatewayConfig, ServeOptions
+    from rlfabric.gateway.server import serve
 
     config = GatewayConfig(model=args.model, served_name=args.served_model_name,
                            tool_parser=args.tool_call_parser,

@@ -25,6 +25,7 @@ from rlfabric.engines import registry
 from rlfabric.engines.errors import EngineDied
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import RLFabricError
+from rlfabric.worker.runtime import CAPACITY
 
 log = logging.getLogger("rlfabric.worker")
 
@@ -44,12 +45,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "checkpoint dir")
     p.add_argument("--worker-id", default=None,
                    help="unique id on the bus (default: <host>-<pid>); letters, digits, _ -")
-    p.add_argument("--capacity", type=int, default=32,
+    p.add_argument("--capacity", type=int, default=CAPACITY,
                    help="requests in flight at most (default %(default)s)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's own choice; set it when several "
                    "workers share a machine)")
-    p.add_argument("--max-batch", type=int, default=64,
+    p.add_argument("--max-batch", type=int, default=registry.MAX_BATCH,
                    help="sequences decoded together (torch engine; vLLM's max_num_seqs) "
                    "(default %(default)s)")
     registry.add_worker_options(p)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from rlfabric.engines.protocol import Engine
-from rlfabric.engines.registry import EngineKind, register
+from rlfabric.engines.registry import MAX_BATCH, EngineKind, register
 
 
 @dataclass(kw_only=True, slots=True)
@@ -21,7 +21,7 @@ class VllmOptions:
     dtype: str = "float32"  # --dtype
     threads_bind: str = "nobind"  # --threads-bind (CPU: VLLM_CPU_OMP_THREADS_BIND)
     in_process: bool = True  # --no-in-process: vLLM's default 3-process layout
-    max_num_seqs: int = 64  # --max-batch (the worker's, shared with torch)
+    max_num_seqs: int = MAX_BATCH  # --max-batch (the worker's, shared with torch)
     enforce_eager: bool = True
     #: the class vLLM mixes into its worker processes: RLFabricWorkerExtension or a subclass
     #: of it (one that adds RPCs, or instruments loads: tests inject failures this way)

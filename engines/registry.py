@@ -19,6 +19,9 @@ from typing import Any
 
 from rlfabric.engines.protocol import Engine
 
+#: sequences an engine decodes together, unless told (`rlfabric worker --max-batch`)
+MAX_BATCH = 64
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineKind:

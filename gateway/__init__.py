@@ -6,6 +6,18 @@ reads trajectories with loss masks, logprobs and weight versions straight off it
 Needs the `gateway` extra (Starlette, uvicorn): `pip install 'rlfabric[gateway]'`.
 """
 
-from rlfabric.gateway.service import Gateway, GatewayConfig
+from typing import Any
 
-__all__ = ["Gateway", "GatewayConfig"]
+from rlfabric.gateway.config import GatewayConfig, ServeOptions
+
+
+def __getattr__(name: str) -> Any:
+    # the service loads the tokenizer library: only when asked for (`rlfabric --help` not)
+    if name == "Gateway":
+        from rlfabric.gateway.service import Gateway
+
+        return Gateway
+    raise AttributeError(f"module 'rlfabric.gateway' has no attribute {name!r}")
+
+
+__all__ = ["Gateway", "GatewayConfig", "ServeOptions"]

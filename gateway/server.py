@@ -13,7 +13,6 @@ import signal
 import socket
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -23,24 +22,12 @@ from rlfabric.bus import Bus, ConnectOptions, MembershipWatcher
 from rlfabric.bus.rollouts import RolloutPlane
 from rlfabric.concurrency.sync import beside
 from rlfabric.gateway.app import create_app
-from rlfabric.gateway.service import Gateway, GatewayConfig
+from rlfabric.gateway.config import GatewayConfig, ServeOptions
+from rlfabric.gateway.service import Gateway
 from rlfabric.gateway.sessions import SessionStore
 from rlfabric.text import load_chat_format
 
 log = logging.getLogger("rlfabric.gateway")
-
-
-@dataclass(kw_only=True)
-class ServeOptions:
-    """Where and how the HTTP server listens; each field is a flag of `rlfabric gateway`."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
-    max_body_bytes: int = 8 << 20
-    session_idle_timeout: float = 3600.0
-    max_cached_sessions: int = 10_000
-    chat_template: str | None = None
 
 
 def _server(app: Any, ready: anyio.Event) -> Any:

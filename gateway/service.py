@@ -41,6 +41,7 @@ from rlfabric.gateway.api import (
     Usage,
     WeightVersion,
 )
+from rlfabric.gateway.config import GatewayConfig
 from rlfabric.gateway.errors import WORKER_ERRORS, APIError, bad_request, unsupported
 from rlfabric.gateway.output import Final, OutputRules, StreamText, finalize, logprob_rows
 from rlfabric.gateway.sessions import Session, SessionStore
@@ -67,22 +68,6 @@ from rlfabric.text import PARSERS, ChatFormat, ToolFormat
 #: stop strings a request may give
 MAX_STOPS = 16
 _SEED_MOD = 1 << 63
-
-
-@dataclass(kw_only=True)
-class GatewayConfig:
-    """What `rlfabric gateway` is told; each field is a flag of it."""
-
-    model: str  # --model: a built-in name or a checkpoint directory
-    served_name: str = ""  # --served-model-name (default: --model)
-    tool_parser: str = "qwen"  # --tool-call-parser
-    request_timeout: float = 600.0  # --request-timeout
-    max_model_len: int = 0  # --max-model-len (0: the model's own)
-    gateway_id: str = ""
-
-    @property
-    def name(self) -> str:
-        return self.served_name or self.model
 
 
 @dataclass(slots=True)

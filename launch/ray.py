@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlfabric.bus import Bus, ConnectOptions
 from rlfabric.errors import LaunchError
+from rlfabric.worker.runtime import CAPACITY
 
 if TYPE_CHECKING:
     from rlfabric.worker import Worker
@@ -51,7 +52,7 @@ class WorkerSpec:
 
     engine: str = "torch"
     model: str = "tiny"
-    capacity: int = 32
+    capacity: int = CAPACITY
     threads: int = 1
     engine_options: dict[str, Any] = field(default_factory=dict)
     trace: str | None = None

@@ -65,8 +65,12 @@ log = logging.getLogger("rlfabric.worker")
 STATE_WRITE_S = 1.0  # how long a command waits for the worker's state to be written
 
 
+#: requests a worker holds in flight at most, unless told (`rlfabric worker --capacity`)
+CAPACITY = 32
+
+
 class Worker:
-    def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, capacity: int = 32,
+    def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, capacity: int = CAPACITY,
                  drain_grace: float = 120.0) -> None:
         self.bus = bus
         self.engine = engine

@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 
+from rlfabric import tensors
 from rlfabric.bus import AckFields, Bus, CommandContext, CommandFailed
 from rlfabric.engines.errors import WeightLoadError
 from rlfabric.engines.payload import PackedWeights, payload
@@ -30,7 +31,6 @@ from rlfabric.schemas import (
     UpdateWeights,
 )
 from rlfabric.telemetry import spans
-from rlfabric.tensors import buffer_size, digest
 from rlfabric.transports import (
     GroupSlot,
     Received,
@@ -125,7 +125,7 @@ class WeightSync:
                          fetch_timeout=self.fetch_timeout, ready=ready, groups=self.groups)
         async with contextlib.AsyncExitStack() as keep:
             got = await self._open(cmd, job, keep)
-            view = memoryview(got.buffer)[:buffer_size(t.tensors)]
+            view = memoryview(got.buffer)[:tensors.buffer_size(t.tensors)]
             with spans.span("verify digest"):
                 dg = await _digest_in_thread(view)
             if dg != cmd.digest:
@@ -180,4 +180,4 @@ async def _digest_in_thread(view: memoryview) -> str:
     # NOTE: an idle anyio worker thread keeps the arguments of its last call alive; a view of
     # a shared-memory segment held there would keep the segment mapped after close().
     box = [view]
-    return await anyio.to_thread.run_sync(lambda: digest(box.pop()))
+    return await anyio.to_thread.run_sync(lambda: tensors.digest(box.pop()))

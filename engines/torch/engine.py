@@ -17,6 +17,7 @@ from anyio.abc import TaskStatus
 
 from rlfabric.engines.payload import PackedWeights
 from rlfabric.engines.protocol import RequestRejected, RuntimeCollective, TokenSink, checked
+from rlfabric.engines.registry import MAX_BATCH
 from rlfabric.engines.torch.model_runner import ModelRunner, RunnerState
 from rlfabric.engines.torch.scheduler import Scheduler
 from rlfabric.engines.torch.sequence import Sequence
@@ -33,7 +34,7 @@ class TorchEngine(RuntimeCollective):
     name = "torch"
 
     def __init__(self, model: str = "tiny", *, device: str | None = None,
-                 dtype: torch.dtype | None = None, max_batch: int = 64) -> None:
+                 dtype: torch.dtype | None = None, max_batch: int = MAX_BATCH) -> None:
         self.model = model
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.runner = ModelRunner(model, device=self.device, dtype=dtype)
