@@ -66,7 +66,7 @@ class Limits:
     #: signal; after it (a crashed worker) the request goes to another worker
     rollout_ack_wait: float = 15.0
     #: where the nats weight transport keeps chunks: "file" (any model size) or "memory"
-    #: (about 2.5x faster here; the server must hold one model version in RAM)
+    #: (faster; the server must hold one model version in RAM)
     weights_storage: str = "file"
     #: copies of every stream and bucket in a cluster; None: min(3, servers in the cluster),
     #: 1 on a single server (`cluster_size`)

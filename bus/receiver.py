@@ -10,8 +10,8 @@ stream is read instead, where the stored command's headers say what it is.
 Each worker keeps `next_seq`, the stream sequence it applies next (at start: the stream's end,
 so it begins from the desired state it read at join, not from stale commands).
 - a live copy with `seq == next_seq` is applied at once: in the live subscription's callback
-  when nothing else is queued or being applied (no hop to the loop: with it, a simulated
-  worker spent 46 us of CPU per command, without it 37), else by the loop, in order;
+  when nothing else is queued or being applied (no hop to the loop: less CPU per command),
+  else by the loop, in order;
 - `seq > next_seq` is a gap (a live copy lost or overtaken: a slow consumer, a reconnect, two
   senders): the missing commands are read from the stream in order (`catch-up`), then this one;
 - `seq < next_seq` was applied already: ignored;
@@ -181,8 +181,8 @@ class CommandReceiver:
 
     async def _send_ack(self, cmd_id: str, ack: Ack, *, traced: bool) -> None:
         """`cmd_id` is a command's that `_apply` took: it passed `is_token` there. The ack is
-        remembered encoded, and sent again as is when asked (`_resend`): a list of `Ack`s per
-        command cost about 2 us more a command (16 receivers in one process). `traced`: as
+        remembered encoded, and sent again as is when asked (`_resend`), not kept as `Ack`s
+        (which cost more a command). `traced`: as
         `spans.enabled()` (asked once per command by the caller)."""
         data = self._ack_codec.encode(ack)
         sent = self._sent.get(cmd_id)
@@ -319,9 +319,8 @@ class CommandReceiver:
         """A catch-up after every reconnect, and every `poll` seconds in which no live copy was
         applied. While copies come in order a poll would find nothing a copy does not show:
         a command stored without one is a jump in the next copy's seq. Once they stop, the
-        next quiet poll reads it (within two polls). A poll costs a stream read (about 1 ms of
-        a simulated worker's CPU and 0.5 ms of the server's here): skipping them while
-        commands flow took them off the calls."""
+        next quiet poll reads it (within two polls). A poll costs a stream read, of the worker's
+        CPU and the server's: skipping them while commands flow takes them off the calls."""
         link = self.bus.link
         live = self.applied_live
         while True:

@@ -309,7 +309,7 @@ class RolloutPlane:
         try:
             while yielded < total:
                 wait = self._next_deadline(ids) if timed else None
-                if wait is None:  # no deadline, no cancel scope (14 us each here)
+                if wait is None:  # no deadline, no cancel scope (one each costs)
                     reply: _Item | None = await inbox.get()
                 else:
                     reply = None

@@ -1,7 +1,7 @@
 """Packed little-endian int32 / float32 arrays: how token ids and logprobs travel.
 
-A list of Python numbers costs ~12 us per result to encode and decode; the same values as
-packed bytes cost ~0.6 us (NATS_NOTES.md). `PackedI32` / `PackedF32` hold the bytes, behave
+A list of Python numbers costs far more to encode and decode than the same values as packed
+bytes (docs/benchmarks.md). `PackedI32` / `PackedF32` hold the bytes, behave
 like read-only sequences, and hand out numpy views without copying (`.numpy()`,
 `np.asarray(x)`; `torch.from_numpy(x.numpy().copy())` when a writable tensor is needed).
 """
@@ -49,7 +49,7 @@ class _Packed:
             self._buf = values.tobytes()  # the common case: already the wire type
             return
         if (type(values) is list or type(values) is tuple) and _ARRAY_FITS:
-            # 0.8 us for 16 values where numpy's checked conversion takes 9.5; what `array`
+            # `array` is cheaper than numpy's checked conversion for short lists; what it
             # refuses (a float or an out-of-range value for int32, a nested list) goes on to
             # numpy below, which says what is wrong
             try:

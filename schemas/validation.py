@@ -44,8 +44,8 @@ def check_request(req: RolloutRequest) -> None:
     if not 0 < n_prompt <= MAX_PROMPT_TOKENS:
         raise InvalidRequest(f"{where}: prompt_token_ids has {n_prompt} tokens; needs 1 to "
                              f"{MAX_PROMPT_TOKENS}")
-    # packed little-endian: a negative id is one whose last byte has its top bit set (0.06 us
-    # for 16 ids, where numpy's min took 1.1)
+    # packed little-endian: a negative id is one whose last byte has its top bit set (a
+    # bytes check, cheaper than numpy's min)
     if not req.prompt_token_ids.tobytes()[3::4].isascii():
         low = int(req.prompt_token_ids.numpy().min())
         raise InvalidRequest(f"{where}: prompt token id {low} is negative")

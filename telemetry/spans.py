@@ -61,7 +61,7 @@ def tracer() -> Tracer | None:
     if _configured is not None:
         return _configured
     # NOTE: the application's provider is looked up at most once a second: the lookup reads
-    # the environment (3.7 us here), more than everything else a span site costs when off
+    # the environment, which costs more than everything else a span site costs when off
     now = time.monotonic()
     if now - _global_checked > GLOBAL_RECHECK_S:
         _global_checked = now
@@ -155,7 +155,7 @@ def carrier() -> dict[str, str] | None:
 
 def within(s: Span) -> contextlib.AbstractContextManager[Span]:
     """Make an already started span current inside the block (it is not ended here)."""
-    if not s.get_span_context().is_valid:  # tracing off: 0.2 us, where a generator took 0.85
+    if not s.get_span_context().is_valid:  # tracing off: no generator-based manager
         return contextlib.nullcontext(s)
     return trace.use_span(s, end_on_exit=False)
 

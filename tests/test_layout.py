@@ -23,7 +23,8 @@ def loaded_after(code: str) -> dict[str, bool]:
 
 
 def test_schemas_and_bus_import_neither_torch_nor_transformers() -> None:
-    loaded = loaded_after("import rlfabric.schemas, rlfabric.bus, rlfabric.errors")
+    loaded = loaded_after("import rlfabric.schemas, rlfabric.bus, rlfabric.errors, "
+                          "rlfabric.transports, rlfabric.concurrency")
     assert loaded == {m: False for m in HEAVY}
 
 

@@ -14,7 +14,7 @@ def cache_dir(*parts: str) -> str:
 
 
 def tokenizer_dir(model: str) -> str:
-    """The directory of a built-in model's tokenizer files (written on first use: about 3 s);
+    """The directory of a built-in model's tokenizer files (written on first use, then cached);
     ValueError for a name that is neither a built-in model with a tokenizer nor a directory."""
     spec = BUILTIN.get(model)
     if spec is None or not spec.tokenizer:

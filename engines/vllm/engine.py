@@ -172,9 +172,9 @@ class VllmEngine:
 
     async def _warm_up(self) -> None:
         """One 2-token sample with logprobs before the worker joins. NOTE: vLLM compiles its
-        logprob ranking (`torch.compile`) on the first request that asks for logprobs: 3.1-3.5 s
-        on CPU here, in the middle of the first rollout batch, and a pause sent then waited
-        for it (a keep pause acked after 3-5.6 s instead of ~30 ms)."""
+        logprob ranking (`torch.compile`) on the first request that asks for logprobs, which
+        takes seconds on CPU; in the middle of the first rollout batch, a pause sent then
+        would wait for it."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
