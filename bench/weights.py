@@ -9,7 +9,12 @@ published to a file stream with nats-py (`publish_async`, the same window) and r
 process through an ordered consumer into one buffer (what the `nats` transport does, without
 rlfabric's packing, digests and command).
 
+LoRA adapter rows (`--adapter-ranks`): the A and B matrices of a Llama-7B-shaped model's
+q, k, v and o projections (32 layers, hidden 4096) at each rank, pushed as an adapter
+(`update_weights(adapter=...)`) over `--adapter-transports`, beside the full-weight rows.
+
     rlfabric bench weights [--sizes 256,1024] [--transports shm,filesystem,nats,collective]
+                           [--adapter-ranks 8,64] [--adapter-transports shm,nats]
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 
 import anyio
 import torch
 
 from rlfabric.bench._util import children, table
 from rlfabric.bus import EmbeddedNats, Limits, QuorumPolicy
+from rlfabric.schemas import Adapter
+from rlfabric.tensors import lora
 from rlfabric.trainer import FabricClient
 
 MIB = 1024 * 1024
@@ -34,6 +42,22 @@ MIB = 1024 * 1024
 def state_dict(mib: int) -> dict[str, torch.Tensor]:
     n = max(1, mib // 16)
     return {f"layer{i}.weight": torch.randn(4 * MIB) for i in range(n)}  # 16 MiB each
+
+
+#: the model an adapter row's matrices are shaped for: Llama-7B's attention projections
+ADAPTER_LAYERS, ADAPTER_HIDDEN = 32, 4096
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def adapter(rank: int) -> tuple[Adapter, dict[str, torch.Tensor]]:
+    a = Adapter(name=f"r{rank}", rank=rank, alpha=2.0 * rank, target_modules=ADAPTER_TARGETS)
+    state = {}
+    for layer in range(ADAPTER_LAYERS):
+        for t in ADAPTER_TARGETS:
+            module = f"model.layers.{layer}.self_attn.{t}"
+            state[lora.key(module, "lora_A")] = torch.randn(rank, ADAPTER_HIDDEN)
+            state[lora.key(module, "lora_B")] = torch.randn(ADAPTER_HIDDEN, rank)
+    return a, state
 
 
 def floors(sd: dict[str, torch.Tensor], nbytes: int, rounds: int) -> list[dict]:
@@ -120,10 +144,10 @@ async def nats_floor(url: str, sd: dict[str, torch.Tensor], nbytes: int, rounds:
     return {"path": "nats-py floor (publish+read)", "seconds": best}
 
 
-async def bench(sizes: list[int], transports: list[str], rounds: int) -> list[dict]:
+async def bench(sizes: list[int], transports: list[str], rounds: int,
+                ranks: Sequence[int] = (), adapter_transports: Sequence[str] = ()) -> list[dict]:
     rows = []
     async with EmbeddedNats() as nats:
-        policy = QuorumPolicy(timeout=600)
         for mib in sizes:
             sd = state_dict(mib)
             nbytes = sum(v.numel() * v.element_size() for v in sd.values())
@@ -132,41 +156,60 @@ async def bench(sizes: list[int], transports: list[str], rounds: int) -> list[di
             if any(t.startswith("nats") for t in transports):
                 rows.append({"size_mib": mib, **await nats_floor(nats.url, sd, nbytes, rounds)})
             for tr in transports:
-                storage = "memory" if tr == "nats-memory" else "file"
-                prefix = f"wb{mib}{tr.replace('-', '')}"
-                # the client provisions first, so the weights stream gets this storage
-                async with FabricClient.connect(nats.url, prefix=prefix, policy=policy,
-                                                limits=Limits(weights_storage=storage)) as fab:
-                    cmds = [["rlfabric", "worker", "--nats", nats.url, "--prefix", prefix,
-                             "--engine", "null", "--worker-id", "sink"]]
-                    async with children(cmds, ready="ready"):
-                        await fab.wait_for_workers(1, timeout=120)
-                        if tr == "collective":
-                            await fab.init_transport("gloo", timeout=120)
-                        best = float("inf")
-                        for version in range(rounds):
-                            t0 = time.perf_counter()
-                            await fab.update_weights(version, state_dict=sd,
-                                                     transport=tr.split("-")[0], verify="off")
-                            best = min(best, time.perf_counter() - t0)
+                best = await _pushes(nats.url, f"wb{mib}{tr.replace('-', '')}", tr, sd, rounds)
                 rows.append({"size_mib": mib, "path": f"rlfabric {tr}", "seconds": best})
             del sd
+        for rank in ranks:
+            a, sd = adapter(rank)
+            size = sum(v.numel() * v.element_size() for v in sd.values()) / MIB
+            for tr in adapter_transports:
+                best = await _pushes(nats.url, f"wa{rank}{tr}", tr, sd, rounds, adapter=a)
+                rows.append({"size_mib": round(size, 1), "seconds": best,
+                             "path": f"rlfabric {tr}, LoRA rank {rank} (7B q,k,v,o)"})
     for r in rows:
         r["mb_s"] = r["size_mib"] * MIB / 1e6 / r["seconds"]
     return rows
+
+
+async def _pushes(url: str, prefix: str, tr: str, sd: dict[str, torch.Tensor], rounds: int,
+                  adapter: Adapter | None = None) -> float:
+    """The best of `rounds` updates of `sd` over transport `tr` to one null worker."""
+    storage = "memory" if tr == "nats-memory" else "file"
+    # the client provisions first, so the weights stream gets this storage
+    async with FabricClient.connect(url, prefix=prefix, policy=QuorumPolicy(timeout=600),
+                                    limits=Limits(weights_storage=storage)) as fab:
+        cmds = [["rlfabric", "worker", "--nats", url, "--prefix", prefix, "--engine", "null",
+                 "--worker-id", "sink"]]
+        async with children(cmds, ready="ready"):
+            await fab.wait_for_workers(1, timeout=120)
+            if tr == "collective":
+                await fab.init_transport("gloo", timeout=120)
+            best = float("inf")
+            for version in range(rounds):
+                t0 = time.perf_counter()
+                await fab.update_weights(version, state_dict=sd, adapter=adapter,
+                                         transport=tr.split("-")[0], verify="off")
+                best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="256,1024", help="MiB per update (default %(default)s)")
     p.add_argument("--transports", default="shm,filesystem,nats,nats-memory,collective",
                    help="nats-memory: the nats transport with an in-memory weights stream")
+    p.add_argument("--adapter-ranks", default="8,64",
+                   help="LoRA adapter rows: these ranks (empty: none; default %(default)s)")
+    p.add_argument("--adapter-transports", default="shm,nats",
+                   help="the transports of the adapter rows (default %(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="best of N per transport")
     p.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:
-    rows = anyio.run(bench, [int(x) for x in args.sizes.split(",")],
-                     [t for t in args.transports.split(",") if t], args.rounds)
+    rows = anyio.run(bench, [int(x) for x in args.sizes.split(",") if x],
+                     [t for t in args.transports.split(",") if t], args.rounds,
+                     [int(x) for x in args.adapter_ranks.split(",") if x],
+                     [t for t in args.adapter_transports.split(",") if t])
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -50,6 +50,8 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
                 "capacity": m.capacity,
                 "in_flight": m.in_flight,
                 "checkpoint": m.checkpoint[:12],
+                "adapters": " ".join(f"{n}@{','.join(f'v{v}' for v in vs)}"
+                                     for n, vs in sorted(m.adapters.items())) or "-",
                 "note": _note(m, claim),
             }
             for m in sorted(members.values(), key=lambda m: m.worker_id)
@@ -62,6 +64,7 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
             "group_epoch": desired.group_epoch,
             "transport": msgspec.to_builtins(desired.locator.transport)["kind"]
             if desired.locator else None,
+            "adapters": {n: u.version for n, u in sorted(desired.adapters.items())},
         },
         "checkpoint_claim": msgspec.to_builtins(claim) if claim else None,
     }
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"job {info['prefix']!r} on {info['nats']}: {len(members)} member(s)")
     if members:
         print(_table(members, ["worker_id", "engine", "model", "weight_version", "state",
-                               "age_s", "in_flight", "capacity", "checkpoint"]))
+                               "age_s", "in_flight", "capacity", "checkpoint", "adapters"]))
         for m in members:
             if m["note"]:
                 print(f"  {m['worker_id']}: {m['note']}")
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     d = info["desired_state"]
     print(f"desired: version {d['weight_version']}, "
           f"{'paused (' + d['pause_mode'] + ')' if d['paused'] else 'running'}, "
-          f"transport {d['transport'] or '-'}, group epoch {d['group_epoch']}")
+          f"transport {d['transport'] or '-'}, group epoch {d['group_epoch']}"
+          + "".join(f", adapter {n} v{v}" for n, v in d["adapters"].items()))
     if (c := info["checkpoint_claim"]) is not None:
         print(f"version 0 with no push: checkpoint {c['checksum'][:12]} of {c['model']} "
               f"(first loaded by {c['worker_id']})")

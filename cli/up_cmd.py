@@ -42,6 +42,7 @@ Fleet = ProcessFleet | RayActorFleet
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from rlfabric.schemas import WorkerInfo
     from rlfabric.telemetry import Telemetry
     from rlfabric.telemetry.report import PhaseRow
     from rlfabric.trainer import FabricClient
@@ -76,6 +77,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Adam learning rate (default %(default)s)")
     p.add_argument("--threshold", type=float, default=d["reward_threshold"],
                    help="final reward needed for exit 0 (default %(default)s)")
+    p.add_argument("--lora", type=int, default=d["lora_rank"], metavar="RANK",
+                   help="train a LoRA adapter of this rank instead of every weight, and push "
+                   "only the adapter each step (default: off)")
     p.add_argument("--out", default="rlfabric-runs",
                    help="folder for the run's plot, summary and worker logs (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
@@ -147,6 +151,7 @@ class _Run:
     final: int = -1
     on_final: dict[str, int] = field(default_factory=dict)
     wall: float = 0.0
+    full_bytes: int = 0  # the whole model's weights, beside what each update pushed
 
 
 async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
@@ -159,7 +164,8 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
                                           else config.defaults()["steps"]),
                      prompts_per_step=args.prompts, group_size=args.group_size,
                      max_tokens=args.max_tokens, lr=args.lr, transport=args.transport,
-                     async_mode=args.async_mode, reward_threshold=args.threshold)
+                     async_mode=args.async_mode, reward_threshold=args.threshold,
+                     lora_rank=args.lora)
     run = _Run(args=args, cfg=cfg, run_dir=run_dir,
                mode="async (1 step off-policy)" if args.async_mode else "sync",
                console=Console() if sys.stdout.isatty() else Console(width=150))
@@ -187,8 +193,10 @@ async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None)
     args = run.args
     model = registry.kind(args.engine).default_model
     if fleet is not None:
+        # the workers hold the one adapter --lora trains (vLLM holds none unless told)
+        extra = ("--max-adapters", "1") if args.lora else ()
         await anyio.to_thread.run_sync(fleet.start, args.workers, url, args.prefix,
-                                       args.engine, model, args.trace, args.metrics)
+                                       args.engine, model, args.trace, args.metrics, extra)
     run.console.print(f"rlfabric up: NATS at {url}, {args.workers} workers "
                       + (f"starting ({fleet.where()})" if fleet is not None
                          else "joining from elsewhere"))
@@ -202,12 +210,20 @@ async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None)
         trainer = GRPOTrainer(fabric, build_model(model), run.cfg,
                               on_step=functools.partial(_on_step, run, live))
         await _drive(run, trainer, fabric, live)
-        run.final = trainer.version
+        run.final, run.full_bytes = trainer.version, trainer.full_bytes
         with anyio.move_on_after(10):
             await fabric.watcher.wait_until(
                 lambda s: len(s.members) == args.workers
-                and all(m.weight_version == run.final for m in s.members), timeout=10)
-        run.on_final = {m.worker_id: m.weight_version for m in fabric.watcher.snapshot().members}
+                and all(_serves(m, args.lora) == run.final for m in s.members), timeout=10)
+        run.on_final = {m.worker_id: _serves(m, args.lora)
+                        for m in fabric.watcher.snapshot().members}
+
+
+def _serves(m: WorkerInfo, lora: int) -> int:
+    """The version a worker serves: its weights', or with --lora its adapter's newest."""
+    if not lora:
+        return m.weight_version
+    return max(m.adapters.get(config.LORA_NAME, (-1,)))
 
 
 def _on_step(run: _Run, live: bool, s: StepStats) -> None:
@@ -266,6 +282,7 @@ def _summary(run: _Run) -> dict[str, Any]:
         mismatch_mean=sum(mismatches) / len(mismatches) if mismatches else None,
         mismatch_max=max(mismatches) if mismatches else None,
         wall_s=run.wall, steps_per_s=len(h) / busy, tokens_per_s=sum(x.tokens for x in h) / busy,
+        lora_rank=cfg.lora_rank, update_bytes=h[-1].update_bytes, full_model_bytes=run.full_bytes,
         passed=last >= cfg.reward_threshold and last > first and all_final,
         plot=str(plot_path))
 
@@ -292,7 +309,8 @@ def _report(run: _Run) -> int:
         f"{run.cfg.reward_threshold}); mismatch mean {summary['mismatch_mean']:.1e}, max "
         f"{summary['mismatch_max']:.1e}; workers on final version {run.final}: "
         f"{run.on_final}; {summary['steps_per_s']:.2f} steps/s, "
-        f"{summary['tokens_per_s']:.0f} tokens/s; {run.wall:.1f}s in all")
+        f"{summary['tokens_per_s']:.0f} tokens/s; {run.wall:.1f}s in all; each update pushed "
+        f"{summary['update_bytes']:,} bytes (the whole model: {run.full_bytes:,})")
     console.print(f"plot: {summary['plot']}\nsummary: {run.run_dir / 'summary.json'}")
     console.print("[bold green]PASS[/]" if summary["passed"] else
                   "[bold red]FAIL[/]: reward below threshold or a worker not on the final version")

@@ -23,8 +23,8 @@ class ProcessFleet:
         self.logs: list[Path] = []
 
     def start(self, n: int, url: str, prefix: str, engine: str, model: str,
-              trace: str | None, metrics: str | None) -> None:
-        per_engine = registry.kind(engine).up_worker_args
+              trace: str | None, metrics: str | None, extra: tuple[str, ...] = ()) -> None:
+        per_engine = (*registry.kind(engine).up_worker_args, *extra)
         to_files = [f"--{k}={v}" for k, v in (("trace", trace), ("metrics", metrics)) if v]
         for i in range(n):
             log = self.run_dir / f"worker-{i}.log"
@@ -76,8 +76,14 @@ class RayActorFleet:
         self._pids: list[int] = []
 
     def start(self, n: int, url: str, prefix: str, engine: str, model: str,
-              trace: str | None, metrics: str | None) -> None:
+              trace: str | None, metrics: str | None, extra: tuple[str, ...] = ()) -> None:
         from rlfabric.launch.ray import RayFleet, WorkerSpec
+
+        if extra and engine != "torch":  # the spec carries no worker flags
+            from rlfabric.errors import LaunchError
+
+            raise LaunchError(f"--lora with --launcher ray runs on the torch engine only "
+                              f"(not {engine}): its actors hold adapters by default")
 
         try:
             import ray

@@ -53,6 +53,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=registry.MAX_BATCH,
                    help="sequences decoded together (torch engine; vLLM's max_num_seqs) "
                    "(default %(default)s)")
+    p.add_argument("--max-adapters", type=int, default=None, metavar="N",
+                   help=f"LoRA adapters (by name) held at once (default: {registry.MAX_ADAPTERS} "
+                   "on torch; 0, LoRA off, on vllm); one more is refused (adapter_limit)")
+    p.add_argument("--adapter-versions", type=int, default=registry.ADAPTER_VERSIONS,
+                   metavar="K", help="versions of each adapter kept loaded, so requests running "
+                   "under an older one finish on it; a request for a dropped one fails "
+                   "version_unavailable (default %(default)s)")
     registry.add_worker_options(p)
     add_telemetry_options(p)
     p.set_defaults(func=run)

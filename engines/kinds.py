@@ -9,7 +9,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from rlfabric.engines.protocol import Engine
-from rlfabric.engines.registry import MAX_BATCH, EngineKind, register
+from rlfabric.engines.registry import (
+    ADAPTER_VERSIONS,
+    MAX_ADAPTERS,
+    MAX_BATCH,
+    EngineKind,
+    register,
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -23,6 +29,11 @@ class VllmOptions:
     in_process: bool = True  # --no-in-process: vLLM's default 3-process layout
     max_num_seqs: int = MAX_BATCH  # --max-batch (the worker's, shared with torch)
     enforce_eager: bool = True
+    #: LoRA: adapters (by name) held at once (0: LoRA off, as vLLM's own default), versions
+    #: of each kept loaded, and the largest rank taken
+    max_adapters: int = 0  # --max-adapters
+    adapter_versions: int = ADAPTER_VERSIONS  # --adapter-versions
+    max_lora_rank: int = 64  # --max-lora-rank
     #: the class vLLM mixes into its worker processes: RLFabricWorkerExtension or a subclass
     #: of it (one that adds RPCs, or instruments loads: tests inject failures this way)
     worker_extension: str = "rlfabric.engines.vllm.extension.RLFabricWorkerExtension"
@@ -63,9 +74,15 @@ def _vllm_options(p: argparse.ArgumentParser) -> None:
                    default=d["in_process"],
                    help="vLLM's own 3-process layout instead of the model in its EngineCore "
                    "process (slower to start here)")
+    g.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"],
+                   help="the largest LoRA rank vLLM makes room for (default %(default)s)")
     g.add_argument("--worker-extension", default=d["worker_extension"], metavar="CLASS",
                    help="the class vLLM mixes into its worker processes, as module.Class: "
                    "rlfabric's own or a subclass of it (default %(default)s)")
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def _null(model: str, **options: Any) -> Engine:
@@ -76,7 +93,9 @@ def _null(model: str, **options: Any) -> Engine:
 
 TORCH = register(EngineKind(
     name="torch", help="the reference engine", factory=_torch, add_options=_torch_options,
-    options=lambda a: {"device": a.device, "max_batch": a.max_batch}, torch_threads=True,
+    options=lambda a: {"device": a.device, "max_batch": a.max_batch,
+                       "max_adapters": _or(a.max_adapters, MAX_ADAPTERS),
+                       "adapter_versions": a.adapter_versions}, torch_threads=True,
     up_worker_args=("--threads", "1")))
 VLLM = register(EngineKind(
     name="vllm", help="vLLM's AsyncLLM (needs vLLM, see the README)", factory=_vllm,
@@ -84,7 +103,8 @@ VLLM = register(EngineKind(
     options=lambda a: {"options": VllmOptions(
         max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib, dtype=a.dtype,
         threads_bind=a.threads_bind, in_process=a.in_process, max_num_seqs=a.max_batch,
-        worker_extension=a.worker_extension)},
+        max_adapters=_or(a.max_adapters, 0), adapter_versions=a.adapter_versions,
+        max_lora_rank=a.max_lora_rank, worker_extension=a.worker_extension)},
     # vLLM's CPU build takes 64-wide heads only
     default_model="tiny64", up_worker_args=("--kv-cache-gib", "1")))
 NULL = register(EngineKind(

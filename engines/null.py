@@ -11,8 +11,16 @@ import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import PauseMode, RuntimeCollective, TokenSink, checked
+from rlfabric.engines.protocol import (
+    PauseMode,
+    RuntimeCollective,
+    TokenSink,
+    adapter_held,
+    checked,
+)
+from rlfabric.engines.registry import ADAPTER_VERSIONS
 from rlfabric.schemas import (
+    Adapter,
     PackedF32,
     PackedI32,
     RolloutRequest,
@@ -25,9 +33,12 @@ from rlfabric.schemas import (
 class NullEngine(RuntimeCollective):
     name = "null"
 
-    def __init__(self, model: str = "none", *, vocab_size: int = 1 << 20) -> None:
+    def __init__(self, model: str = "none", *, vocab_size: int = 1 << 20,
+                 adapter_versions: int = ADAPTER_VERSIONS) -> None:
         self.model = model
         self.vocab_size = vocab_size
+        self._keep = adapter_versions
+        self._adapters: dict[str, tuple[int, ...]] = {}
         self._version = -1
         self._state: dict[str, Any] = {}
         self._resumed = anyio.Event()
@@ -46,6 +57,8 @@ class NullEngine(RuntimeCollective):
 
     def check(self, request: RolloutRequest) -> None:
         checked(request)
+        if request.adapter:
+            adapter_held(request, self.adapter_versions())
 
     async def generate(self, request: RolloutRequest, *, worker_id: str = "",
                        on_tokens: TokenSink | None = None) -> AsyncIterator[RolloutResult]:
@@ -97,6 +110,21 @@ class NullEngine(RuntimeCollective):
         for k in sorted(self._state):
             h.update(f"{k}|{self._state[k]}".encode())
         return h.hexdigest()
+
+    # adapters are held by name and version only (prompts are echoed whatever serves them)
+    async def load_adapter(self, weights: PackedWeights, adapter: Adapter, version: int) -> str:
+        held = [v for v in self._adapters.get(adapter.name, ()) if v != version]
+        self._adapters[adapter.name] = tuple(sorted([*held, version]))[-self._keep:]
+        h = hashlib.blake2b(digest_size=16)
+        for m in sorted(weights.tensors, key=lambda m: m.name):
+            h.update(f"{m.name}|{m.dtype}|{tuple(m.shape)}".encode())
+        return h.hexdigest()
+
+    async def unload_adapter(self, name: str) -> bool:
+        return self._adapters.pop(name, None) is not None
+
+    def adapter_versions(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._adapters)
 
     async def sleep(self, level: int) -> None:
         await self.pause("abort")

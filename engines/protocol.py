@@ -15,6 +15,8 @@ from anyio.abc import TaskStatus
 from rlfabric.engines.errors import EngineDied, RequestRejected, Unsupported, WeightLoadError
 from rlfabric.engines.payload import PackedWeights
 from rlfabric.schemas import (
+    Adapter,
+    ErrorCode,
     InitTransport,
     PauseMode,
     RolloutRequest,
@@ -36,6 +38,26 @@ def checked(request: RolloutRequest) -> None:
         check_request(request)
     except InvalidRequest as exc:
         raise RequestRejected(exc.code, str(exc)) from None
+
+
+def adapter_held(request: RolloutRequest, held: dict[str, tuple[int, ...]]) -> None:
+    """`RequestRejected` unless the engine holds the adapter version `request` asks for."""
+    versions = held.get(request.adapter)
+    if not versions:
+        raise RequestRejected(ErrorCode.ADAPTER_UNKNOWN,
+                              f"adapter {request.adapter!r} is not loaded on this worker "
+                              f"(loaded: {', '.join(held) or 'none'}); push it with "
+                              "FabricClient.update_weights(adapter=...)")
+    want = request.adapter_version
+    if want >= 0 and want not in versions:
+        raise RequestRejected(ErrorCode.VERSION_UNAVAILABLE,
+                              f"adapter {request.adapter!r} v{want} is not loaded here (held: "
+                              f"{', '.join(f'v{v}' for v in versions)}); a worker keeps the last "
+                              "--adapter-versions versions of each adapter")
+    if max(versions) < request.min_weight_version:
+        raise RequestRejected(ErrorCode.VERSION_UNAVAILABLE,
+                              f"adapter {request.adapter!r}: newest v{max(versions)} is older "
+                              f"than min_weight_version {request.min_weight_version}")
 
 
 class RuntimeCollective:
@@ -141,6 +163,25 @@ class Engine(Protocol):
         joined by `init_transport` and serve it."""
         ...
 
+    async def load_adapter(self, weights: PackedWeights, adapter: Adapter, version: int) -> str:
+        """Load `version` of LoRA `adapter` from `weights` (its tensors in PEFT's layout) beside
+        the versions already held; return the checksum of its tensors. The newest
+        `--adapter-versions` versions of each adapter stay loaded; a request running under an
+        older one finishes on it. `WeightLoadError` if the tensors do not fit the model,
+        `EngineError` (`adapter_limit`) past `--max-adapters` names, `Unsupported` for an
+        engine without LoRA; the adapters held before stay as they were."""
+        ...
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Drop every version of adapter `name` (False if none was held); requests running
+        under it finish."""
+        ...
+
+    def adapter_versions(self) -> dict[str, tuple[int, ...]]:
+        """The adapters held: name -> versions, oldest first. A request naming an adapter is
+        served under `adapter_version` if given, else the newest (`adapter_held` checks)."""
+        ...
+
     async def sleep(self, level: int) -> None:
         """Release memory: 1 = weights offloaded and caches dropped, 2 = everything."""
         ...
@@ -174,5 +215,5 @@ class ServesMany(Protocol):
         ...
 
 
-__all__ = ["Engine", "EngineDied", "PauseMode", "RequestRejected", "ServesMany", "TokenSink",
-           "Unsupported", "WeightLoadError"]
+__all__ = ["Engine", "EngineDied", "PauseMode", "RequestRejected", "ServesMany",
+           "TokenSink", "Unsupported", "WeightLoadError", "adapter_held"]

@@ -21,6 +21,10 @@ from rlfabric.engines.protocol import Engine
 
 #: sequences an engine decodes together, unless told (`rlfabric worker --max-batch`)
 MAX_BATCH = 64
+#: LoRA adapters (by name) an engine holds at once, and versions of each kept loaded so that
+#: running requests finish on theirs (`--max-adapters`, `--adapter-versions`)
+MAX_ADAPTERS = 4
+ADAPTER_VERSIONS = 2
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -248,6 +248,8 @@ class ModelCard(_Out, kw_only=True):
     max_model_len: int
     object: str = "model"
     owned_by: str = "rlfabric"
+    #: a LoRA adapter's base model (None: a base model), as vLLM lists adapters
+    parent: str | None = None
 
 
 class ModelList(_Out, kw_only=True):

@@ -104,8 +104,16 @@ class Gateway:
 
     # ---- plain endpoints ----
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.config.name, created=self.created,
-                                         max_model_len=self.context_len)])
+        """The base model, then every LoRA adapter a worker holds (by its name)."""
+        return ModelList(data=[ModelCard(id=name, created=self.created,
+                                         max_model_len=self.context_len,
+                                         parent=None if name == self.config.name
+                                         else self.config.name)
+                               for name in [self.config.name, *self._adapters()]])
+
+    def _adapters(self) -> list[str]:
+        return sorted({n for m in self.watcher.members.values() for n in m.adapters}
+                      - {self.config.name})
 
     def health(self) -> dict[str, Any]:
         members = self.watcher.members
@@ -113,11 +121,16 @@ class Gateway:
                 "workers": len(members),
                 "versions": sorted({m.weight_version for m in members.values()})}
 
-    def _check_model(self, model: str) -> None:
-        if model != self.config.name:
-            raise APIError(404, f"model {model!r} is not served here; this gateway serves "
-                           f"{self.config.name!r} (GET /v1/models)", param="model",
-                           code=ErrorCode.MODEL_NOT_FOUND)
+    def _adapter_of(self, model: str) -> str:
+        """The adapter `model` names ("" for the base model), or 404."""
+        if model == self.config.name:
+            return ""
+        if model in self._adapters():
+            return model
+        served = ", ".join(repr(n) for n in [self.config.name, *self._adapters()])
+        raise APIError(404, f"model {model!r} is not served here; this gateway serves "
+                       f"{served} (GET /v1/models)", param="model",
+                       code=ErrorCode.MODEL_NOT_FOUND)
 
     @staticmethod
     def _check_not_ended(s: Session) -> None:
@@ -210,7 +223,8 @@ class Gateway:
                      prefill=prefill, tenant=tenant, model=req.model, planned_on=planned_on,
                      request=RolloutRequest(request_id=f"gw-{uuid.uuid4().hex}",
                                             prompt_token_ids=PackedI32(p.prompt), sampling=sp,
-                                            stream=req.stream))
+                                            stream=req.stream,
+                                            adapter=self._adapter_of(req.model)))
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return self._stream_chat(turn, logprobs=req.logprobs, include_usage=usage)
@@ -219,7 +233,7 @@ class Gateway:
         return self._chat_response(turn, finals, logprobs=req.logprobs)
 
     def _check_chat(self, req: ChatRequest) -> None:
-        self._check_model(req.model)
+        self._adapter_of(req.model)
         self._refuse_unsupported(req)
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise unsupported("response_format", "structured output needs constrained "
@@ -400,7 +414,7 @@ class Gateway:
     # ---- completions ----
     async def complete(self, req: CompletionRequest, *, tenant: str = "default",
                        ) -> Completion | AsyncIterator[bytes]:
-        self._check_model(req.model)
+        adapter = self._adapter_of(req.model)
         self._refuse_unsupported(req)
         if req.echo:
             raise unsupported("echo", "the prompt is returned as prompt_token_ids")
@@ -433,7 +447,8 @@ class Gateway:
                          rules=OutputRules(stops=stops, stop_ids=frozenset(sp.stop_token_ids)),
                          prefill=[], tenant=tenant, model=req.model,
                          request=RolloutRequest(request_id=f"gw-{uuid.uuid4().hex}",
-                                                prompt_token_ids=PackedI32(ids), sampling=sp))
+                                                prompt_token_ids=PackedI32(ids), sampling=sp,
+                                                adapter=adapter))
             finals = await self._generate(turn)
             await self._record(turn, finals)
             for j, f in enumerate(finals):

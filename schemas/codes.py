@@ -18,6 +18,7 @@ class ErrorCode(StrEnum):
     VERSION_UNAVAILABLE = "version_unavailable"  # min_weight_version nobody serves
     DEADLINE_EXCEEDED = "deadline_exceeded"  # a request's or command's deadline passed
     ENGINE_ERROR = "engine_error"  # the engine failed this request
+    ADAPTER_UNKNOWN = "adapter_unknown"  # a LoRA adapter no update loaded (or one unloaded)
 
     # ---- a command (Ack.error_code) ----
     UNKNOWN_SCHEMA_VERSION = "unknown_schema_version"  # a major version this build cannot read
@@ -31,6 +32,7 @@ class ErrorCode(StrEnum):
     NO_GROUP = "no_group"  # a collective update before (or after another) init_transport
     BROADCAST_FAILED = "broadcast_failed"  # the collective broadcast failed midway
     DRAIN_TIMEOUT = "drain_timeout"  # requests still in flight at a pause's deadline
+    ADAPTER_LIMIT = "adapter_limit"  # more adapters than the engine holds (--max-adapters)
 
     # ---- a worker's own events (ErrorEvent.code) ----
     WEIGHTS_UNAVAILABLE = "weights_unavailable"  # joined without the fleet's version

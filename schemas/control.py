@@ -20,14 +20,24 @@ class Base(Message, tag_field="kind", tag="base", frozen=True, kw_only=True):
     """Update the base model's weights."""
 
 
-class Lora(Message, tag_field="kind", tag="lora", frozen=True, kw_only=True):
-    """Load or unload a LoRA adapter by name."""
+class Adapter(Message, tag_field="kind", tag="lora", frozen=True, kw_only=True):
+    """A LoRA adapter: the update's tensors are its A and B matrices in PEFT's layout
+    (`base_model.model.<module>.lora_A.weight` [rank, in], `...lora_B.weight` [out, rank]) for
+    each of `target_modules` (module names' last part, e.g. `q_proj`); a module's output gains
+    `B @ A @ x * alpha / rank`. Requests name it (`RolloutRequest.adapter`); its versions are
+    the updates' `version`s."""
 
     name: str
-    op: Literal["load", "unload"] = "load"
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
-Target = Base | Lora
+Target = Base | Adapter
 
 
 class TensorMeta(Message, frozen=True, kw_only=True):
@@ -172,6 +182,12 @@ class Describe(_Command, tag="describe", frozen=True, kw_only=True):
     pass
 
 
+class UnloadAdapter(_Command, tag="unload_adapter", frozen=True, kw_only=True):
+    """Drop every loaded version of adapter `name`; its requests then fail `adapter_unknown`."""
+
+    name: str
+
+
 class Shutdown(_Command, tag="shutdown", frozen=True, kw_only=True):
     pass
 
@@ -185,6 +201,7 @@ Command = (
     | Wake
     | ResetPrefixCache
     | Describe
+    | UnloadAdapter
     | Shutdown
 )
 COMMAND_TYPES: tuple[type[_Command], ...] = get_args(Command)

@@ -34,6 +34,8 @@ class WorkerInfo(Message, frozen=True, kw_only=True):
     heartbeat_at: float = 0.0
     #: the weights checksum of the checkpoint the worker started from (see `CheckpointClaim`)
     checkpoint: str = ""
+    #: LoRA adapters loaded: name -> the versions held (newest last)
+    adapters: dict[str, tuple[int, ...]] = {}
 
 
 class CheckpointClaim(Message, frozen=True, kw_only=True):
@@ -67,6 +69,8 @@ class DesiredState(Message, frozen=True, kw_only=True):
 
     weight_version: int = -1
     locator: UpdateWeights | None = None
+    #: LoRA adapters: name -> the update of its newest version (what a joiner loads)
+    adapters: dict[str, UpdateWeights] = {}
     paused: bool = False
     pause_mode: str = ""
     group_epoch: int = 0

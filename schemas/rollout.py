@@ -40,7 +40,9 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     a worker never serves weights older than `min_weight_version`. `submission_id` is minted
     by the client at each submit (a reused `request_id` is a new request: results of an older
     submission never answer it); results carry it back. `stream`: send `TokenDelta`s of every
-    sample while it is sampled."""
+    sample while it is sampled. `adapter` names a LoRA adapter (empty: the base model); then
+    `min_weight_version` bounds the adapter's version, and `adapter_version` (if >= 0) asks for
+    exactly that version, which must still be loaded (else `version_unavailable`)."""
 
     request_id: str
     prompt_token_ids: PackedI32
@@ -52,13 +54,16 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     deadline: float = 0.0
     metadata: dict[str, str] = {}
     stream: bool = False
+    adapter: str = ""
+    adapter_version: int = -1
 
     def __post_init__(self) -> None:
         coerce_packed(self, prompt_token_ids=PackedI32)
 
 
 class VersionSpan(Message, frozen=True, kw_only=True):
-    """Completion tokens `[start, end)` were produced by weight version `version`."""
+    """Completion tokens `[start, end)` were produced by weight version `version` (of the
+    request's adapter, if it names one; the base weights then serve as they are)."""
 
     version: int
     start: int

@@ -70,6 +70,12 @@ def check_request(req: RolloutRequest) -> None:
     if not (math.isfinite(req.deadline) and req.deadline >= 0.0):
         raise InvalidRequest(f"{where}: deadline={req.deadline}: needs unix seconds, or 0 for "
                              "none")
+    if len(req.adapter) > MAX_REQUEST_ID or not req.adapter.isprintable():
+        raise InvalidRequest(f"{where}: adapter {_short(req.adapter)}: needs at most "
+                             f"{MAX_REQUEST_ID} printable characters (empty: the base model)")
+    # a version of an adapter: only with one named (-1: the newest)
+    _int_in(where, "adapter_version", req.adapter_version, -1,
+            SEED_RANGE[1] if req.adapter else -1)
     size = sum(len(k) + len(v) for k, v in req.metadata.items())
     if size > MAX_METADATA_BYTES:
         raise InvalidRequest(f"{where}: metadata holds {size} characters; at most "

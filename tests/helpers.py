@@ -14,11 +14,12 @@ from rlfabric.tensors.models import build_model
 
 
 def req(rid: str, prompt: Sequence[int] = (256, 5, 6), *, min_version: int = -1,
-        deadline: float = 0.0, **sampling: Any) -> RolloutRequest:
+        deadline: float = 0.0, adapter: str = "", adapter_version: int = -1,
+        **sampling: Any) -> RolloutRequest:
     """A request; `min_version=-1` serves the workers' initial weights (no push needed)."""
     return RolloutRequest(request_id=rid, prompt_token_ids=list(prompt),
-                          min_weight_version=min_version, deadline=deadline,
-                          sampling=SamplingParams(**sampling))
+                          min_weight_version=min_version, deadline=deadline, adapter=adapter,
+                          adapter_version=adapter_version, sampling=SamplingParams(**sampling))
 
 
 async def collect(fabric: Any, requests: Iterable[RolloutRequest],
@@ -43,3 +44,25 @@ def taken_logprobs(model: torch.nn.Module, prompt: list[int], comp: list[int]) -
         logp = torch.log_softmax(model(torch.tensor([prompt + comp])).logits.float(), -1)[0]
     idx = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(comp))
     return logp[idx, torch.tensor(comp)].numpy()
+
+
+def packed(state: dict[str, torch.Tensor]) -> Any:
+    """`with packed(state) as weights`: `state` as the payload a worker hands its engine."""
+    from rlfabric.engines.payload import payload
+    from rlfabric.tensors.packing import pack_into, plan
+
+    metas, size = plan(state)
+    buf = bytearray(size)
+    pack_into(state, metas, buf)
+    return payload(memoryview(buf), metas)
+
+
+def worst_gap(model: torch.nn.Module, reqs: Iterable[RolloutRequest], out: Iterable[Any]
+              ) -> float:
+    """The largest |logprob| difference between results and `model`'s own forward pass."""
+    by_id = {r.request_id: r.prompt_token_ids.tolist() for r in reqs}
+    gaps = [float(np.abs(taken_logprobs(model, by_id[r.request_id],
+                                        r.completion_token_ids.tolist())
+                         - r.logprobs.numpy()).max())
+            for r in out if len(r.completion_token_ids)]
+    return max(gaps)

@@ -35,6 +35,7 @@ from rlfabric.concurrency.sync import beside
 from rlfabric.schemas import (
     COLLECTIVE_BACKENDS,
     PAUSE_MODES,
+    Adapter,
     CollectiveBackend,
     Command,
     Describe,
@@ -48,6 +49,7 @@ from rlfabric.schemas import (
     RolloutRequest,
     Sleep,
     Target,
+    UnloadAdapter,
     Wake,
 )
 from rlfabric.telemetry import spans
@@ -191,15 +193,21 @@ class FabricClient:
                                         with_checksum=with_checksum)
 
     async def update_weights(self, version: int, state_dict: Any = None, *, module: Any = None,
-                             transport: str = "shm", target: Target | None = None,
-                             policy: QuorumPolicy | None = None, verify: Verify = "sender",
-                             ) -> FanoutReport:
+                             adapter: Adapter | None = None, transport: str = "shm",
+                             target: Target | None = None, policy: QuorumPolicy | None = None,
+                             verify: Verify = "sender") -> FanoutReport:
         """Make every worker serve `version` of these weights; returns once the quorum acked
         `done`. Each worker verifies the payload digest, swaps atomically (a failure keeps
         the old version and acks an error: `QuorumNotReached` names the worker and why) and
         reports its weights checksum. `verify="sender"` requires every checksum to equal the
         one of the state dict sent; `"workers"` only that they agree (use it when workers
-        store weights in another dtype or layout); `WeightsMismatch` names the deviants."""
+        store weights in another dtype or layout); `WeightsMismatch` names the deviants.
+
+        `adapter`: the state dict is version `version` of that LoRA adapter (its A and B
+        matrices in PEFT's layout), loaded beside the versions workers hold; requests naming
+        it (`RolloutRequest.adapter`) are served under it from then on."""
+        if adapter is not None:
+            target = adapter
         weights = module if module is not None else state_dict
         if weights is None:
             raise TypeError("update_weights needs state_dict= or module=")
@@ -213,6 +221,14 @@ class FabricClient:
                                                   send_now=False)
             return await self.push_weights(staged, target=target, policy=policy,
                                            verify=verify)
+
+    async def unload_adapter(self, name: str, *, policy: QuorumPolicy | None = None
+                             ) -> FanoutReport:
+        """Drop every version of adapter `name` on every worker (requests running under it
+        finish; later ones fail `adapter_unknown`); joiners no longer load it."""
+        rep = await self.broadcast(UnloadAdapter(cmd_id=new_cmd_id(), name=name), policy)
+        await self.updates.forget_adapter(name)
+        return rep
 
     async def push_weights(self, staged: Staged, *, target: Target | None = None,
                            policy: QuorumPolicy | None = None, verify: Verify = "sender"

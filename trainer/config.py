@@ -27,6 +27,9 @@ class GRPOConfig:
     max_staleness: int = 1
     reward_threshold: float = 0.8
     request_timeout: float = 120.0
+    #: > 0: train a LoRA adapter of this rank (alpha = 2 x rank, on every linear module of the
+    #: attention and MLP blocks and the LM head) instead of every weight, and push only it
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -36,12 +39,21 @@ class GRPOConfig:
             (self.prompts_per_step >= 1, f"--prompts {self.prompts_per_step}: need >= 1"),
             (self.max_tokens >= 1, f"--max-tokens {self.max_tokens}: need >= 1"),
             (self.lr > 0, f"--lr {self.lr}: must be > 0"),
+            (self.lora_rank >= 0, f"--lora {self.lora_rank}: a rank >= 1, or 0 for none"),
             (self.transport in transports.names(),
              f"--transport {self.transport}: use one of {', '.join(transports.names())}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+
+
+#: the modules `--lora` trains (the LM head too: the tiny models' random head leaves too
+#: little room to move a token's probability through the blocks alone)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "lm_head")
+#: the adapter's name on the fleet
+LORA_NAME = "grpo"
 
 
 def defaults() -> dict[str, Any]:

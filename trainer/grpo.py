@@ -28,6 +28,7 @@ import anyio
 import torch
 
 from rlfabric.schemas import (
+    Adapter,
     PackedI32,
     PauseMode,
     RolloutError,
@@ -36,9 +37,10 @@ from rlfabric.schemas import (
     SamplingParams,
 )
 from rlfabric.telemetry import spans
+from rlfabric.tensors.lora import LoraModel
 from rlfabric.trainer.buffer import RolloutBuffer, sample_version
 from rlfabric.trainer.client import FabricClient
-from rlfabric.trainer.config import GRPOConfig
+from rlfabric.trainer.config import LORA_NAME, LORA_TARGETS, GRPOConfig
 from rlfabric.trainer.errors import RolloutFailed
 from rlfabric.trainer.task import LetterTask
 
@@ -61,6 +63,8 @@ class StepStats:
     resume_ms: float
     wall_s: float
     tokens_per_s: float
+    #: bytes the update after this step pushed (the adapter's alone with --lora)
+    update_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,11 +75,25 @@ class GRPOTrainer:
                  task: LetterTask | None = None,
                  on_step: Callable[[StepStats], None] | None = None) -> None:
         self.fabric = fabric
-        self.model = model
         self.cfg = cfg
+        self.config: Any = model.config
         self.task = task or LetterTask(max_tokens=cfg.max_tokens)
         self.on_step = on_step
-        self.opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        #: what version 0 pushes: the base weights (with --lora, the adapter goes beside them)
+        self.base_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.full_bytes = sum(t.numel() * t.element_size() for t in self.base_state.values())
+        self.adapter: Adapter | None = None
+        if cfg.lora_rank:
+            self.adapter = Adapter(name=LORA_NAME, rank=cfg.lora_rank,
+                                   alpha=2.0 * cfg.lora_rank, target_modules=LORA_TARGETS)
+            lora_model = LoraModel(model, self.adapter)
+            self.model: torch.nn.Module = lora_model
+            params = list(lora_model.lora_parameters())
+        else:
+            self.model = model
+            params = list(model.parameters())
+        self.opt = torch.optim.Adam(params, lr=cfg.lr)
+        self.update_bytes = 0
         self.version = 0
         self.buffer = RolloutBuffer(max_staleness=cfg.max_staleness if cfg.async_mode else 0)
         self.history: list[StepStats] = []
@@ -93,6 +111,7 @@ class GRPOTrainer:
             reqs.append(RolloutRequest(
                 request_id=rid, group_id=f"s{step}", prompt_token_ids=PackedI32(prompt),
                 min_weight_version=self.version,
+                adapter=self.adapter.name if self.adapter else "",
                 sampling=SamplingParams(max_tokens=cfg.max_tokens, n=cfg.group_size,
                                         temperature=cfg.temperature,
                                         seed=(step * 7919 + i) * 64)))
@@ -141,8 +160,7 @@ class GRPOTrainer:
         if not seqs:  # every sample stale or empty: nothing to learn from, no step
             return (*reward, None)
         width = max(len(s) for s in seqs)
-        cfg_hf: Any = self.model.config
-        pad = cfg_hf.pad_token_id
+        pad = self.config.pad_token_id
         ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
         mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
         logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
@@ -199,8 +217,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         await self.fabric.pause(mode=mode)
         t1 = time.perf_counter()
-        await self.fabric.update_weights(self.version + 1, module=self.model,
-                                         transport=self.cfg.transport)
+        await self._push(self.version + 1)
         t2 = time.perf_counter()
         await self.fabric.resume()
         t3 = time.perf_counter()
@@ -208,11 +225,27 @@ class GRPOTrainer:
         self._remember()
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
 
+    async def _push(self, version: int) -> None:
+        """The trained weights as `version`: the whole model, or with --lora the adapter."""
+        if isinstance(self.model, LoraModel):
+            state = self.model.adapter_state()
+            await self.fabric.update_weights(version, state_dict=state, adapter=self.adapter,
+                                             transport=self.cfg.transport)
+        else:
+            state = self.model.state_dict()
+            await self.fabric.update_weights(version, state_dict=state,
+                                             transport=self.cfg.transport)
+        self.update_bytes = sum(t.numel() * t.element_size() for t in state.values())
+
     # ---- the loop ----
     async def push_initial(self) -> None:
-        """Version 0: the trainer's own weights, so workers never need to share its seed."""
+        """Version 0: the trainer's own weights, so workers never need to share its seed
+        (with --lora, the base weights and the adapter's version 0 beside them)."""
         self.model.eval()
-        await self.fabric.update_weights(0, module=self.model, transport=self.cfg.transport)
+        if self.adapter is not None:
+            await self.fabric.update_weights(0, state_dict=self.base_state,
+                                             transport=self.cfg.transport)
+        await self._push(0)
         self._remember()
         self.model.train()
 
@@ -264,7 +297,8 @@ class GRPOTrainer:
                     two_version_samples=sum(1 for r in results if len(r.version_spans) > 1),
                     gen_s=gen_s, train_s=train_s, pause_ms=pause_ms, update_ms=update_ms,
                     resume_ms=resume_ms, wall_s=wall,
-                    tokens_per_s=tokens / gen_s if gen_s > 0 else math.nan)
+                    tokens_per_s=tokens / gen_s if gen_s > 0 else math.nan,
+                    update_bytes=self.update_bytes)
                 self.history.append(stats)
                 if self.on_step is not None:
                     self.on_step(stats)

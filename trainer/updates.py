@@ -28,6 +28,7 @@ from rlfabric.bus import (
 )
 from rlfabric.concurrency.sync import beside
 from rlfabric.schemas import (
+    Adapter,
     Collective,
     CollectiveBackend,
     FanoutReport,
@@ -52,15 +53,16 @@ class WeightUpdates:
         self.watcher = watcher
         self.desired = desired
         self.stager = WeightStager(broadcaster.bus)
-        self._current: Staged | None = None  # what late joiners load: kept until replaced
+        #: what late joiners load, by adapter name ("": the base weights): kept until replaced
+        self._current: dict[str, Staged] = {}
         self._group: CollectiveGroup | None = None
         self._group_fingerprint = ""
         self._last_epoch = 0
 
     async def close(self) -> None:
         self.stager.close()
-        if self._current is not None:
-            await self._current.release()
+        for staged in self._current.values():
+            await staged.release()
         if self._group is not None:
             self._group.close()
 
@@ -73,6 +75,7 @@ class WeightUpdates:
     async def push(self, staged: Staged, *, target: Target | None, policy: QuorumPolicy,
                    verify: Verify) -> FanoutReport:
         deadline = time.time() + policy.timeout
+        adapter = target.name if isinstance(target, Adapter) else ""
         try:
             if isinstance(staged.transport, Collective):
                 group = await self._fresh_group(policy)
@@ -81,21 +84,34 @@ class WeightUpdates:
                 cmd = staged.command(new_cmd_id(), target=target, deadline=deadline)
                 rep = await self._push_collective(cmd, staged, group, policy)
                 self._check(rep, staged, verify)
-                await self.desired.write(weight_version=staged.version, locator=None)
+                if not adapter:
+                    await self.desired.write(weight_version=staged.version, locator=None)
             else:
                 cmd = staged.command(new_cmd_id(), target=target, deadline=deadline)
                 # a worker joining during the update loads this version itself
-                async with self.desired.during(rollback=True, weight_version=staged.version,
-                                               locator=cmd):
+                changes: dict[str, Any] = (
+                    {"adapters": {**self.desired.state.adapters, adapter: cmd}} if adapter
+                    else {"weight_version": staged.version, "locator": cmd})
+                async with self.desired.during(rollback=True, **changes):
                     rep = await self._broadcast_sending(cmd, staged, policy)
                     self._check(rep, staged, verify)
         except Exception:
             await staged.release()
             raise
-        if self._current is not None and self._current is not staged:
-            await self._current.release()  # the previous version is no longer anyone's to load
-        self._current = staged
+        previous = self._current.get(adapter)
+        if previous is not None and previous is not staged:
+            await previous.release()  # the previous version is no longer anyone's to load
+        self._current[adapter] = staged
         return rep
+
+    async def forget_adapter(self, name: str) -> None:
+        """After an unload: the adapter's staging is freed, joiners no longer load it."""
+        staged = self._current.pop(name, None)
+        if staged is not None:
+            await staged.release()
+        if name in self.desired.state.adapters:
+            rest = {k: v for k, v in self.desired.state.adapters.items() if k != name}
+            await self.desired.write(adapters=rest)
 
     async def _broadcast_sending(self, cmd: UpdateWeights, staged: Staged,
                                  policy: QuorumPolicy) -> FanoutReport:

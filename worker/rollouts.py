@@ -504,8 +504,7 @@ class RolloutServer:
             await self._reply_error(msg, req, ErrorCode.DEADLINE_EXCEEDED,
                                     f"request {req.request_id} expired before a worker took it")
             return None
-        if req.min_weight_version > self.engine.version:
-            await self._not_yet(d, req)
+        if not await self._version_ready(d, req):
             return None
         try:
             self.engine.check(req)
@@ -542,21 +541,43 @@ class RolloutServer:
                                            until=until)
         self.served += 1
 
-    async def _not_yet(self, d: _Delivery, req: RolloutRequest) -> None:
-        """A request for weights newer than ours. If the fleet's desired version is that new
-        (an update is on its way, or this worker is behind), it goes back to the stream for a
-        while, backing off, so the requests behind it are served meanwhile. If no update to
-        it was ever sent, a request without a deadline fails now (nothing would ever serve
-        it); one with a deadline waits for it until then."""
-        desired = await self.bus.state.read()
-        want = req.min_weight_version
-        if desired.weight_version < want and not req.deadline:
+    async def _version_ready(self, d: _Delivery, req: RolloutRequest) -> bool:
+        """Whether this worker holds a version `req` may be served under (its adapter's, if
+        it names one); if not, it was answered or goes back (`_not_yet`)."""
+        if not req.adapter:
+            if req.min_weight_version <= self.engine.version:
+                return True
+            desired = await self.bus.state.read()
+            await self._not_yet(d, req, desired.weight_version, "weight version")
+            return False
+        held = self.engine.adapter_versions().get(req.adapter, ())
+        if held and max(req.min_weight_version, req.adapter_version) <= max(held):
+            return True  # an evicted version asked for: the engine's check says so
+        upd = (await self.bus.state.read()).adapters.get(req.adapter)
+        if upd is None:
+            await self._reply_error(d.msg, req, ErrorCode.ADAPTER_UNKNOWN,
+                                    f"request {req.request_id} names adapter {req.adapter!r}, "
+                                    "which no update loaded on this fleet (or one unloaded): "
+                                    "push it with FabricClient.update_weights(adapter=...)")
+            return False
+        await self._not_yet(d, req, upd.version, f"adapter {req.adapter!r} version")
+        return False
+
+    async def _not_yet(self, d: _Delivery, req: RolloutRequest, desired: int, what: str
+                       ) -> None:
+        """A request for a version newer than ours. If the fleet's desired version is that
+        new (an update is on its way, or this worker is behind), it goes back to the stream
+        for a while, backing off, so the requests behind it are served meanwhile. If no
+        update to it was ever sent, a request without a deadline fails now (nothing would
+        ever serve it); one with a deadline waits for it until then."""
+        want = max(req.min_weight_version, req.adapter_version)
+        if desired < want and not req.deadline:
             await self._reply_error(
                 d.msg, req, ErrorCode.VERSION_UNAVAILABLE,
-                f"request {req.request_id} needs weight version >= {want}, but the fleet's "
-                f"desired version is {desired.weight_version} and no update to {want} was sent:"
-                " push it first, lower min_weight_version, or give the request a deadline to "
-                "wait for it", retryable=True)
+                f"request {req.request_id} needs {what} >= {want}, but the fleet's desired "
+                f"version is {desired} and no update to {want} was sent: push it first, lower "
+                "min_weight_version, or give the request a deadline to wait for it",
+                retryable=True)
             return
         tries = d.msg.metadata.num_delivered or 1
         d.back = max(d.back or 0.0, min(1.0, 0.25 * 2 ** min(tries - 1, 2)))

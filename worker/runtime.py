@@ -53,6 +53,7 @@ from rlfabric.schemas import (
     Shutdown,
     Sleep,
     StateEvent,
+    UnloadAdapter,
     UpdateWeights,
     Wake,
     WorkerInfo,
@@ -110,7 +111,8 @@ class Worker:
             if desired.paused:  # join a paused fleet paused
                 self.rollouts.hold()
                 await self.engine.pause("keep")
-            self.reg.update(weight_version=self.engine.version)
+            self.reg.update(weight_version=self.engine.version,
+                            adapters=self.engine.adapter_versions())
             self._version_metric()
             await tg.start(self.reg.run)
             await tg.start(self.rollouts.run)
@@ -210,6 +212,11 @@ class Worker:
             case ResetPrefixCache():
                 await self.engine.reset_prefix_cache()
                 return None
+            case UnloadAdapter():
+                held = await self.engine.unload_adapter(cmd.name)
+                self.reg.update(adapters=self.engine.adapter_versions())
+                await self._set_state("paused" if self.rollouts.held else "ready")
+                return AckFields(detail={"unloaded": str(held).lower()})
             case Describe():
                 return self._describe()
             case Shutdown():
@@ -266,6 +273,7 @@ class Worker:
             return await self.weights.update(cmd, ctx)
         finally:
             self._checksum_cache = None
+            self.reg.update(adapters=self.engine.adapter_versions())
             self.rollouts.version_moved()
             self._version_metric()
             await self._set_state(before)

@@ -18,16 +18,16 @@ import anyio
 
 from rlfabric import tensors
 from rlfabric.bus import AckFields, Bus, CommandContext, CommandFailed
-from rlfabric.engines.errors import WeightLoadError
+from rlfabric.engines.errors import EngineError, WeightLoadError
 from rlfabric.engines.payload import PackedWeights, payload
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import (
+    Adapter,
     Collective,
     DesiredState,
     ErrorCode,
     ErrorEvent,
     InitTransport,
-    Lora,
     UpdateWeights,
 )
 from rlfabric.telemetry import spans
@@ -56,35 +56,42 @@ class WeightSync:
 
     # ---- join ----
     async def load_current(self, state: DesiredState) -> None:
-        """At join: serve the fleet's current version if it can be pulled."""
+        """At join: serve the fleet's current version, and its adapters' newest versions, if
+        they can be pulled."""
         cmd = state.locator
-        if cmd is None or cmd.version <= self.engine.version:
-            return
+        if cmd is not None and cmd.version > self.engine.version:
+            await self._join_load(cmd, f"weight version {cmd.version}")
+        for name, upd in state.adapters.items():
+            if upd.version not in self.engine.adapter_versions().get(name, ()):
+                await self._join_load(upd, f"adapter {name!r} v{upd.version}")
+
+    async def _join_load(self, cmd: UpdateWeights, what: str) -> None:
         if isinstance(cmd.transport, Collective):
-            log.info("%s: v%d was pushed over a collective group; waiting for the next push",
-                     self.worker_id, cmd.version)
+            log.info("%s: %s was pushed over a collective group; waiting for the next push",
+                     self.worker_id, what)
             return
         try:
             await self._apply(cmd)
-        except CommandFailed as exc:
+        except (CommandFailed, EngineError) as exc:
             # e.g. the shm segment of a trainer that died: join anyway, on the weights we
-            # have, say so, and take the next push (requests for v<N> wait for it)
-            why = (f"{self.worker_id} cannot load the fleet's weight version {cmd.version} "
-                   f"({exc.code}: {exc}); it joins on v{self.engine.version} and waits for "
-                   "the next update")
+            # have, say so, and take the next push (requests for it wait)
+            why = (f"{self.worker_id} cannot load the fleet's {what} ({exc.code}: {exc}); it "
+                   f"joins on v{self.engine.version} and waits for the next update")
             log.error("%s", why)
             await self.bus.emit(ErrorEvent(source=self.worker_id,
                                            code=ErrorCode.WEIGHTS_UNAVAILABLE, message=why,
                                            at=time.time()))
             return
-        log.info("%s: joined on weight version %d", self.worker_id, cmd.version)
+        log.info("%s: joined on %s", self.worker_id, what)
 
     # ---- commands ----
     async def update(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
-        if isinstance(cmd.target, Lora):
-            raise CommandFailed(ErrorCode.UNSUPPORTED, f"LoRA targets are not supported by the "
-                                f"{self.engine.name} engine")
-        if isinstance(cmd.transport, Collective) and self.engine.owns_collective:
+        collective = isinstance(cmd.transport, Collective)
+        if isinstance(cmd.target, Adapter) and collective and self.engine.owns_collective:
+            raise CommandFailed(ErrorCode.UNSUPPORTED, f"{self.worker_id} ({self.engine.name}) "
+                                "takes LoRA adapters over shm, filesystem or nats, not over its "
+                                "engine's collective group")
+        if collective and self.engine.owns_collective:
             await self.engine.receive_collective(cmd)
             return AckFields(weight_version=self.engine.version)
         return await self._apply(cmd, ready=ctx.ready)
@@ -135,10 +142,9 @@ class WeightSync:
             try:
                 with payload(view, t.tensors, path=got.path) as weights, \
                         spans.span("load weights"):
-                    await self._load(weights, cmd)
+                    return await self._load(weights, cmd)
             finally:
                 del view  # no view may outlive the buffer
-        return AckFields(weight_version=self.engine.version)
 
     async def _open(self, cmd: UpdateWeights, job: ReceiveJob,
                     keep: contextlib.AsyncExitStack) -> Received:
@@ -160,7 +166,9 @@ class WeightSync:
                                     f"{self.worker_id} could not fetch v{cmd.version} over "
                                     f"{kind}: {exc}") from exc
 
-    async def _load(self, weights: PackedWeights, cmd: UpdateWeights) -> None:
+    async def _load(self, weights: PackedWeights, cmd: UpdateWeights) -> AckFields:
+        if isinstance(cmd.target, Adapter):
+            return await self._load_adapter(weights, cmd, cmd.target)
         why = ""
         try:
             await self.engine.load_weights(weights, cmd.version)
@@ -174,6 +182,22 @@ class WeightSync:
                                 f"({why}); still serving v{self.engine.version}")
         if cmd.reset_prefix_cache:
             await self.engine.reset_prefix_cache()
+        return AckFields(weight_version=self.engine.version)
+
+    async def _load_adapter(self, weights: PackedWeights, cmd: UpdateWeights,
+                            adapter: Adapter) -> AckFields:
+        """The ack carries the adapter's version and the checksum of its tensors."""
+        why = ""
+        try:
+            checksum = await self.engine.load_adapter(weights, adapter, cmd.version)
+        except (WeightLoadError, ValueError, TypeError, RuntimeError) as exc:
+            why = str(exc)
+        if why:  # outside the except block: see `_load`
+            raise CommandFailed(ErrorCode.LOAD_FAILED,
+                                f"{self.worker_id}: adapter {adapter.name!r} v{cmd.version} not "
+                                f"loaded ({why}); its earlier versions still serve")
+        return AckFields(weight_version=cmd.version, weights_checksum=checksum,
+                         detail={"adapter": adapter.name})
 
 
 async def _digest_in_thread(view: memoryview) -> str:

@@ -16,12 +16,19 @@ import torch
 from anyio.abc import TaskStatus
 
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import RequestRejected, RuntimeCollective, TokenSink, checked
-from rlfabric.engines.registry import MAX_BATCH
+from rlfabric.engines.protocol import (
+    RequestRejected,
+    RuntimeCollective,
+    TokenSink,
+    adapter_held,
+    checked,
+)
+from rlfabric.engines.registry import ADAPTER_VERSIONS, MAX_ADAPTERS, MAX_BATCH
 from rlfabric.engines.torch.model_runner import ModelRunner, RunnerState
 from rlfabric.engines.torch.scheduler import Scheduler
 from rlfabric.engines.torch.sequence import Sequence
 from rlfabric.schemas import (
+    Adapter,
     ErrorCode,
     PauseMode,
     RolloutRequest,
@@ -34,10 +41,13 @@ class TorchEngine(RuntimeCollective):
     name = "torch"
 
     def __init__(self, model: str = "tiny", *, device: str | None = None,
-                 dtype: torch.dtype | None = None, max_batch: int = MAX_BATCH) -> None:
+                 dtype: torch.dtype | None = None, max_batch: int = MAX_BATCH,
+                 max_adapters: int = MAX_ADAPTERS, adapter_versions: int = ADAPTER_VERSIONS,
+                 ) -> None:
         self.model = model
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.runner = ModelRunner(model, device=self.device, dtype=dtype)
+        self.runner = ModelRunner(model, device=self.device, dtype=dtype,
+                                  max_adapters=max_adapters, adapter_versions=adapter_versions)
         self.scheduler = Scheduler(max_batch)
         self._sleeping = 0
 
@@ -89,6 +99,8 @@ class TorchEngine(RuntimeCollective):
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt of {len(ids)} tokens leaves no room in the context of "
                 f"{context} tokens of model {self.model!r}")
+        if request.adapter:
+            adapter_held(request, self.runner.lora.versions())
 
     async def generate(self, request: RolloutRequest, *, worker_id: str = "",
                        on_tokens: TokenSink | None = None) -> AsyncIterator[RolloutResult]:
@@ -117,11 +129,13 @@ class TorchEngine(RuntimeCollective):
             base_seed = sp.seed if sp.seed is not None else random.getrandbits(62)
             prompt = request.prompt_token_ids.tolist()
             stops = frozenset(sp.stop_token_ids) | self.runner.eos_ids
+            lora = (self.runner.lora.pick(request.adapter, request.adapter_version)
+                    if request.adapter else None)
             for i in range(sp.n):
                 gen = torch.Generator(device=self.device).manual_seed(base_seed + i)
                 seqs.append(Sequence(request=request, sample_index=i, prompt=prompt,
                                      generator=gen, sink=send, stop_ids=stops,
-                                     worker_id=worker_id,
+                                     worker_id=worker_id, lora=lora,
                                      emit=emit if request.stream else None))
         self.scheduler.admit(seqs)
         try:
@@ -171,6 +185,23 @@ class TorchEngine(RuntimeCollective):
 
     def weights_checksum(self) -> str:
         return self.runner.checksum()
+
+    # ---- adapters ----
+    async def load_adapter(self, weights: PackedWeights, adapter: Adapter, version: int) -> str:
+        state = weights.state()
+        try:
+            p = next(iter(self.runner.params.values()))
+            held = self.runner.lora.prepare(adapter, state, version, self.device, p.dtype)
+        finally:
+            state.clear()
+        self.runner.lora.add(held)
+        return held.checksum
+
+    async def unload_adapter(self, name: str) -> bool:
+        return self.runner.lora.remove(name)
+
+    def adapter_versions(self) -> dict[str, tuple[int, ...]]:
+        return self.runner.lora.versions()
 
     async def sleep(self, level: int) -> None:
         await self.pause("abort")

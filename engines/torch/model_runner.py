@@ -9,6 +9,7 @@ never inside one; the first step after they land recomputes the KV cache under t
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import threading
@@ -21,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from rlfabric.engines.protocol import WeightLoadError
+from rlfabric.engines.torch.lora import LoraBank
 from rlfabric.engines.torch.sampling import sample
 from rlfabric.engines.torch.sequence import Sequence
 from rlfabric.tensors.models import build_model
@@ -34,7 +36,8 @@ class RunnerState(enum.Enum):
 
 
 class ModelRunner:
-    def __init__(self, model: str, *, device: torch.device, dtype: torch.dtype | None) -> None:
+    def __init__(self, model: str, *, device: torch.device, dtype: torch.dtype | None,
+                 max_adapters: int = 4, adapter_versions: int = 2) -> None:
         self.model = model
         self.device = device
         self.module = build_model(model, dtype=dtype, device=device)
@@ -45,6 +48,7 @@ class ModelRunner:
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.pad_id: int = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.params: dict[str, torch.Tensor] = dict(self.module.state_dict())
+        self.lora = LoraBank(self.module, max_adapters=max_adapters, keep=adapter_versions)
         self.version = -1
         self._step_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -144,11 +148,15 @@ class ModelRunner:
                 self._state = RunnerState.RUNNING
             return not self._abort
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
-                 cache: DynamicCache) -> tuple[Any, DynamicCache]:
-        """One forward pass over `cache` (an empty one: prefill); the output and the cache."""
-        out = self.module(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                          **{self._cache_kw: cache})
+    def _forward(self, rows: list[Sequence], ids: torch.Tensor, mask: torch.Tensor,
+                 pos: torch.Tensor, cache: DynamicCache) -> tuple[Any, DynamicCache]:
+        """One forward pass over `cache` (an empty one: prefill), each row under its
+        sequence's adapter (if any); the output and the cache."""
+        adapters = [s.lora for s in rows]
+        with self.lora.rows(adapters) if any(a is not None for a in adapters) \
+                else contextlib.nullcontext():
+            out = self.module(input_ids=ids, attention_mask=mask, position_ids=pos,
+                              use_cache=True, **{self._cache_kw: cache})
         return out, out[self._cache_kw]
 
     def _decode(self, batch: list[Sequence]) -> None:
@@ -175,7 +183,7 @@ class ModelRunner:
                             device=self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         with self._step_lock:
-            out, cache = self._forward(ids, mask, pos, DynamicCache())
+            out, cache = self._forward(batch, ids, mask, pos, DynamicCache())
             version = self.version
         return _Step(rows=list(batch), width=width, mask=mask, pos=pos, cache=cache, out=out,
                      version=version)
@@ -199,7 +207,8 @@ class ModelRunner:
             if seq.cancelled:
                 seq.finish = "abort"
                 continue
-            seq.append(tok, got.taken[r], step.version)
+            # an adapter's sequence is versioned by its adapter (pinned at admission)
+            seq.append(tok, got.taken[r], step.version if seq.lora is None else seq.lora.version)
             k = seq.request.sampling.logprobs
             if k:
                 seq.top_ids.append(got.top_ids[r][:k])
@@ -234,11 +243,12 @@ class ModelRunner:
                 full = torch.tensor([[self.pad_id] * (step.width - len(s.prompt)) + s.prompt
                                      + s.tokens for s in step.rows], device=self.device)
                 step.out, step.cache = self._forward(
-                    full, step.mask, (step.mask.cumsum(-1) - 1).clamp(min=0), DynamicCache())
+                    step.rows, full, step.mask, (step.mask.cumsum(-1) - 1).clamp(min=0),
+                    DynamicCache())
             else:
                 step.out, step.cache = self._forward(
-                    torch.tensor(nxt, device=self.device)[:, None], step.mask, step.pos,
-                    step.cache)
+                    step.rows, torch.tensor(nxt, device=self.device)[:, None], step.mask,
+                    step.pos, step.cache)
             step.version = self.version
 
 

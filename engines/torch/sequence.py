@@ -43,6 +43,8 @@ class Sequence:
     #: streamed requests: hands each step's delta over (thread-safe: to the event loop)
     emit: Callable[[TokenDelta], None] | None = None
     sent: int = 0  # tokens already emitted
+    #: the adapter version it runs under (a `LoraWeights`), pinned at admission; None: base
+    lora: Any = None
 
     def append(self, token: int, logprob: float, version: int) -> None:
         if self.spans and self.spans[-1][0] == version:

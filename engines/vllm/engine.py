@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.abc import TaskStatus
 
 from rlfabric.concurrency import Signal, beside
@@ -41,8 +42,10 @@ from rlfabric.engines.errors import (
 )
 from rlfabric.engines.kinds import VllmOptions
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import TokenSink, checked
+from rlfabric.engines.protocol import TokenSink, adapter_held, checked
+from rlfabric.engines.vllm.adapters import VllmAdapters, discard
 from rlfabric.schemas import (
+    Adapter,
     Collective,
     ErrorCode,
     InitTransport,
@@ -111,6 +114,8 @@ class VllmEngine:
         self._finished = Signal()  # one of them finished
         self._restarting = anyio.Lock()
         self._nccl_epoch = 0  # the vLLM NCCL weight-transfer group joined (0: none)
+        self.lora = VllmAdapters(self._shapes, max_adapters=self.options.max_adapters,
+                                 keep=self.options.adapter_versions)
 
     # ---- lifecycle ----
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -138,6 +143,8 @@ class VllmEngine:
                 if self._current_file:
                     with contextlib.suppress(OSError):
                         os.remove(self._current_file)
+                for held in self.lora.every():
+                    discard(held)
 
     def _log_tail(self) -> str:
         return " | ".join(list(self._tail.lines)[-8:]) or "(none)"
@@ -164,6 +171,7 @@ class VllmEngine:
             enforce_eager=o.enforce_eager, max_model_len=o.max_model_len,
             max_num_seqs=o.max_num_seqs, logprobs_mode="raw_logprobs",
             worker_extension_cls=o.worker_extension, disable_log_stats=True,
+            **_lora_args(o),
             enable_sleep_mode=not _on_cpu(), **_weight_transfer_args())
         # NOTE: off the event loop: building the engine blocks for 10-20 s
         self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
@@ -200,6 +208,8 @@ class VllmEngine:
     # ---- requests ----
     def check(self, request: RolloutRequest) -> None:
         checked(request)
+        if request.adapter:
+            adapter_held(request, self.lora.versions())
         ids = request.prompt_token_ids.numpy()
         hi = int(ids.max())
         if hi >= self._vocab:
@@ -240,6 +250,9 @@ class VllmEngine:
                          else RequestOutputKind.FINAL_ONLY), detokenize=False)
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
         rid = f"{request.request_id}/{index}/{uuid.uuid4().hex[:8]}"
+        # the adapter version is pinned here: one landing meanwhile serves later requests
+        lora = self.lora.pick(request.adapter, request.adapter_version) if request.adapter \
+            else None
         t0 = asyncio.get_running_loop().time()
         final = None
         async with send:
@@ -251,7 +264,8 @@ class VllmEngine:
             self._active.add(rid)
             sent = 0
             try:
-                async for out in self._llm.generate(prompt, params, rid):
+                async for out in self._llm.generate(
+                        prompt, params, rid, lora_request=lora.request if lora else None):
                     final = out
                     if on_tokens is not None:
                         sent = self._delta(request, index, out, sent, on_tokens)
@@ -271,7 +285,12 @@ class VllmEngine:
                 self._active.discard(rid)
                 self._finished.fire()
             gen_s = asyncio.get_running_loop().time() - t0
-            await send.send(self._result(request, index, worker_id, final, gen_s))
+            res = self._result(request, index, worker_id, final, gen_s)
+            if lora is not None:  # versioned by its adapter: one span, the pinned version
+                n = len(res.completion_token_ids)
+                res = msgspec.structs.replace(res, version_spans=(
+                    VersionSpan(version=lora.version, start=0, end=n),) if n else ())
+            await send.send(res)
 
     def _delta(self, request: RolloutRequest, index: int, out: Any, sent: int,
                on_tokens: TokenSink) -> int:
@@ -401,11 +420,47 @@ class VllmEngine:
                     "path": self._current_file, "tensors": self._current_layout,
                     "version": self._version})
                 await self._llm.update_weight_version(str(self._version))
+            for held in self.lora.every():
+                await self._llm.add_lora(held.request)
             if self._paused is not None:
                 await self._llm.pause_generation(mode=self._paused, clear_cache=True)
 
     def weights_checksum(self) -> str:
         return self._checksum
+
+    # ---- adapters ----
+    async def load_adapter(self, weights: PackedWeights, adapter: Adapter, version: int) -> str:
+        from rlfabric.tensors.packing import checksum
+
+        state = weights.state()
+        try:
+            self.lora.check(adapter, state)
+            held = await anyio.to_thread.run_sync(
+                self.lora.write, adapter, state, version, checksum(state))
+        finally:
+            state.clear()
+        try:
+            await self._llm.add_lora(held.request)
+        except Exception as exc:
+            discard(held)
+            raise WeightLoadError(f"vLLM did not load adapter {adapter.name!r} v{version}: "
+                                  f"{type(exc).__name__}: {exc}") from None
+        for old in self.lora.add(held):
+            with contextlib.suppress(Exception):
+                await self._llm.remove_lora(old.request.lora_int_id)
+            discard(old)
+        return held.checksum
+
+    async def unload_adapter(self, name: str) -> bool:
+        dropped = self.lora.remove(name)
+        for old in dropped:
+            with contextlib.suppress(Exception):
+                await self._llm.remove_lora(old.request.lora_int_id)
+            discard(old)
+        return bool(dropped)
+
+    def adapter_versions(self) -> dict[str, tuple[int, ...]]:
+        return self.lora.versions()
 
     # NOTE: the two methods below are the CUDA path, coded to vLLM's weight-transfer API;
     # the same module ships in the CPU build, where NCCL cannot run, so they refuse there
@@ -565,6 +620,16 @@ def _copy_to_spill(path: str, version: int) -> str:
     os.close(fd)
     shutil.copyfile(path, keep)
     return keep
+
+
+def _lora_args(o: VllmOptions) -> dict[str, Any]:
+    """vLLM's LoRA support, on when the worker holds adapters: room for every version of
+    every adapter at once."""
+    if o.max_adapters < 1:
+        return {}
+    slots = o.max_adapters * o.adapter_versions
+    return {"enable_lora": True, "max_loras": slots, "max_cpu_loras": slots,
+            "max_lora_rank": o.max_lora_rank}
 
 
 def _weight_transfer_args() -> dict[str, Any]:

@@ -27,6 +27,22 @@ def gone(pid: int) -> bool:
         return True
 
 
+def test_lora_trains_only_the_adapter_and_pushes_only_it(tmp_path: Path) -> None:
+    out = subprocess.run([EXE, "up", "--workers", "2", "--steps", "12", "--threshold", "0.3",
+                          "--lora", "8", "--no-live", "--json", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    rewards = [s["reward"] for s in summary["steps"]]
+    assert summary["reward_first"] < 0.05 and rewards[-1] >= 0.3
+    assert summary["mismatch_mean"] is not None and summary["mismatch_mean"] <= 1e-4
+    # every worker serves the adapter's last version; the base stays at the pushed v0
+    assert set(summary["workers_on_final"].values()) == {12}
+    assert summary["lora_rank"] == 8
+    assert 0 < summary["update_bytes"] < summary["full_model_bytes"] / 4
+    assert {s["update_bytes"] for s in summary["steps"]} == {summary["update_bytes"]}
+
+
 def test_short_run_learns_with_exact_logprobs_and_every_worker_on_the_last_version(
         tmp_path: Path) -> None:
     spans_file = tmp_path / "spans.jsonl"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -20,13 +21,13 @@ from collections.abc import Iterator
 
 import anyio
 import helpers
-import numpy as np
 import pytest
 import torch
-from helpers import taken_logprobs
+from helpers import worst_gap
 
 from rlfabric.bus import Limits, QuorumNotReached, QuorumPolicy
-from rlfabric.schemas import RolloutRequest, RolloutResult
+from rlfabric.schemas import Adapter, RolloutResult
+from rlfabric.tensors import lora
 from rlfabric.tensors.models import build_model
 from rlfabric.tensors.packing import checksum
 from rlfabric.trainer import FabricClient
@@ -42,13 +43,6 @@ MODEL = "tiny64"
 perturbed = functools.partial(helpers.perturbed, model_name=MODEL)
 req = functools.partial(helpers.req, min_version=0)
 EOS = 257
-
-
-def worst_gap(model: torch.nn.Module, reqs: list[RolloutRequest], out: list) -> float:
-    by_id = {r.request_id: r.prompt_token_ids.tolist() for r in reqs}
-    gaps = [np.abs(taken_logprobs(model, by_id[r.request_id], r.completion_token_ids.tolist())
-                   - r.logprobs.numpy()).max() for r in out if len(r.completion_token_ids)]
-    return float(max(gaps))
 
 
 class Fleet:
@@ -338,3 +332,56 @@ async def test_engine_process_killed_worker_leaves_and_its_requests_complete_els
     assert len(keys) == 24 and len(set(keys)) == 24
     assert all(isinstance(r, RolloutResult) for r in out)
     assert all(r.worker_id == "kv1" for r in out if r.attempt > 1)
+
+
+QV = Adapter(name="qv", rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "down_proj"))
+HEAD = Adapter(name="head", rank=4, alpha=4.0, target_modules=("o_proj", "lm_head"))
+
+
+async def test_adapters_match_the_merged_model_and_a_new_version_never_reuses_old_cache(
+        nats_url: str) -> None:
+    """Base rows and two adapters in one batch each match their merged references; v2 of an
+    adapter serves requests whose 200-token prefix vLLM cached under v1 with v2's weights."""
+    base = build_model(MODEL)
+    v1, v2 = (lora.random_adapter(base, QV, seed=s, std=0.2) for s in (1, 2))
+    head = lora.random_adapter(base, HEAD, seed=3, std=0.2)
+    prefix = [256, *range(1, 200)]
+    with fleet(nats_url) as f:
+        for wid in ("ad0", "ad1"):
+            f.start(wid, "--max-adapters", "2", "--max-lora-rank", "8")
+        async with client(f) as fabric:
+            await fabric.wait_for_workers(2, timeout=240)
+            await fabric.update_weights(0, module=base)
+            rep = await fabric.update_weights(1, state_dict=v1, adapter=QV)
+            assert {a.weights_checksum for a in rep.acks.values()} == {checksum(v1)}
+            await fabric.update_weights(1, state_dict=head, adapter=HEAD, transport="nats")
+            mixed = [req(f"m{k}{i}", [*prefix, i], max_tokens=12, seed=i, adapter=k)
+                     for k in ("", "qv", "head") for i in range(6)]
+            got1 = [r async for r in fabric.generate(mixed, timeout=120)]
+            await fabric.update_weights(2, state_dict=v2, adapter=QV, transport="filesystem")
+            again = [req(f"n{i}", [*prefix, i], min_version=2, max_tokens=12, seed=i,
+                         adapter="qv") for i in range(6)]
+            got2 = [r async for r in fabric.generate(again, timeout=120)]
+            members = await fabric.bus.fleet.members()
+    refs = {"": base, "qv": lora.merged(base, v1, QV), "head": lora.merged(base, head, HEAD)}
+    for k, model in refs.items():
+        reqs = [r for r in mixed if r.adapter == k]
+        out = [r for r in got1 if r.request_id[1:-1] == k]
+        assert len(out) == 6 and worst_gap(model, reqs, out) <= 1e-4
+    assert all([s.version for s in r.version_spans] == [2] for r in got2)
+    assert worst_gap(lora.merged(base, v2, QV), again, got2) <= 1e-4
+    assert worst_gap(refs["qv"], again, got2) > 1e-3  # not v1's cached blocks
+    assert {m.adapters["qv"] for m in members.values()} == {(1, 2)}
+
+
+async def test_up_trains_a_lora_adapter_on_vllm(tmp_path) -> None:
+    out = subprocess.run([sys.executable, "-m", "rlfabric", "up", "--engine", "vllm",
+                          "--workers", "2", "--steps", "12", "--threshold", "0.3", "--lora", "8",
+                          "--no-live", "--json", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"][-1]["reward"] >= 0.3 > summary["reward_first"]
+    assert summary["mismatch_mean"] is not None and summary["mismatch_mean"] <= 1e-4
+    assert set(summary["workers_on_final"].values()) == {12}
+    assert 0 < summary["update_bytes"] < summary["full_model_bytes"] / 4

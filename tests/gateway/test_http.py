@@ -113,3 +113,44 @@ def test_an_api_key_is_required_when_set(fleet, client, tmp_path):
     r = client(base, api_key="sk-a").chat.completions.create(**OK)
     assert r.choices[0].finish_reason == "length"
     assert client(base, api_key="sk-b").models.list().data[0].id == MODEL
+
+
+@pytest.mark.anyio
+async def test_a_lora_adapter_is_a_model_the_gateway_lists_and_serves(new_fleet, chat_format):
+    """Pushed to the fleet, an adapter is a `model`: listed by /v1/models, its completions
+    are the merged model's tokens, and once unloaded it is a 404 again."""
+    import anyio
+    from helpers import taken_logprobs
+
+    from rlfabric.schemas import Adapter
+    from rlfabric.tensors import lora
+    from rlfabric.tensors.models import build_model
+    from rlfabric.trainer import FabricClient
+
+    f = new_fleet()
+    f.workers(["lw0"])
+    base = f.gateway()
+    qv = Adapter(name="qv", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    model = build_model(MODEL)
+    state = lora.random_adapter(model, qv, seed=5, std=0.2)
+    ids = chat_format().encode("Once upon a time")
+    body = {"model": "qv", "prompt": ids, "max_tokens": 6, "seed": 2, "logprobs": 0}
+    async with FabricClient.connect(f.nats, prefix=f.prefix) as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        await fabric.update_weights(1, state_dict=state, adapter=qv)
+        # the gateway learns of it from the membership: another process, no event to await
+        with anyio.fail_after(30):
+            while "qv" not in [m["id"] for m in httpx.get(f"{base}/models").json()["data"]]:  # noqa: ASYNC110
+                await anyio.sleep(0.1)
+        got = await anyio.to_thread.run_sync(lambda: _post(base, "/completions", body))
+        await fabric.unload_adapter("qv")
+        with anyio.fail_after(30):
+            while "qv" in [m["id"] for m in httpx.get(f"{base}/models").json()["data"]]:  # noqa: ASYNC110
+                await anyio.sleep(0.1)
+    gone = _post(base, "/completions", body)
+    assert got.status_code == 200, got.text
+    choice = got.json()["choices"][0]
+    want = taken_logprobs(lora.merged(model, state, qv), ids, choice["token_ids"])
+    assert abs(want - choice["logprobs"]["token_logprobs"]).max() <= 1e-4
+    assert [v["version"] for v in choice["weight_versions"]] == [1]
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"

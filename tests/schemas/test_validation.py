@@ -35,3 +35,14 @@ def test_one_negative_id_anywhere_in_a_long_prompt_is_found(bad: int) -> None:
         with pytest.raises(InvalidRequest, match=rf"token id {bad} is negative"):
             check_request(request(ids))
     check_request(request([2**31 - 1, 255, 256, 2**24, 0] * 2000))
+
+
+def test_an_adapter_version_needs_an_adapter_and_a_name_is_bounded() -> None:
+    import msgspec
+
+    base = request([1, 2])
+    check_request(msgspec.structs.replace(base, adapter="qv", adapter_version=3))
+    with pytest.raises(InvalidRequest, match=r"adapter_version=3.*\[-1, -1\]"):
+        check_request(msgspec.structs.replace(base, adapter_version=3))
+    with pytest.raises(InvalidRequest, match="adapter 'x.*printable"):
+        check_request(msgspec.structs.replace(base, adapter="x" * 300))
