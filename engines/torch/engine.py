@@ -129,8 +129,10 @@ class TorchEngine(RuntimeCollective):
             base_seed = sp.seed if sp.seed is not None else random.getrandbits(62)
             prompt = request.prompt_token_ids.tolist()
             stops = frozenset(sp.stop_token_ids) | self.runner.eos_ids
-            lora = (self.runner.lora.pick(request.adapter, request.adapter_version)
-                    if request.adapter else None)
+            lora = None
+            if request.adapter:  # checked at admission; unloaded since: refused, never base
+                adapter_held(request, self.runner.lora.versions())
+                lora = self.runner.lora.pick(request.adapter, request.adapter_version)
             for i in range(sp.n):
                 gen = torch.Generator(device=self.device).manual_seed(base_seed + i)
                 seqs.append(Sequence(request=request, sample_index=i, prompt=prompt,
