@@ -1,5 +1,6 @@
-"""`nats`: the packed buffer in 4 MiB chunks on `<prefix>.weights.<version>.<i>` in the weights
-stream, so any host can pull it; older versions are purged once a newer one is in place.
+"""`nats`: the packed buffer in chunks of up to 4 MiB (smaller where the server's `max_payload`
+is: a stock server takes 1 MiB) on `<prefix>.weights.<version>.<i>` in the weights stream, so
+any host can pull it; older versions are purged once a newer one is in place.
 
 Staged by `update_weights`, the chunks are sent while the command is out: each worker's
 consumer reads a chunk as soon as it is stored, so publish and read overlap (the command
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from rlfabric.bus import Bus
 
 NATS_CHUNK = 4 * 1024 * 1024
+#: room left in a message for what the server counts beside the chunk (subject, reply)
+PAYLOAD_MARGIN = 4096
 NATS_WINDOW = 16  # chunks in flight: bounds the client's buffer, keeps the pipe full
 NATS_RETRY_S = 60.0  # a chunk not stored after a reconnect is retried this long, then fails
 
@@ -71,14 +74,15 @@ class NatsTransport:
         buf, dg = await self._pack(job.state, job.tensors, job.size)
         subject = s.weights(job.version)
         await self._purge(subject)  # a re-send starts clean
-        chunks = -(-job.size // NATS_CHUNK)
+        chunk = self.chunk_bytes()
+        chunks = -(-job.size // chunk)
 
         async def send() -> None:
-            await self._send(subject, memoryview(buf), chunks)
+            await self._send(subject, memoryview(buf), chunks, chunk)
             self._spare = (job.tensors, buf)  # every chunk stored: the next version packs here
 
         st = Staged(job.version, Nats(stream=s.weights_stream, subject=subject, chunks=chunks,
-                                      chunk_bytes=NATS_CHUNK, tensors=job.tensors),
+                                      chunk_bytes=chunk, tensors=job.tensors),
                     dg, job.expected_checksum, job.size)
         st.on_release(lambda: self._purge(subject))
         if job.send_now:
@@ -87,17 +91,22 @@ class NatsTransport:
             st.unsent = send
         return st
 
+    def chunk_bytes(self) -> int:
+        """The chunk size: 4 MiB, or less if the server announces a smaller `max_payload`."""
+        limit = int(self.bus.nc.max_payload or 0)
+        return NATS_CHUNK if limit <= 0 else max(1024, min(NATS_CHUNK, limit - PAYLOAD_MARGIN))
+
     async def _purge(self, subject: str) -> None:
         await self.bus.js.purge_stream(self.bus.subjects.weights_stream, subject=f"{subject}.>")
 
-    async def _send(self, subject: str, view: memoryview, chunks: int) -> None:
-        """Every chunk, NATS_WINDOW in flight at a time."""
+    async def _send(self, subject: str, view: memoryview, chunks: int, size: int) -> None:
+        """Every chunk (`size` bytes, the last one shorter), NATS_WINDOW in flight at a time."""
 
         async def one(i: int) -> None:
             # NOTE: no headers: nats-py copies the payload to prepend them. A reconnect or a
             # lost PubAck: sent again (a chunk stored twice is read once: workers count chunk
             # indices, not messages)
-            chunk = view[i * NATS_CHUNK:(i + 1) * NATS_CHUNK]
+            chunk = view[i * size:(i + 1) * size]
             try:
                 await self.bus.publish_stored(f"{subject}.{i}", chunk)
             except TRANSIENT:
