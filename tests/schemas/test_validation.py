@@ -44,5 +44,5 @@ def test_an_adapter_version_needs_an_adapter_and_a_name_is_bounded() -> None:
     check_request(msgspec.structs.replace(base, adapter="qv", adapter_version=3))
     with pytest.raises(InvalidRequest, match=r"adapter_version=3.*\[-1, -1\]"):
         check_request(msgspec.structs.replace(base, adapter_version=3))
-    with pytest.raises(InvalidRequest, match="adapter 'x.*printable"):
+    with pytest.raises(InvalidRequest, match=r"adapter 'x.*printable"):
         check_request(msgspec.structs.replace(base, adapter="x" * 300))

@@ -14,15 +14,17 @@ import helpers
 import numpy as np
 import pytest
 import torch
-from helpers import perturbed, taken_logprobs
+from helpers import perturbed, taken_logprobs, worst_gap
 
 from rlfabric.bus import MembershipChanged, QuorumNotReached, QuorumPolicy
 from rlfabric.schemas import (
+    Adapter,
     RolloutReplies,
     RolloutReply,
     RolloutResult,
     codec_for,
 )
+from rlfabric.tensors import lora
 from rlfabric.tensors.models import build_model
 from rlfabric.tensors.packing import checksum
 from rlfabric.trainer import TransportInitFailed
@@ -87,6 +89,17 @@ async def test_update_reaches_every_worker_and_results_use_it(client, workers, t
         reqs = [req(f"r{i}", [256, i, i + 1], min_version=1, max_tokens=12, seed=i)
                 for i in range(12)]
         out = [r async for r in fabric.generate(reqs, timeout=60)]
+        # a LoRA adapter over the same transport: verified against the sender, served merged
+        qv = Adapter(name="qv", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+        adapter = lora.random_adapter(v1, qv, seed=2, std=0.2)
+        rep = await fabric.update_weights(7, state_dict=adapter, adapter=qv, transport=transport)
+        assert rep.ok == tuple(ids)
+        assert {a.weights_checksum for a in rep.acks.values()} == {checksum(adapter)}
+        areqs = [req(f"q{i}", [256, i], min_version=7, max_tokens=8, seed=i, adapter="qv")
+                 for i in range(6)]
+        aout = [r async for r in fabric.generate(areqs, timeout=60)]
+    assert worst_gap(lora.merged(v1, adapter, qv), areqs, aout) <= 1e-4
+    assert all([s.version for s in r.version_spans] == [7] for r in aout)
     assert all(isinstance(r, RolloutResult) for r in out) and len(out) == 12
     assert {r.worker_id for r in out} <= set(ids)
     by_id = {r.request_id: r for r in reqs}
