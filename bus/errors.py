@@ -31,6 +31,16 @@ TRANSIENT: tuple[type[Exception], ...] = (
     nats.js.errors.NoStreamResponseError,
     nats.js.errors.ServiceUnavailableError,
 )
+#: JetStream's answers when its storage has no room (insufficient resources; storage or memory
+#: resources exceeded): a refusal to report at once, never a transient error to retry
+JS_STORAGE_FULL = frozenset({10023, 10047, 10028})
+
+
+def storage_refused(exc: BaseException) -> bool:
+    """Whether `exc` is JetStream saying it has no room to store the message."""
+    return isinstance(exc, nats.js.errors.APIError) and exc.err_code in JS_STORAGE_FULL
+
+
 #: what reading a stored message by sequence raises when it cannot be read now or at all (the
 #: server coming back, the message deleted: `NotFoundError` is an `APIError`)
 READ_FAILED: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)

@@ -17,7 +17,7 @@ from nats.js.api import PubAck
 from opentelemetry import propagate, trace
 
 from rlfabric.bus.connect import Link
-from rlfabric.bus.errors import TRANSIENT
+from rlfabric.bus.errors import TRANSIENT, storage_refused
 from rlfabric.bus.puback import PubAcks
 from rlfabric.bus.refusals import Refusals
 from rlfabric.bus.subjects import Subjects
@@ -86,6 +86,8 @@ class Publisher:
                     return await self.refusals.guard(subject, lambda: self.publish_stored(
                         subject, data, headers, timeout=attempt_timeout), cleared_as=cleared_as)
                 except TRANSIENT as exc:
+                    if storage_refused(exc):  # no room: it will not store on a retry either
+                        raise
                     last = exc
                     if on_retry is not None:
                         on_retry(exc)

@@ -72,10 +72,12 @@ class EmbeddedNats:
 
     def __init__(self, *, port: int = 0, host: str = "127.0.0.1", store_dir: str | None = None,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, extra_config: str = "",
-                 ready_timeout: float = 10.0, binary: str | None = None) -> None:
+                 ready_timeout: float = 10.0, binary: str | None = None,
+                 max_file_store: int | None = None) -> None:
         self.host = host
         self.requested_port = port
         self.max_payload = max_payload
+        self.max_file_store = max_file_store  # JetStream's file storage, bytes (None: its own)
         self.extra_config = extra_config
         self.ready_timeout = ready_timeout
         self._binary = binary
@@ -106,7 +108,9 @@ class EmbeddedNats:
         return (
             f'listen: "{self.host}:{port}"\n'
             f"max_payload: {self.max_payload}\n"
-            f'jetstream {{\n  store_dir: "{self.store_dir}"\n}}\n'
+            f'jetstream {{\n  store_dir: "{self.store_dir}"\n'
+            + (f"  max_file_store: {self.max_file_store}\n" if self.max_file_store else "")
+            + "}\n"
             f"{self.extra_config}\n"
         )
 

@@ -17,7 +17,13 @@ import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from rlfabric.bus.errors import JS_WRONG_LAST_SEQUENCE, READ_FAILED, TRANSIENT, BusError
+from rlfabric.bus.errors import (
+    JS_WRONG_LAST_SEQUENCE,
+    READ_FAILED,
+    TRANSIENT,
+    BusError,
+    storage_refused,
+)
 from rlfabric.bus.provision import Buckets
 from rlfabric.bus.publish import PUB_ACK_TIMEOUT, Publisher
 from rlfabric.bus.subjects import CHECKPOINT_KEY, STATE_KEY
@@ -160,6 +166,9 @@ class StateStore:
         try:
             await self.pub.persist(subject, data, hdrs, until=time.time() + within)
         except TRANSIENT as exc:
+            if storage_refused(exc):
+                raise BusError(f"the job's desired state was not stored: JetStream has no room "
+                               f"({exc}); free or raise the server's JetStream store") from exc
             raise BusError(
                 f"the job's desired state was not stored within {within}s (bucket {bucket}: "
                 f"{type(exc).__name__}: {exc}); on a NATS cluster a node may be down while "

@@ -33,6 +33,7 @@ class ErrorCode(StrEnum):
     BROADCAST_FAILED = "broadcast_failed"  # the collective broadcast failed midway
     DRAIN_TIMEOUT = "drain_timeout"  # requests still in flight at a pause's deadline
     ADAPTER_LIMIT = "adapter_limit"  # more adapters than the engine holds (--max-adapters)
+    STORAGE_FULL = "storage_full"  # the transport's storage has no room for the push
 
     # ---- a worker's own events (ErrorEvent.code) ----
     WEIGHTS_UNAVAILABLE = "weights_unavailable"  # joined without the fleet's version

@@ -21,14 +21,17 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from rlfabric import tensors
-from rlfabric.bus.errors import TRANSIENT
-from rlfabric.schemas import Nats, TensorMeta
-from rlfabric.transports.protocol import Received, ReceiveJob, Staged, StageJob
+from rlfabric.bus.errors import TRANSIENT, storage_refused
+from rlfabric.concurrency import beside
+from rlfabric.schemas import ErrorCode, Nats, TensorMeta
+from rlfabric.transports.protocol import Received, ReceiveJob, Staged, StageJob, TransportError
 
 if TYPE_CHECKING:
     from rlfabric.bus import Bus
 
 NATS_CHUNK = 4 * 1024 * 1024
+#: the subject token (after the version's) of the marker a sender stores when it gives up
+ABORT = "abort"
 #: room left in a message for what the server counts beside the chunk (subject, reply)
 PAYLOAD_MARGIN = 4096
 NATS_WINDOW = 16  # chunks in flight: bounds the client's buffer, keeps the pipe full
@@ -78,7 +81,14 @@ class NatsTransport:
         chunks = -(-job.size // chunk)
 
         async def send() -> None:
-            await self._send(subject, memoryview(buf), chunks, chunk)
+            try:
+                await self._send(subject, memoryview(buf), chunks, chunk)
+            except Exception as exc:
+                await self._abandon(subject, exc)
+                if storage_refused(exc):
+                    raise TransportError(ErrorCode.STORAGE_FULL, _full(exc, job.size, chunk,
+                                                                       chunks)) from exc
+                raise
             self._spare = (job.tensors, buf)  # every chunk stored: the next version packs here
 
         st = Staged(job.version, Nats(stream=s.weights_stream, subject=subject, chunks=chunks,
@@ -95,6 +105,15 @@ class NatsTransport:
         """The chunk size: 4 MiB, or less if the server announces a smaller `max_payload`."""
         limit = int(self.bus.nc.max_payload or 0)
         return NATS_CHUNK if limit <= 0 else max(1024, min(NATS_CHUNK, limit - PAYLOAD_MARGIN))
+
+    async def _abandon(self, subject: str, exc: BaseException) -> None:
+        """A push that failed part-way: its chunks go (the next push has the room it had
+        before), and workers reading them are told why (`<subject>.abort`) instead of waiting
+        out their timeout."""
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await self._purge(subject)
+            await self.bus.publish_stored(f"{subject}.{ABORT}",
+                                          f"{type(exc).__name__}: {exc}".encode()[:4096])
 
     async def _purge(self, subject: str) -> None:
         await self.bus.js.purge_stream(self.bus.subjects.weights_stream, subject=f"{subject}.>")
@@ -113,7 +132,7 @@ class NatsTransport:
                 await self.bus.persist(f"{subject}.{i}", bytes(chunk), {},
                                        until=time.time() + NATS_RETRY_S)
 
-        async with anyio.create_task_group() as tg:
+        async with beside() as tg:  # a refused chunk raised as itself
             window = anyio.Semaphore(NATS_WINDOW)
             for i in range(chunks):
                 await window.acquire()
@@ -137,12 +156,18 @@ class NatsTransport:
         buf = await anyio.to_thread.run_sync(bytearray, tensors.buffer_size(t.tensors))
         seen = bytearray(t.chunks)  # by chunk index: a chunk the sender stored twice counts once
         got = 0
+        aborted = ""
         done = anyio.Event()
 
         async def on_chunk(m: Msg) -> None:
-            nonlocal got
+            nonlocal got, aborted
+            last = m.subject.rsplit(".", 1)[1]
+            if last == ABORT:  # the sender gave up: no more chunks come
+                aborted = m.data.decode(errors="replace")
+                done.set()
+                return
             try:
-                i = int(m.subject.rsplit(".", 1)[1])
+                i = int(last)
             except ValueError:  # not a chunk of ours
                 return
             if not 0 <= i < t.chunks or seen[i]:
@@ -166,4 +191,15 @@ class NatsTransport:
             with anyio.CancelScope(shield=True):
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+        if aborted:
+            raise TransportError(ErrorCode.FETCH_FAILED, f"the sender abandoned this version "
+                                 f"after {got} of {t.chunks} chunks ({aborted})")
         return buf
+
+
+def _full(exc: BaseException, size: int, chunk: int, chunks: int) -> str:
+    mib = 1024 * 1024
+    return (f"JetStream has no room for this push ({exc}): {size / mib:.1f} MiB in {chunks} "
+            f"chunks of {chunk / mib:.1f} MiB; what was stored of it is removed. Raise the "
+            "server's JetStream store (max_file_store, or the account's max_storage), push "
+            "fewer bytes (an adapter), or use the shm or filesystem transport")
