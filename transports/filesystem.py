@@ -5,6 +5,7 @@ Any host that mounts the directory can read it."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -15,8 +16,15 @@ from typing import TYPE_CHECKING
 import anyio
 
 from rlfabric import tensors
-from rlfabric.schemas import Filesystem
-from rlfabric.transports.protocol import Received, ReceiveJob, Staged, StageJob
+from rlfabric.schemas import ErrorCode, Filesystem
+from rlfabric.transports.protocol import (
+    Received,
+    ReceiveJob,
+    Staged,
+    StageJob,
+    TransportError,
+    room_for,
+)
 
 if TYPE_CHECKING:
     from rlfabric.bus import Bus
@@ -45,6 +53,7 @@ class FilesystemTransport:
 
         def write() -> str:
             os.makedirs(path, exist_ok=True)
+            room_for(job.size, path, "the filesystem transport")
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(path, STABLE_MARKER))
             dg: str = tensors.pack_file(job.state, job.tensors,
@@ -52,7 +61,15 @@ class FilesystemTransport:
                                         create=True, sync=True)
             return dg
 
-        dg = await anyio.to_thread.run_sync(write)
+        try:
+            dg = await anyio.to_thread.run_sync(write)
+        except BaseException as exc:
+            # part-way (no space left, ...): what was written goes, the next push has the room
+            await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise TransportError(ErrorCode.STORAGE_FULL, f"the filesystem transport ran out "
+                                     f"of space writing {path} ({exc})") from exc
+            raise
         st = Staged(job.version, Filesystem(path=path, require_marker=True, tensors=job.tensors),
                     dg, job.expected_checksum, job.size)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import shutil
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -41,6 +42,18 @@ class TransportError(RLFabricError):
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def room_for(size: int, folder: str, what: str) -> None:
+    """`TransportError` (`storage_full`) at once unless `folder`'s filesystem has `size` bytes
+    free: a push refused before anything is written, naming the numbers."""
+    free = shutil.disk_usage(folder).free
+    if size > free:
+        mib = 1024 * 1024
+        raise TransportError(ErrorCode.STORAGE_FULL,
+                             f"{what}: this push needs {size / mib:.1f} MiB and {folder} has "
+                             f"{free / mib:.1f} MiB free; free space there, or use another "
+                             "transport")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -15,8 +16,15 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from rlfabric import tensors
-from rlfabric.schemas import SharedMemory
-from rlfabric.transports.protocol import Received, ReceiveJob, Staged, StageJob
+from rlfabric.schemas import ErrorCode, SharedMemory
+from rlfabric.transports.protocol import (
+    Received,
+    ReceiveJob,
+    Staged,
+    StageJob,
+    TransportError,
+    room_for,
+)
 
 if TYPE_CHECKING:
     from rlfabric.bus import Bus
@@ -24,9 +32,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlfabric.transports.shm")
 
 
+#: where Linux keeps POSIX shared-memory segments
+SHM_DIR = "/dev/shm"
+
+
 def shm_file(name: str) -> str | None:
     """The file behind segment `name` on Linux (/dev/shm), else None."""
-    path = f"/dev/shm/{name}"
+    path = f"{SHM_DIR}/{name}"
     return path if os.path.exists(path) else None
 
 
@@ -44,6 +56,7 @@ class SharedMemoryTransport:
 
     async def stage(self, job: StageJob) -> Staged:
         name = f"rlf_{job.prefix}_{job.version}_{uuid.uuid4().hex[:8]}"
+        _room(job.size)
         # the segment (and its clean-up should this process die) is SharedMemory's; the bytes
         # go in through its file where there is one (Linux): writing through the mapping
         # would fault in, and zero, every page first
@@ -64,9 +77,12 @@ class SharedMemoryTransport:
 
         try:
             dg = await anyio.to_thread.run_sync(fill)
-        except BaseException:
+        except BaseException as exc:
             shm.close()
             shm.unlink()
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise TransportError(ErrorCode.STORAGE_FULL, f"the shm transport ran out of "
+                                     f"space in {SHM_DIR} ({exc})") from exc
             raise
         st = Staged(job.version, SharedMemory(name=name, tensors=job.tensors), dg,
                     job.expected_checksum, job.size)
@@ -78,6 +94,11 @@ class SharedMemoryTransport:
     async def receive(self, locator: SharedMemory, job: ReceiveJob) -> AsyncIterator[Received]:
         with _open(locator.name) as buf:
             yield Received(buf, path=shm_file(locator.name))
+
+
+def _room(size: int) -> None:
+    if os.path.isdir(SHM_DIR):  # one statfs: what a segment of `size` bytes would not fit in
+        room_for(size, SHM_DIR, "the shm transport")
 
 
 @contextlib.contextmanager
