@@ -85,6 +85,9 @@ class NatsTransport:
                 await self._send(subject, memoryview(buf), chunks, chunk)
             except Exception as exc:
                 await self._abandon(subject, exc)
+                # purged already; the abort marker stays for workers that read it late (the
+                # next push of this version starts clean, the stream's max age drops it)
+                st._release.clear()
                 if storage_refused(exc):
                     raise TransportError(ErrorCode.STORAGE_FULL, _full(exc, job.size, chunk,
                                                                        chunks)) from exc
@@ -147,7 +150,10 @@ class NatsTransport:
 
     @contextlib.asynccontextmanager
     async def receive(self, locator: Nats, job: ReceiveJob) -> AsyncIterator[Received]:
-        yield Received(await self._read(locator, job.fetch_timeout))
+        wait = job.fetch_timeout
+        if job.deadline:  # past the command's deadline nobody waits for this version
+            wait = max(0.0, min(wait, job.deadline - time.time()))
+        yield Received(await self._read(locator, wait))
 
     async def _read(self, t: Nats, timeout: float) -> bytearray:
         """Every chunk of the version into one buffer (an ordered push consumer:

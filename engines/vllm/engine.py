@@ -253,6 +253,9 @@ class VllmEngine:
         # the adapter version is pinned here: one landing meanwhile serves later requests
         lora = self.lora.pick(request.adapter, request.adapter_version) if request.adapter \
             else None
+        if request.adapter and lora is None:  # unloaded since `check`: refused, never base
+            raise RequestRejected(ErrorCode.ADAPTER_UNKNOWN, f"adapter {request.adapter!r} was "
+                                  "unloaded before this request started")
         t0 = asyncio.get_running_loop().time()
         final = None
         async with send:
