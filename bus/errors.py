@@ -99,6 +99,16 @@ class CommandFailed(BusError):
         self.code = code
 
 
+class PayloadTooLarge(BusError):
+    """A message larger than the server takes (its `max_payload`): refused before it is sent,
+    never dropped on the way."""
+
+    def __init__(self, message: str, *, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
+
+
 class QuorumNotReached(BusError):
     """Raised when a broadcast ends (timeout, errors, or too few members) without its quorum.
     `report` says who acked ok, who acked an error and who never answered."""

@@ -36,7 +36,7 @@ import anyio.lowlevel
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
-from rlfabric.bus.errors import TRANSIENT
+from rlfabric.bus.errors import TRANSIENT, PayloadTooLarge
 from rlfabric.bus.session import Bus
 from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import TRACEPARENTS_HEADER, encode
@@ -63,6 +63,10 @@ class _Item:
     data: bytes
     ticket: Ticket
     trace: dict[str, str] | None
+
+
+#: bytes of a message left for its headers (schema, message id, trace context)
+HEADROOM = 4096
 
 
 class Outbox:
@@ -111,10 +115,19 @@ class Outbox:
         For hot paths that have something else to await anyway: no event, no task switch."""
         if self._tg is None:
             raise RuntimeError("Outbox.post before Outbox.run started")
+        encoded = [(msg, msg_id, encode(msg)) for msg, msg_id in items]
+        limit = self.bus.nc.max_payload - HEADROOM
+        for msg, msg_id, data in encoded:
+            if len(data) > limit:
+                raise PayloadTooLarge(
+                    f"{_name(msg, msg_id)} is {len(data):,} bytes, over the "
+                    f"{limit:,} the NATS server takes in one message (its max_payload less "
+                    f"headers): send a shorter prompt, ask for fewer tokens or logprobs, or "
+                    "raise max_payload on the server", size=len(data), limit=limit)
         ticket = Ticket(left=len(items), until=until, on_done=on_done)
         trace = spans.carrier() if spans.enabled() else None
-        for msg, msg_id in items:
-            self._queue.append(_Item(subject, msg, msg_id, encode(msg), ticket, trace))
+        for msg, msg_id, data in encoded:
+            self._queue.append(_Item(subject, msg, msg_id, data, ticket, trace))
         self._queued.fire()
         return ticket
 
@@ -192,6 +205,15 @@ class Outbox:
                 t.finished = True
                 if t.on_done is not None:
                     t.on_done(t.error)
+
+
+def _name(msg: Any, msg_id: str) -> str:
+    """What a user calls `msg`: its type and request id (and sample), else its message id."""
+    rid = getattr(msg, "request_id", None)
+    if rid is None:
+        return f"{type(msg).__name__} {msg_id}"
+    sample = getattr(msg, "sample_index", None)
+    return f"{type(msg).__name__} of request {rid}" + (f" (sample {sample})" if sample else "")
 
 
 def batch_id(ids: list[str]) -> str:

@@ -18,6 +18,7 @@ class ErrorCode(StrEnum):
     VERSION_UNAVAILABLE = "version_unavailable"  # min_weight_version nobody serves
     DEADLINE_EXCEEDED = "deadline_exceeded"  # a request's or command's deadline passed
     ENGINE_ERROR = "engine_error"  # the engine failed this request
+    PAYLOAD_TOO_LARGE = "payload_too_large"  # a request or result over the server's max_payload
     ADAPTER_UNKNOWN = "adapter_unknown"  # a LoRA adapter no update loaded (or one unloaded)
 
     # ---- a command (Ack.error_code) ----

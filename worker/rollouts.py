@@ -48,7 +48,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus, Registration
-from rlfabric.bus.errors import TRANSIENT
+from rlfabric.bus.errors import TRANSIENT, PayloadTooLarge
 from rlfabric.bus.outbox import Outbox
 from rlfabric.bus.pull import Puller
 from rlfabric.concurrency.ratelimit import RateLimited
@@ -379,9 +379,11 @@ class RolloutServer:
             log.debug("request %s handed back: %r", req.request_id, exc)
             d.back = max(d.back or 0.0, 0.25)
             return
-        log.error("request %s failed", req.request_id, exc_info=exc)
-        await self._reply_error(d.msg, req, ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}",
-                                retryable=True)
+        code, retryable = _code_of(exc)
+        if code == ErrorCode.ENGINE_ERROR:
+            log.error("request %s failed", req.request_id, exc_info=exc)
+        await self._reply_error(d.msg, req, code, f"{type(exc).__name__}: {exc}",
+                                retryable=retryable)
 
     def _request_done(self) -> None:
         """A request's capacity is free again (its results stored, or it was answered)."""
@@ -434,8 +436,9 @@ class RolloutServer:
             if isinstance(err, _HAND_BACK):
                 d.back = max(d.back or 0.0, 0.25)
             else:
-                await self._reply_error(d.msg, todo[rid][0], ErrorCode.ENGINE_ERROR,
-                                        f"{type(err).__name__}: {err}", retryable=True)
+                code, retryable = _code_of(err)
+                await self._reply_error(d.msg, todo[rid][0], code,
+                                        f"{type(err).__name__}: {err}", retryable=retryable)
 
     async def _post_many(self, d: _Delivery, todo: dict[str, tuple[RolloutRequest, str]],
                          many: _Many) -> Exception | None:
@@ -456,10 +459,14 @@ class RolloutServer:
                                                   submission_id=req.submission_id)
                     tokens.add(len(res.completion_token_ids), who)
                     many.posted[req.request_id] += 1
-                    # past its deadline + a margin nobody waits for a result: stop retrying
-                    self.outbox.post(subject, [(res, _result_id(req, res.sample_index))],
-                                     until=req.deadline + 10.0 if req.deadline else None,
-                                     on_done=many.stored(req.request_id))
+                    try:
+                        # past its deadline + a margin nobody waits for a result: stop
+                        # retrying
+                        self.outbox.post(subject, [(res, _result_id(req, res.sample_index))],
+                                         until=req.deadline + 10.0 if req.deadline else None,
+                                         on_done=many.stored(req.request_id))
+                    except PayloadTooLarge as exc:  # this sample only: answered, not sent
+                        many.stored(req.request_id)(exc)
         except _HAND_BACK as exc:  # not the requests' fault: the message goes back
             log.debug("%d requests handed back: %r", len(todo), exc)
             d.back = max(d.back or 0.0, 0.25)
@@ -606,6 +613,16 @@ class RolloutServer:
                                    until=time.time() + 30.0)
         except Exception as exc:
             log.warning("could not answer %s with %s: %s", request_id, code, exc)
+
+
+def _code_of(exc: BaseException) -> tuple[str, bool]:
+    """The `RolloutError` code a request's failure is answered with, and whether resending
+    it can help."""
+    if isinstance(exc, PayloadTooLarge):
+        return ErrorCode.PAYLOAD_TOO_LARGE, False
+    if isinstance(exc, RequestRejected):
+        return exc.code, False
+    return ErrorCode.ENGINE_ERROR, True
 
 
 def _traces(headers: dict[str, str] | None, n: int) -> list[dict[str, str] | None]:

@@ -1,0 +1,45 @@
+"""Against a server at the stock 1 MiB max_payload: a request too large for one message is
+refused by the client before it is sent, naming its size and the limit; a result too large is
+answered `payload_too_large` (not retryable) while the other requests of the same call are
+served; nothing is dropped and the worker stays."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from helpers import collect, req
+
+from rlfabric.bus import Bus, EmbeddedNats, PayloadTooLarge
+from rlfabric.engines.null import NullEngine
+from rlfabric.schemas import RolloutError, RolloutResult
+from rlfabric.trainer import FabricClient
+from rlfabric.worker import Worker
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio, pytest.mark.timeout(120)]
+
+
+async def test_oversized_requests_and_results_get_clear_errors_and_the_rest_is_served(
+        ) -> None:
+    async with EmbeddedNats(max_payload=1 << 20) as srv, \
+            Bus.connect(srv.url, prefix="stock") as bus, anyio.create_task_group() as tg:
+        await tg.start(Worker(bus, NullEngine(), "p0", capacity=8).run)
+        async with FabricClient.connect(srv.url, prefix="stock") as fabric:
+            await fabric.wait_for_workers(1, timeout=30)
+            huge = req("huge", range(1, 300_001), max_tokens=2)  # 1.2 MB of prompt
+            too_big = r"request huge is 1,2\d\d,\d\d\d bytes, over the 1,04\d,\d\d\d"
+            with pytest.raises(PayloadTooLarge, match=too_big):
+                await collect(fabric, [huge])
+            # echoed back, 200,000 ids and their logprobs make a 1.6 MB result
+            big = req("big", range(1, 200_001), max_tokens=200_000)
+            small = [req(f"s{i}", max_tokens=2) for i in range(6)]
+            with anyio.fail_after(60):
+                out = await collect(fabric, [big, *small])
+            members = await fabric.bus.fleet.members()
+        tg.cancel_scope.cancel()
+    errors = [r for r in out if isinstance(r, RolloutError)]
+    assert [(e.request_id, e.code, e.retryable) for e in errors] == [
+        ("big", "payload_too_large", False)]
+    assert "max_payload" in errors[0].message
+    assert sorted(r.request_id for r in out if isinstance(r, RolloutResult)) == [
+        f"s{i}" for i in range(6)]
+    assert list(members) == ["p0"]
