@@ -194,7 +194,7 @@ class Gateway:
     # ---- chat ----
     async def chat(self, req: ChatRequest, *, session_id: str | None, tenant: str = "default",
                    ) -> ChatCompletion | AsyncIterator[bytes]:
-        self._check_chat(req)
+        adapter = self._check_chat(req)
         conv = conversation.read(req.messages)
         tools = _tools(req.tools)
         forced = self._forced_call(req.tool_choice, tools)
@@ -224,7 +224,7 @@ class Gateway:
                      request=RolloutRequest(request_id=f"gw-{uuid.uuid4().hex}",
                                             prompt_token_ids=PackedI32(p.prompt), sampling=sp,
                                             stream=req.stream,
-                                            adapter=self._adapter_of(req.model)))
+                                            adapter=adapter))
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return self._stream_chat(turn, logprobs=req.logprobs, include_usage=usage)
@@ -232,8 +232,9 @@ class Gateway:
         await self._record(turn, finals)
         return self._chat_response(turn, finals, logprobs=req.logprobs)
 
-    def _check_chat(self, req: ChatRequest) -> None:
-        self._adapter_of(req.model)
+    def _check_chat(self, req: ChatRequest) -> str:
+        """The adapter the request's `model` names ("": the base), once every field checks."""
+        adapter = self._adapter_of(req.model)
         self._refuse_unsupported(req)
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise unsupported("response_format", "structured output needs constrained "
@@ -245,6 +246,7 @@ class Gateway:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options needs stream: true", "stream_options")
+        return adapter
 
     def _forced_call(self, choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
         """The text that opens a forced tool call (tool_choice required or named), if any."""

@@ -79,11 +79,14 @@ class GRPOTrainer:
         self.config: Any = model.config
         self.task = task or LetterTask(max_tokens=cfg.max_tokens)
         self.on_step = on_step
-        #: what version 0 pushes: the base weights (with --lora, the adapter goes beside them)
-        self.base_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.full_bytes = sum(t.numel() * t.element_size() for t in self.base_state.values())
+        base = dict(model.state_dict())
+        self.full_bytes = sum(t.numel() * t.element_size() for t in base.values())
+        #: with --lora, what version 0 pushes beside the adapter: the base weights, by their
+        #: names before wrapping (frozen: no copy needed)
+        self.base_state: dict[str, torch.Tensor] = {}
         self.adapter: Adapter | None = None
         if cfg.lora_rank:
+            self.base_state = base
             self.adapter = Adapter(name=LORA_NAME, rank=cfg.lora_rank,
                                    alpha=2.0 * cfg.lora_rank, target_modules=LORA_TARGETS)
             lora_model = LoraModel(model, self.adapter)

@@ -65,7 +65,8 @@ class FilesystemTransport:
             dg = await anyio.to_thread.run_sync(write)
         except BaseException as exc:
             # part-way (no space left, ...): what was written goes, the next push has the room
-            await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 raise TransportError(ErrorCode.STORAGE_FULL, f"the filesystem transport ran out "
                                      f"of space writing {path} ({exc})") from exc

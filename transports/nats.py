@@ -87,7 +87,7 @@ class NatsTransport:
                 await self._abandon(subject, exc)
                 # purged already; the abort marker stays for workers that read it late (the
                 # next push of this version starts clean, the stream's max age drops it)
-                st._release.clear()
+                st.freed()
                 if storage_refused(exc):
                     raise TransportError(ErrorCode.STORAGE_FULL, _full(exc, job.size, chunk,
                                                                        chunks)) from exc

@@ -127,6 +127,10 @@ class Staged:
     def on_release(self, fn: Release) -> None:
         self._release.append(fn)
 
+    def freed(self) -> None:
+        """The transport freed the staging itself: `release()` has nothing left to do."""
+        self._release.clear()
+
     def mark_stable(self) -> None:
         """Filesystem: write the STABLE marker (done by `stage` unless asked not to)."""
         if self._stable is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import anyio
 
@@ -126,7 +126,8 @@ class WeightSync:
         return AckFields(detail=detail)
 
     # ---- any transport ----
-    async def _apply(self, cmd: UpdateWeights, ready: Any = None) -> AckFields:
+    async def _apply(self, cmd: UpdateWeights,
+                     ready: Callable[[], Awaitable[None]] | None = None) -> AckFields:
         t = cmd.transport
         job = ReceiveJob(worker_id=self.worker_id, version=cmd.version, deadline=cmd.deadline,
                          fetch_timeout=self.fetch_timeout, ready=ready, groups=self.groups)
