@@ -16,6 +16,7 @@ from rlfabric.bus.errors import (
     PermissionDenied,
     ProvisioningError,
     QuorumNotReached,
+    StorageFull,
 )
 from rlfabric.bus.membership import MembershipWatcher, Registration, fingerprint, new_worker_info
 from rlfabric.bus.provision import Limits, provision
@@ -52,6 +53,7 @@ __all__ = [
     "QuorumNotReached",
     "QuorumPolicy",
     "Registration",
+    "StorageFull",
     "Subjects",
     "connect",
     "find_nats_server",

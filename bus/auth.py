@@ -70,13 +70,14 @@ _API = "$JS.API"
 
 def _streams(s: Subjects) -> tuple[str, ...]:
     return (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
-            s.sessions_stream, f"KV_{s.members_bucket}", f"KV_{s.state_bucket}")
+            s.sessions_stream, f"KV_{s.members_bucket}", f"KV_{s.state_bucket}",
+            f"KV_{s.affinity_bucket}")
 
 
 def _read(s: Subjects) -> list[str]:
     """What every role may ask of JetStream: stream and consumer info, bucket reads and
     watches."""
-    buckets = (f"KV_{s.members_bucket}", f"KV_{s.state_bucket}")
+    buckets = (f"KV_{s.members_bucket}", f"KV_{s.state_bucket}", f"KV_{s.affinity_bucket}")
     return [
         f"{_API}.INFO", f"{_API}.STREAM.NAMES",
         *(f"{_API}.STREAM.INFO.{x}" for x in _streams(s)),
@@ -93,7 +94,8 @@ def _read(s: Subjects) -> list[str]:
 def _trainer(s: Subjects) -> Permissions:
     return Permissions(
         publish_allow=(f"{s.prefix}.>", f"{_API}.>", f"$KV.{s.members_bucket}.>",
-                       f"$KV.{s.state_bucket}.>", "$JS.ACK.>", "$JS.FC.>", "_INBOX.>"),
+                       f"$KV.{s.state_bucket}.>", f"$KV.{s.affinity_bucket}.>", "$JS.ACK.>",
+                       "$JS.FC.>", "_INBOX.>"),
         subscribe_allow=(f"{s.prefix}.>", "_INBOX.>"),
     )
 
@@ -114,6 +116,7 @@ def _worker(s: Subjects) -> Permissions:
             f"{p}.rollout.result.>", f"{p}.ack.>", f"{p}.events.>",
             f"{p}.stream.>",  # token deltas of streamed requests
             f"{p}.worker.*.ping",  # a new worker asks whether its id is taken
+            f"{p}.rollout.request",  # an offered request it hands back goes to the queue
             f"$KV.{s.members_bucket}.>",
             f"$KV.{s.state_bucket}.{CHECKPOINT_KEY}",  # version 0 with no trainer
         ),
@@ -122,7 +125,8 @@ def _worker(s: Subjects) -> Permissions:
                       f"{api}.STREAM.UPDATE.>", f"{api}.STREAM.DELETE.>",
                       f"{api}.STREAM.PURGE.>", f"{api}.STREAM.MSG.DELETE.>",
                       f"{api}.CONSUMER.DELETE.{roll}.>"),
-        subscribe_allow=("_INBOX.>", f"{p}.worker.*.ping", f"{p}.live.>"),
+        subscribe_allow=("_INBOX.>", f"{p}.worker.*.ping", f"{p}.worker.*.offer",
+                         f"{p}.live.>"),
         allow_responses=True,  # ping answers
     )
 
@@ -139,6 +143,7 @@ def _gateway(s: Subjects) -> Permissions:
             f"{api}.CONSUMER.CREATE.{res}", f"{api}.CONSUMER.CREATE.{res}.>",
             f"{api}.DIRECT.GET.{ses}", f"{api}.DIRECT.GET.{ses}.>",
             f"{p}.rollout.request", f"{p}.session.>", f"{p}.events.>",
+            f"{p}.worker.*.offer", f"$KV.{s.affinity_bucket}.>",  # session affinity
         ),
         publish_deny=(f"{p}.control.>", f"{p}.live.>", f"$KV.{s.state_bucket}.>",
                       f"$KV.{s.members_bucket}.>", f"{api}.STREAM.UPDATE.>",

@@ -34,11 +34,18 @@ TRANSIENT: tuple[type[Exception], ...] = (
 #: JetStream's answers when its storage has no room (insufficient resources; storage or memory
 #: resources exceeded): a refusal to report at once, never a transient error to retry
 JS_STORAGE_FULL = frozenset({10023, 10047, 10028})
+#: "store failed": with "maximum bytes/messages exceeded", a stream with discard=new at its cap
+JS_STREAM_STORE_FAILED = 10077
 
 
 def storage_refused(exc: BaseException) -> bool:
-    """Whether `exc` is JetStream saying it has no room to store the message."""
-    return isinstance(exc, nats.js.errors.APIError) and exc.err_code in JS_STORAGE_FULL
+    """Whether `exc` is JetStream saying it has no room to store the message: the server's
+    or account's store, or the stream's own cap."""
+    if not isinstance(exc, nats.js.errors.APIError):
+        return False
+    if exc.err_code in JS_STORAGE_FULL:
+        return True
+    return exc.err_code == JS_STREAM_STORE_FAILED and "maximum" in (exc.description or "")
 
 
 #: what reading a stored message by sequence raises when it cannot be read now or at all (the
@@ -107,6 +114,13 @@ class PayloadTooLarge(BusError):
         super().__init__(message)
         self.size = size
         self.limit = limit
+
+
+class StorageFull(BusError):
+    """JetStream refused to store a message for want of room: its stream is at its cap
+    (`Limits.*_max_bytes`) or the server's store is full. `code` is `storage_full`."""
+
+    code = "storage_full"
 
 
 class QuorumNotReached(BusError):

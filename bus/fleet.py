@@ -84,6 +84,21 @@ class FleetReads:
             out[key] = info
         return out
 
+    async def delete_job(self) -> list[str]:
+        """Delete every stream and bucket of the job (and the storage JetStream set aside for
+        them); the names of those that existed."""
+        s = self.subjects
+        gone: list[str] = []
+        for name in (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
+                     s.sessions_stream, f"KV_{s.members_bucket}", f"KV_{s.state_bucket}",
+                     f"KV_{s.affinity_bucket}"):
+            try:
+                await self.js.delete_stream(name)
+            except NotFoundError:
+                continue
+            gone.append(name)
+        return gone
+
     async def stream_depths(self) -> dict[str, int | None]:
         """Messages held per stream (None if the stream does not exist), and the rollout
         requests not yet delivered to any worker."""

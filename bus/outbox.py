@@ -36,7 +36,7 @@ import anyio.lowlevel
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
-from rlfabric.bus.errors import TRANSIENT, PayloadTooLarge
+from rlfabric.bus.errors import TRANSIENT, PayloadTooLarge, StorageFull, storage_refused
 from rlfabric.bus.session import Bus
 from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import TRACEPARENTS_HEADER, encode
@@ -194,6 +194,12 @@ class Outbox:
                 await self.bus.persist(subject, data, hdrs, until=until)
         except Exception as exc:
             error = exc
+            if storage_refused(exc):
+                error = StorageFull(
+                    f"JetStream has no room for {_name(batch[0].msg, batch[0].msg_id)} on "
+                    f"{subject} ({getattr(exc, 'description', exc)}): its stream is at its cap "
+                    "(Limits.*_max_bytes; queued requests: rollout_max_bytes) or the server's "
+                    "store is full. Wait for the queue to drain, or raise the cap")
         self.messages += 1
         self.items += len(batch)
         for item in batch:

@@ -37,11 +37,13 @@ from rlfabric.bus.errors import (
     JS_STREAM_NAME_IN_USE,
     TRANSIENT,
     ProvisioningError,
+    storage_refused,
 )
 from rlfabric.bus.subjects import Subjects
 
 T = TypeVar("T")
 HOUR = 3600.0
+MIB = 1024 * 1024
 #: seconds provisioning waits for a cluster to place a stream's copies: a cluster that just
 #: formed routes and elected its metadata leader may not know every JetStream peer yet
 PLACEMENT_WITHIN = 20.0
@@ -50,17 +52,37 @@ log = logging.getLogger("rlfabric.bus")
 
 @dataclass(kw_only=True, slots=True)
 class Limits:
-    """Retention knobs. `member_ttl`: seconds a worker's key lives without a heartbeat."""
+    """Retention knobs. `member_ttl`: seconds a worker's key lives without a heartbeat.
+
+    Every stream and bucket has a byte cap, which JetStream sets aside for it when it is
+    created (the `*_max_bytes`, about 1 GiB a job in all, plus the weights stream's): a full
+    one refuses its own writes and never takes the room of another, so a weights push that
+    does not fit can fail, never a heartbeat, a command or a result. A server refuses to
+    create a job whose caps do not fit in what it has left to set aside (`ProvisioningError`
+    says which)."""
 
     member_ttl: float = 5.0
     control_max_age: float = 24 * HOUR
+    #: commands (small); the oldest go first past it
+    control_max_bytes: int = 64 * MIB
     results_max_age: float = 24 * HOUR
-    # NOTE: None = no byte cap. JetStream reserves max_bytes up front against the server's
-    # storage, so a cap per job would make a server refuse its Nth job; age bounds it instead.
-    results_max_bytes: int | None = None
+    #: results not yet read stay until it is full; the oldest go first past it
+    results_max_bytes: int = 512 * MIB
+    #: requests queued for workers; a submit past it is refused (`storage_full`)
+    rollout_max_bytes: int = 128 * MIB
+    members_max_bytes: int = 64 * MIB
+    state_max_bytes: int = 64 * MIB
+    sessions_max_bytes: int = 256 * MIB
     weights_max_age: float = 2 * HOUR
+    #: the weights stream's cap. None: set aside as a push needs it (the versions it holds and
+    #: the one pushed), starting from WEIGHTS_START; a push JetStream cannot set that aside for
+    #: is refused before it is sent. A number: fixed; a push past it is refused
+    weights_max_bytes: int | None = None
     #: how long agent sessions' records (and so their trajectories) stay readable
     sessions_max_age: float = 24 * HOUR
+    #: how long a session stays bound to the worker of its last turn without a turn
+    affinity_ttl: float = HOUR
+    affinity_max_bytes: int = 16 * MIB
     duplicate_window: float = 120.0
     #: seconds a fetched rollout request stays with its worker without an ack or in-progress
     #: signal; after it (a crashed worker) the request goes to another worker
@@ -79,6 +101,8 @@ class Buckets:
     state: KeyValue
     #: the members bucket's TTL as the server has it (the first process to create it chose it)
     member_ttl: float
+    #: session -> worker bindings (None: a job provisioned before it, read by a read-only tool)
+    affinity: KeyValue | None = None
 
 
 def cluster_size(server_info: dict[str, object]) -> int:
@@ -94,6 +118,10 @@ def replicas_for(lim: Limits, servers: int) -> int:
     return lim.replicas if lim.replicas is not None else max(1, min(3, servers))
 
 
+#: the weights stream's first cap where `Limits.weights_max_bytes` leaves it to pushes
+WEIGHTS_START = 16 * MIB
+
+
 def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamConfig]:
     return [
         StreamConfig(
@@ -102,6 +130,8 @@ def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamCo
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=lim.duplicate_window,
+            max_bytes=lim.rollout_max_bytes,
+            discard=DiscardPolicy.NEW,  # a queued request is never dropped for a newer one
             num_replicas=replicas,
         ),
         StreamConfig(
@@ -120,6 +150,8 @@ def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamCo
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=lim.control_max_age,
+            max_bytes=lim.control_max_bytes,
+            discard=DiscardPolicy.OLD,
             duplicate_window=lim.duplicate_window,
             num_replicas=replicas,
         ),
@@ -129,6 +161,8 @@ def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamCo
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=lim.sessions_max_age,
+            max_bytes=lim.sessions_max_bytes,
+            discard=DiscardPolicy.OLD,
             duplicate_window=lim.duplicate_window,
             # a gateway reads a session's records by subject, one direct get each
             allow_direct=True,
@@ -140,6 +174,9 @@ def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamCo
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.MEMORY if lim.weights_storage == "memory" else StorageType.FILE,
             max_age=lim.weights_max_age,
+            max_bytes=lim.weights_max_bytes or WEIGHTS_START,
+            # a push past the cap fails; it never drops the chunks of the version in use
+            discard=DiscardPolicy.NEW,
             num_replicas=replicas,
         ),
     ]
@@ -154,7 +191,7 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
         info = await js.stream_info(cfg.name)
     except NotFoundError:
         try:
-            await js.add_stream(cfg)
+            await _set_aside(f"stream {cfg.name}", cfg.max_bytes, js.add_stream(cfg))
             return
         except BadRequestError as exc:
             if exc.err_code != JS_STREAM_NAME_IN_USE:
@@ -171,9 +208,25 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
         ) from exc
 
 
+async def _set_aside(what: str, max_bytes: int | None, create: Awaitable[T]) -> T:
+    """`create`, its refusal for want of room said as what to do."""
+    try:
+        return await create
+    except APIError as exc:
+        if not storage_refused(exc):
+            raise
+        raise ProvisioningError(
+            f"JetStream cannot set aside {(max_bytes or 0) / MIB:.0f} MiB for {what} "
+            f"({exc.description}): the streams already on the server have its store set "
+            "aside. Delete finished jobs (`rlfabric ctl --prefix P delete-job`), raise the "
+            "server's max_file_store (or the account's max_storage), or lower the caps in "
+            "Limits (*_max_bytes)") from exc
+
+
 async def _ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
     try:
-        return await js.create_key_value(cfg)
+        return await _set_aside(f"KV bucket {cfg.bucket}", cfg.max_bytes,
+                                js.create_key_value(cfg))
     except BadRequestError as exc:
         if exc.err_code != JS_STREAM_NAME_IN_USE:  # a bucket is a stream underneath
             raise
@@ -267,16 +320,22 @@ async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None
             ttl=lim.member_ttl,
             # A delete marker on expiry, so watchers see a silent worker leave.
             limit_marker_ttl=max(1.0, lim.member_ttl),
+            max_bytes=lim.members_max_bytes,
             storage=StorageType.FILE,
             replicas=replicas,
         ),
     ), within=within)
     state = await _placed(f"KV bucket {s.state_bucket}", replicas, lambda: _ensure_bucket(
         js, KeyValueConfig(bucket=s.state_bucket, history=16, storage=StorageType.FILE,
+                           max_bytes=lim.state_max_bytes, replicas=replicas)
+    ), within=within)
+    affinity = await _placed(f"KV bucket {s.affinity_bucket}", replicas, lambda: _ensure_bucket(
+        js, KeyValueConfig(bucket=s.affinity_bucket, history=1, ttl=lim.affinity_ttl,
+                           max_bytes=lim.affinity_max_bytes, storage=StorageType.FILE,
                            replicas=replicas)
     ), within=within)
     return Buckets(members=members, state=state,
-                   member_ttl=await _ttl(members, lim.member_ttl))
+                   member_ttl=await _ttl(members, lim.member_ttl), affinity=affinity)
 
 
 async def _ttl(kv: KeyValue, default: float) -> float:

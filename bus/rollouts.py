@@ -40,6 +40,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from opentelemetry.trace import INVALID_SPAN
 
+from rlfabric.bus.affinity import Affinity, affinity_key
 from rlfabric.bus.outbox import Outbox, Ticket
 from rlfabric.bus.session import Bus
 from rlfabric.schemas import (
@@ -52,10 +53,12 @@ from rlfabric.schemas import (
     RolloutReply,
     RolloutRequest,
     RolloutRequests,
+    RolloutResult,
     SchemaError,
     TokenDelta,
     TokenDeltas,
     codec_for,
+    encode,
 )
 from rlfabric.schemas.validation import InvalidRequest, check_request
 from rlfabric.telemetry import instruments, spans
@@ -123,11 +126,30 @@ class _Waiting:
     deltas: _Inbox | None = None
 
 
+@dataclass(slots=True)
+class _Rebind:
+    """A session's binding, moved to the worker whose result came when it is another."""
+
+    affinity: Affinity
+    key: str
+    bound: str
+
+    async def to(self, reply: _Item) -> None:
+        if not isinstance(reply, RolloutResult) or reply.worker_id == self.bound:
+            return
+        self.bound = reply.worker_id
+        await self.affinity.bind(self.key, reply.worker_id)
+
+
 class RolloutPlane:
     def __init__(self, bus: Bus, client_id: str, *,
-                 max_batch: int | Callable[[int, RolloutRequest], int] = 64) -> None:
+                 max_batch: int | Callable[[int, RolloutRequest], int] = 64,
+                 affinity: Affinity | None = None) -> None:
         self.bus = bus
         self.client_id = client_id
+        #: routes the requests of a session (`generate(..., session=)`); None: all go to the
+        #: shared queue
+        self.affinity = affinity
         self.duplicates_dropped = 0
         self._waiting: dict[str, _Waiting] = {}
         self._codec = codec_for(RolloutReply | RolloutReplies)
@@ -153,6 +175,8 @@ class RolloutPlane:
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.outbox.run)
+                if self.affinity is not None:
+                    await tg.start(self.affinity.run, self._requeue)
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True):
@@ -213,6 +237,8 @@ class RolloutPlane:
             results.add(1, {"outcome": r.code} if isinstance(r, RolloutError) else _OK)
         if len(got) >= w.request.sampling.n:
             del self._waiting[reply.request_id]
+            if self.affinity is not None:
+                self.affinity.answered(reply.request_id)
             instruments.current.queue_depth.set(len(self._waiting), _TRAINER)
 
     def _prepare(self, req: RolloutRequest, timeout: float | None) -> RolloutRequest:
@@ -238,6 +264,11 @@ class RolloutPlane:
         """Check every request (a bad one refuses the whole call: nothing is sent), register
         where its results go, and queue the lot for the request stream; `on_stored(error)`
         once stored or failed for good. The ticket is None when there was nothing to send."""
+        prepared = self._register(requests, sink, timeout, deltas)
+        return prepared, self._send(prepared, on_stored)
+
+    def _register(self, requests: Iterable[RolloutRequest], sink: _Sink,
+                  timeout: float | None, deltas: _Inbox | None) -> list[RolloutRequest]:
         prepared = [self._prepare(req, timeout) for req in requests]
         ids = [r.request_id for r in prepared]
         waiting = self._waiting
@@ -246,17 +277,21 @@ class RolloutPlane:
             raise InvalidRequest(f"request_id {', '.join(map(repr, twice[:5]))} is already in "
                                  "flight from this client: ids must be unique among the "
                                  "requests awaiting results")
-        if not prepared:
-            return prepared, None
         for req in prepared:
             waiting[req.request_id] = _Waiting(req, sink, deltas=deltas)
         instruments.current.queue_depth.set(len(waiting), _TRAINER)
+        return prepared
+
+    def _send(self, prepared: list[RolloutRequest],
+              on_stored: Callable[[BaseException | None], None]) -> Ticket | None:
+        if not prepared:
+            return None
         until = (None if any(not r.deadline for r in prepared)
                  else max(r.deadline for r in prepared))
         subject = self.bus.subjects.rollout_request
         items = [(r, r.submission_id) for r in prepared]
         if not spans.enabled():  # the common case: no span, no wrapper of `on_stored`
-            return prepared, self.outbox.post(subject, items, until=until, on_done=on_stored)
+            return self.outbox.post(subject, items, until=until, on_done=on_stored)
         # the span a worker's `process` span hangs from: ends once the requests are stored
         sent = spans.start_producer(subject, attributes={spans.BATCH_COUNT: len(prepared)})
 
@@ -265,8 +300,37 @@ class RolloutPlane:
             on_stored(error)
 
         with spans.within(sent):
-            ticket = self.outbox.post(subject, items, until=until, on_done=stored)
-        return prepared, ticket
+            return self.outbox.post(subject, items, until=until, on_done=stored)
+
+    async def _route(self, session: str, requests: Iterable[RolloutRequest], inbox: _Inbox,
+                     timeout: float | None, deltas: _Inbox | None,
+                     ) -> tuple[list[RolloutRequest], Ticket | None, str]:
+        """`_post` for the requests of a session: each offered to the session's worker
+        first (`Affinity`), the ones it did not take queued."""
+        assert self.affinity is not None
+        aff, key = self.affinity, affinity_key(session)
+        prepared = self._register(requests, inbox, timeout, deltas)
+        try:
+            bound = await aff.bound(key)
+            wid = aff.choose(bound)
+            rest = []
+            for r in prepared:
+                hdrs = self.bus.headers({**self._request_headers([r]),
+                                         "Nats-Msg-Id": r.submission_id})
+                if wid is None or not await aff.offer(wid, r.request_id, encode(r), hdrs):
+                    rest.append(r)
+        except BaseException:
+            for r in prepared:
+                self._waiting.pop(r.request_id, None)
+            raise
+        return prepared, self._send(rest, inbox.stored), bound or ""
+
+    def _requeue(self, request_ids: list[str]) -> None:
+        """Requests a worker took and left with: into the shared queue (a copy it handed
+        back itself is dropped there as a duplicate)."""
+        reqs = [w.request for rid in request_ids if (w := self._waiting.get(rid)) is not None]
+        if reqs:
+            self._send(reqs, lambda error: None)  # not stored: its deadline answers it
 
     def _request_headers(self, reqs: list[RolloutRequest]) -> dict[str, str]:
         if len(reqs) == 1:
@@ -275,17 +339,22 @@ class RolloutPlane:
 
     @overload
     def generate(self, requests: Iterable[RolloutRequest], *, timeout: float | None = None,
-                 deltas: Literal[False] = False) -> AsyncIterator[RolloutReply]: ...
+                 deltas: Literal[False] = False, session: str | None = None,
+                 ) -> AsyncIterator[RolloutReply]: ...
 
     @overload
     def generate(self, requests: Iterable[RolloutRequest], *, timeout: float | None = None,
-                 deltas: Literal[True]) -> AsyncIterator[RolloutReply | TokenDelta]: ...
+                 deltas: Literal[True], session: str | None = None,
+                 ) -> AsyncIterator[RolloutReply | TokenDelta]: ...
 
     async def generate(self, requests: Iterable[RolloutRequest], *,
                        timeout: float | None = None, deltas: bool = False,
+                       session: str | None = None,
                        ) -> AsyncIterator[RolloutReply | TokenDelta]:
         """Submit `requests`, yield each sample's result (or error) once, as it comes; with
-        `deltas`, also the `TokenDelta`s of those submitted with `stream` set, as they come."""
+        `deltas`, also the `TokenDelta`s of those submitted with `stream` set, as they come.
+        `session`: the requests are a turn of this session, routed to the worker that served
+        its last turn (`Affinity`; without one, to the shared queue like the rest)."""
         reqs = list(requests)
         total = sum(r.sampling.n for r in reqs)
         inbox = _Inbox()
@@ -296,10 +365,7 @@ class RolloutPlane:
                 if spans.enabled() else INVALID_SPAN)
         try:
             with spans.within(span):
-                # not awaited: no result comes before its request is stored, and a request
-                # that cannot be stored raises out of `inbox.get`
-                sent, ticket = self._post(reqs, inbox, timeout, inbox.stored,
-                                          inbox if deltas else None)
+                sent, ticket, rebind = await self._start(reqs, inbox, timeout, deltas, session)
         except BaseException:  # e.g. InvalidRequest: nothing was sent
             span.end()
             raise
@@ -322,6 +388,8 @@ class RolloutPlane:
                     continue
                 if type(reply) is not TokenDelta:  # a delta is no sample's answer
                     yielded += 1
+                    if rebind is not None:  # before the caller's next turn can read it
+                        await rebind.to(reply)
                 yield reply
         finally:
             if ticket is not None and not ticket.finished:
@@ -329,9 +397,24 @@ class RolloutPlane:
             waiting = self._waiting
             for rid in ids:
                 waiting.pop(rid, None)
+                if self.affinity is not None:
+                    self.affinity.answered(rid)
             if span.is_recording():
                 span.set_attribute("rlfabric.results", yielded)
             span.end()
+
+    async def _start(self, reqs: list[RolloutRequest], inbox: _Inbox, timeout: float | None,
+                     deltas: bool, session: str | None,
+                     ) -> tuple[list[RolloutRequest], Ticket | None, _Rebind | None]:
+        """Submit: not awaited (no result comes before its request is stored, and a request
+        that cannot be stored raises out of `inbox.get`), but a session's turn is offered to
+        its worker first."""
+        if session and self.affinity is not None:
+            sent, ticket, bound = await self._route(session, reqs, inbox, timeout,
+                                                    inbox if deltas else None)
+            return sent, ticket, _Rebind(self.affinity, affinity_key(session), bound)
+        sent, ticket = self._post(reqs, inbox, timeout, inbox.stored, inbox if deltas else None)
+        return sent, ticket, None
 
     async def generate_groups(self, requests: Iterable[RolloutRequest], *,
                               timeout: float | None = None

@@ -80,6 +80,11 @@ class Subjects:
     def state_bucket(self) -> str:
         return f"{self.prefix}_state"
 
+    @property
+    def affinity_bucket(self) -> str:
+        """session key -> the worker that served its last turn"""
+        return f"{self.prefix}_affinity"
+
     # ---- subjects ----
     @property
     def rollout_request(self) -> str:
@@ -152,6 +157,11 @@ class Subjects:
 
     def ping(self, worker_id: str) -> str:
         return f"{self.prefix}.worker.{check_token(worker_id, 'worker id')}.ping"
+
+    def offer(self, worker_id: str) -> str:
+        """Core NATS: a request offered to one worker (session affinity); it answers whether
+        it took it."""
+        return f"{self.prefix}.worker.{check_token(worker_id, 'worker id')}.offer"
 
     def weights(self, version: int) -> str:
         return f"{self.prefix}.weights.{int(version)}"

@@ -52,6 +52,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Delete a key of the <prefix>_members bucket, e.g. an unreadable one named "
         "in a warning. A live worker of that id writes its key again at its next heartbeat.")
     drop.add_argument("key", help="the membership key (a worker id)")
+    csub.add_parser(
+        "delete-job", help="repair: delete every stream and bucket of the job",
+        description="Delete the job's streams (requests, results, commands, sessions, weights) "
+        "and its two KV buckets, and so the JetStream storage set aside for them. For a "
+        "finished job: its results and trajectories go with it. Nothing of another --prefix "
+        "is touched.")
     p.set_defaults(func=run)
 
 
@@ -79,7 +85,11 @@ async def _repair(args: argparse.Namespace) -> str:
     from rlfabric.bus import Bus
     from rlfabric.schemas import DesiredState
 
-    async with Bus.connect(connect_options(args, "rlfabric-ctl"), prefix=args.prefix) as bus:
+    async with Bus.connect(connect_options(args, "rlfabric-ctl"), prefix=args.prefix,
+                           provision_streams=args.op != "delete-job") as bus:
+        if args.op == "delete-job":
+            gone = await bus.fleet.delete_job()
+            return f"job {args.prefix!r}: deleted {', '.join(gone) or 'nothing (none found)'}"
         if args.op == "reset-state":
             await bus.state.put(DesiredState())
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):
@@ -108,7 +118,7 @@ def _print(rep: FanoutReport, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.op in ("reset-state", "drop-member"):
+    if args.op in ("reset-state", "drop-member", "delete-job"):
         try:
             print(anyio.run(_repair, args))
         except NatsUnavailable as exc:

@@ -68,6 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "the key's requests in metrics, traces and session records)")
     p.add_argument("--max-body-bytes", type=int, default=o["max_body_bytes"],
                    help="larger request bodies get 413 (default %(default)s)")
+    p.add_argument("--no-affinity", dest="affinity", action="store_false",
+                   help="send every turn to the workers' shared queue instead of the worker "
+                   "that served the session's last turn (whose cache holds its prefix)")
     p.add_argument("--max-model-len", type=int, default=g["max_model_len"],
                    help="context length in tokens (default: the model's own); a longer "
                    "prompt gets 413")
@@ -78,8 +81,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds after which an idle session ends (its trajectory stays "
                    "readable; default %(default)s)")
     p.add_argument("--max-cached-sessions", type=int, default=o["max_cached_sessions"],
-                   help="sessions kept in memory (others are read back from the bus when "
-                   "they come again; default %(default)s)")
+                   help="sessions held in memory: idle ones past it are dropped, least "
+                   "recently used first (read back from the bus when they come again); a new "
+                   "session when it is full of sessions in turns gets 503 session_limit "
+                   "(default %(default)s)")
+    p.add_argument("--max-session-bytes", type=int, default=o["max_session_bytes"],
+                   help="about how many bytes of tokens the held sessions may take; past it "
+                   "as past --max-cached-sessions (default %(default)s)")
     add_telemetry_options(p)
     p.set_defaults(func=run)
 
@@ -108,11 +116,12 @@ async def _serve(args: argparse.Namespace) -> None:
     config = GatewayConfig(model=args.model, served_name=args.served_model_name,
                            tool_parser=args.tool_call_parser,
                            request_timeout=args.request_timeout,
-                           max_model_len=args.max_model_len)
+                           max_model_len=args.max_model_len, affinity=args.affinity)
     opts = ServeOptions(host=args.host, port=args.port, api_keys=_keys(args),
                         max_body_bytes=args.max_body_bytes,
                         session_idle_timeout=args.session_idle_timeout,
                         max_cached_sessions=args.max_cached_sessions,
+                        max_session_bytes=args.max_session_bytes,
                         chat_template=args.chat_template)
     async with anyio.create_task_group() as tg:
         port = await tg.start(lambda task_status: serve(

@@ -163,6 +163,7 @@ class ChatChoice(_Out, kw_only=True):
     token_ids: list[int]
     weight_versions: list[WeightVersion]
     logprobs: ChoiceLogprobs | None = None
+    worker_id: str = ""  # the worker that sampled it (sessions stick to one: affinity)
 
 
 class Usage(msgspec.Struct, kw_only=True):

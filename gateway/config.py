@@ -16,6 +16,7 @@ class GatewayConfig:
     tool_parser: str = "qwen"  # --tool-call-parser
     request_timeout: float = 600.0  # --request-timeout
     max_model_len: int = 0  # --max-model-len (0: the model's own)
+    affinity: bool = True  # --no-affinity: every turn to the shared queue
     gateway_id: str = ""
 
     @property
@@ -33,6 +34,7 @@ class ServeOptions:
     max_body_bytes: int = 8 << 20
     session_idle_timeout: float = 3600.0
     max_cached_sessions: int = 10_000
+    max_session_bytes: int = 1 << 30
     chat_template: str | None = None
 
 

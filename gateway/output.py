@@ -50,6 +50,7 @@ class Final:
     digest: str
     #: per kept token: its top-k alternatives [(id, logprob), ...] (empty without logprobs)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    worker_id: str = ""  # the worker that sampled it
 
 
 def _visible(fmt: ChatFormat, ids: Sequence[int], rules: OutputRules) -> str:

@@ -19,6 +19,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.bus import Bus, ConnectOptions, MembershipWatcher
+from rlfabric.bus.affinity import Affinity
 from rlfabric.bus.rollouts import RolloutPlane
 from rlfabric.concurrency.sync import beside
 from rlfabric.gateway.app import create_app
@@ -60,10 +61,12 @@ async def serve(url: str | ConnectOptions, config: GatewayConfig, opts: ServeOpt
         config.gateway_id = f"gw-{socket.gethostname()[:24]}-{uuid.uuid4().hex[:6]}"
     async with Bus.connect(url, prefix=prefix) as bus, beside(cancel_at_exit=True) as tg:
         watcher = MembershipWatcher(bus)
-        plane = RolloutPlane(bus, f"g{uuid.uuid4().hex[:12]}")
+        plane = RolloutPlane(bus, f"g{uuid.uuid4().hex[:12]}",
+                             affinity=Affinity(bus, watcher) if config.affinity else None)
         store = SessionStore(bus, writer=config.gateway_id,
                              idle_timeout=opts.session_idle_timeout,
                              max_cached=opts.max_cached_sessions,
+                             max_bytes=opts.max_session_bytes,
                              wait_timeout=config.request_timeout)
         await tg.start(watcher.run)
         await tg.start(plane.listen)

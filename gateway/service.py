@@ -83,6 +83,8 @@ class _Turn:
     tenant: str
     model: str
     planned_on: int = 0  # the session's `changes` when planned
+    #: the session whose worker the turn goes to (None: a one-turn request, any worker)
+    affinity: str | None = None
     started: float = field(default_factory=time.monotonic)
 
 
@@ -209,27 +211,41 @@ class Gateway:
                         texts=s.texts, **kwargs)
 
         session, p, planned_on = await self._planned(session_id, make_plan)
+        self.store.begin(session)
+        try:
+            return await self._chat_turn(req, _Turn(
+                session=session, plan=p, rules=OutputRules(), digests=conv.digests,
+                prefill=prefill, tenant=tenant, model=req.model, planned_on=planned_on,
+                affinity=session.key if session_id else None,
+                request=RolloutRequest(request_id=f"gw-{uuid.uuid4().hex}",
+                                       prompt_token_ids=PackedI32(p.prompt), stream=req.stream,
+                                       adapter=adapter)), parse)
+        except BaseException:
+            self.store.done(session)
+            raise
+
+    async def _chat_turn(self, req: ChatRequest, turn: _Turn, parse: bool,
+                         ) -> ChatCompletion | AsyncIterator[bytes]:
+        """`turn` sampled as `req` asks; `store.done(turn.session)` once it ends (a stream:
+        when its generator ends)."""
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         sp, stops = self._sampling(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None
             else req.max_tokens, seed=req.seed, stop=req.stop, stop_ids=req.stop_token_ids,
-            logprobs=(req.top_logprobs or 0) if req.logprobs else 0, prompt_len=len(p.prompt),
-            max_param=max_param)
-        rules = OutputRules(stops=stops, stop_ids=frozenset(sp.stop_token_ids),
-                            parser=self.tools.parse if parse else None, call_open=self.tools.open)
-        turn = _Turn(session=session, plan=p, rules=rules, digests=conv.digests,
-                     prefill=prefill, tenant=tenant, model=req.model, planned_on=planned_on,
-                     request=RolloutRequest(request_id=f"gw-{uuid.uuid4().hex}",
-                                            prompt_token_ids=PackedI32(p.prompt), sampling=sp,
-                                            stream=req.stream,
-                                            adapter=adapter))
+            logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+            prompt_len=len(turn.plan.prompt), max_param=max_param)
+        turn.rules = OutputRules(stops=stops, stop_ids=frozenset(sp.stop_token_ids),
+                                 parser=self.tools.parse if parse else None,
+                                 call_open=self.tools.open)
+        turn.request = msgspec.structs.replace(turn.request, sampling=sp)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return self._stream_chat(turn, logprobs=req.logprobs, include_usage=usage)
         finals = await self._generate(turn)
         await self._record(turn, finals)
+        self.store.done(turn.session)
         return self._chat_response(turn, finals, logprobs=req.logprobs)
 
     def _check_chat(self, req: ChatRequest) -> str:
@@ -286,13 +302,18 @@ class Gateway:
     async def _generate(self, turn: _Turn) -> list[Final]:
         n = turn.request.sampling.n
         finals: list[Final | None] = [None] * n
-        async for reply in self.plane.generate([turn.request],
+        async for reply in self.plane.generate([turn.request], session=turn.affinity,
                                                timeout=self.config.request_timeout):
             i = reply.sample_index or 0
             finals[i] = self._final(turn, _result(reply))
         return [f for f in finals if f is not None]
 
     def _final(self, turn: _Turn, res: RolloutResult) -> Final:
+        f = self._finalize(turn, res)
+        f.worker_id = res.worker_id
+        return f
+
+    def _finalize(self, turn: _Turn, res: RolloutResult) -> Final:
         top = _top_rows(res.top_logprobs)
         ids = res.completion_token_ids.tolist()
         if turn.prefill:  # the text is the opening the gateway wrote, then the sample
@@ -342,7 +363,7 @@ class Gateway:
                        logprobs: bool) -> ChatCompletion:
         choices = [ChatChoice(
             index=i, message=self._message(f), finish_reason=f.finish_reason,
-            token_ids=f.ids, weight_versions=_versions(f.spans),
+            token_ids=f.ids, weight_versions=_versions(f.spans), worker_id=f.worker_id,
             logprobs=ChoiceLogprobs(content=logprob_rows(self.fmt, f.ids, f.logprobs, f.top))
             if logprobs else None) for i, f in enumerate(finals)]
         done = sum(len(f.ids) for f in finals)
@@ -371,6 +392,7 @@ class Gateway:
         finals: list[Final | None] = [None] * n
         try:
             async for item in self.plane.generate([turn.request], deltas=True,
+                                                  session=turn.affinity,
                                                   timeout=self.config.request_timeout):
                 if isinstance(item, TokenDelta):
                     st = texts[item.sample_index]
@@ -411,6 +433,8 @@ class Gateway:
                                             total_tokens=n_prompt + n_done))
         except APIError as exc:
             yield b"data: " + exc.body() + b"\n\n"
+        finally:
+            self.store.done(turn.session)
         yield b"data: [DONE]\n\n"
 
     # ---- completions ----

@@ -11,8 +11,11 @@
   state (`refresh`): the caller reads the bus again and plans again if it changed.
 - Two requests of one session on one gateway are served one after the other (its lock); across
   gateways the conditional append refuses the second (`SessionConflict`).
-- Idle sessions end (`SessionEnd(reason="expired")`) after the idle timeout; the cache keeps at
-  most `max_cached` sessions (an evicted one is read back when it comes again).
+- Idle sessions end (`SessionEnd(reason="expired")`) after the idle timeout. The cache holds at
+  most `max_cached` sessions and about `max_bytes` of their tokens: to take a new one it drops
+  the least recently used sessions with no turn in progress (expired ones first, as they are
+  the least recent; an evicted one is read back when it comes again). When the sessions in
+  turns fill the bound, a new one is refused with 503 (`session_limit`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from rlfabric.schemas import ErrorCode, SessionEnd, SessionFold, SessionRecord, 
 from rlfabric.telemetry import instruments
 
 log = logging.getLogger("rlfabric.gateway")
+#: what a held token costs the gateway, about: its id, mask and logprob as Python objects
+TOKEN_BYTES = 96
+MIB = 1024 * 1024
 
 
 @dataclass(eq=False)
@@ -54,6 +60,12 @@ class Session:
     written: anyio.Event | None = None
     #: moves whenever `fold` does: a turn planned on one state records only onto it
     changes: int = 0
+    #: turns of it in progress here, and when the last began (a turn whose end was never
+    #: seen, a stream nobody read, stops counting after the wait timeout)
+    active: int = 0
+    began: float = 0.0
+    #: what `fold` and `prompt_text` cost, about (see `SessionStore.resize`)
+    nbytes: int = 0
 
     @property
     def new(self) -> bool:
@@ -66,12 +78,15 @@ class Session:
 
 class SessionStore:
     def __init__(self, bus: Bus, *, writer: str, idle_timeout: float = 3600.0,
-                 max_cached: int = 10_000, wait_timeout: float = 600.0) -> None:
+                 max_cached: int = 10_000, max_bytes: int = 1 << 30,
+                 wait_timeout: float = 600.0) -> None:
         self.bus = bus
         self.writer = writer
         self.log = SessionLog(bus, writer=writer)
         self.idle_timeout = idle_timeout
         self.max_cached = max_cached
+        self.max_bytes = max_bytes
+        self.held_bytes = 0  # `nbytes` of the cached sessions
         #: how long a turn waits for the session's previous record to be stored
         self.wait_timeout = wait_timeout
         self.write_failures = 0
@@ -101,20 +116,59 @@ class SessionStore:
                 await sub.unsubscribe()
 
     def entry(self, session_id: str) -> Session:
+        """The cached session (made and cached if new: `APIError` 503 when the bound is full
+        of sessions in turns)."""
         key = session_key(session_id)
         s = self._cache.get(key)
         if s is None:
+            self._make_room()
             s = self._cache[key] = Session(session_id, key)
-            while len(self._cache) > self.max_cached:
-                old_key, old = next(iter(self._cache.items()))
-                if old.lock.locked():  # in use: keep it
-                    self._cache.move_to_end(old_key)
-                    break
-                del self._cache[old_key]
         else:
             self._cache.move_to_end(key)
         s.touched = time.monotonic()
         return s
+
+    def begin(self, s: Session) -> None:
+        s.active += 1
+        s.began = time.monotonic()
+
+    def done(self, s: Session) -> None:
+        s.active = max(0, s.active - 1)
+
+    def _busy(self, s: Session) -> bool:
+        if s.lock.locked() or (s.written is not None and not s.written.is_set()):
+            return True
+        return s.active > 0 and time.monotonic() - s.began < self.wait_timeout
+
+    def _full(self) -> bool:
+        return len(self._cache) >= self.max_cached or self.held_bytes >= self.max_bytes
+
+    def _make_room(self) -> None:
+        for key, old in list(self._cache.items()):  # least recently used first
+            if not self._full():
+                return
+            if not self._busy(old):
+                self._evict(key, old)
+        if self._full():
+            raise APIError(503, (
+                f"the gateway holds {len(self._cache)} sessions ({self.held_bytes / MIB:.1f} "
+                f"MiB of tokens), all in turns now: its bound is --max-cached-sessions "
+                f"{self.max_cached} and --max-session-bytes {self.max_bytes}. Retry when a "
+                "turn ends, raise the bound, or add a gateway"), code=ErrorCode.SESSION_LIMIT)
+
+    def _evict(self, key: str, s: Session) -> None:
+        del self._cache[key]
+        self.held_bytes -= s.nbytes
+        expired = time.monotonic() - s.touched > self.idle_timeout
+        if expired and s.fold.turns and not s.fold.ended and self._tg is not None:
+            self._tg.start_soon(self._expire, s)
+
+    def resize(self, s: Session) -> None:
+        """Count what `s` holds now against the bound (if it is the cached copy)."""
+        n = s.fold.held_tokens() * TOKEN_BYTES + len(s.prompt_text or "")
+        if self._cache.get(s.key) is s:
+            self.held_bytes += n - s.nbytes
+        s.nbytes = n
 
     def local(self, session_id: str) -> Session:
         """A session of one turn that nobody continues: nothing to read."""
@@ -153,6 +207,7 @@ class SessionStore:
             s.seq = rseq
         s.prompt_text = None
         s.changes += 1
+        self.resize(s)
         return True
 
     async def record(self, s: Session, record: SessionRecord, *, planned_on: int,
@@ -169,6 +224,7 @@ class SessionStore:
         s.fold.apply(record)
         s.changes += 1
         s.prompt_text = prompt_text
+        self.resize(s)
         written = s.written = anyio.Event()
         assert self._tg is not None, "SessionStore.run is not running"
         self._tg.start_soon(self._settle, s, stored, written, record)
@@ -184,6 +240,7 @@ class SessionStore:
                       "back from the bus at its next turn", record.session_id,
                       type(exc).__name__, exc)
             s.forget()
+            self.resize(s)
         finally:
             written.set()
 
@@ -213,19 +270,26 @@ class SessionStore:
         cutoff = time.monotonic() - self.idle_timeout
         ended = 0
         for key, s in list(self._cache.items()):
-            if s.touched > cutoff or s.lock.locked():
+            if s.touched > cutoff or self._busy(s):
                 continue
-            if s.written is not None and not s.written.is_set():
-                continue
-            if s.fold.turns and not s.fold.ended:
-                try:
-                    await self.log.append(SessionEnd(session_id=s.session_id, reason="expired",
-                                                     at=time.time()), expect_last=s.seq)
-                    ended += 1
-                except SessionConflict:  # another gateway served it meanwhile: not idle
-                    pass
-            self._cache.pop(key, None)
+            if self._cache.pop(key, None) is s:
+                self.held_bytes -= s.nbytes
+            ended += await self._expire(s)
         return ended
+
+    async def _expire(self, s: Session) -> int:
+        """Record that idle `s` ended; 1 if this did."""
+        if not s.fold.turns or s.fold.ended:
+            return 0
+        try:
+            await self.log.append(SessionEnd(session_id=s.session_id, reason="expired",
+                                             at=time.time()), expect_last=s.seq)
+        except SessionConflict:  # another gateway served it meanwhile: not idle
+            return 0
+        except Exception as exc:  # the bus down for a moment: it stays open, said
+            log.warning("session %r: its expiry was not recorded (%s)", s.session_id, exc)
+            return 0
+        return 1
 
     async def _sweep_every(self, every: float) -> None:
         while True:

@@ -35,6 +35,7 @@ class ErrorCode(StrEnum):
     DRAIN_TIMEOUT = "drain_timeout"  # requests still in flight at a pause's deadline
     ADAPTER_LIMIT = "adapter_limit"  # more adapters than the engine holds (--max-adapters)
     STORAGE_FULL = "storage_full"  # the transport's storage has no room for the push
+    MEMORY_UNAVAILABLE = "memory_unavailable"  # the engine cannot get the memory it was given
 
     # ---- a worker's own events (ErrorEvent.code) ----
     WEIGHTS_UNAVAILABLE = "weights_unavailable"  # joined without the fleet's version
@@ -55,6 +56,7 @@ class ErrorCode(StrEnum):
     SESSION_ENDED = "session_ended"
     SESSION_CONFLICT = "session_conflict"
     SESSION_WRITE_FAILED = "session_write_failed"
+    SESSION_LIMIT = "session_limit"  # the gateway holds as many sessions as it is allowed
     REQUEST_TOO_LARGE = "request_too_large"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     NO_WORKERS = "no_workers"

@@ -184,6 +184,11 @@ class SessionFold:
     def prompt(self) -> list[int]:
         return self.live.ids if self.live is not None else []
 
+    def held_tokens(self) -> int:
+        """Tokens this fold holds: its segments' and the choices it returned."""
+        segments = sum(len(o.ids) for o in self.closed) + len(self.prompt)
+        return segments + sum(len(c.completion_token_ids) for c in self.returned.values())
+
     def apply(self, record: SessionRecord) -> None:
         self.session_id = record.session_id
         if isinstance(record, SessionEnd):

@@ -118,7 +118,9 @@ def nats_url() -> Iterator[str]:
         with nats_container() as url:
             yield url
     else:
-        with EmbeddedNats() as srv:
+        # every test's job sets its streams' caps aside (Limits): a store of its own size would
+        # run out after some dozens of jobs on this one server
+        with EmbeddedNats(max_file_store=1 << 40) as srv:
             yield srv.url
 
 

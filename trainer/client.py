@@ -29,6 +29,7 @@ from rlfabric.bus import (
     QuorumPolicy,
     new_cmd_id,
 )
+from rlfabric.bus.affinity import Affinity
 from rlfabric.bus.rollouts import RolloutPlane
 from rlfabric.bus.subjects import check_token
 from rlfabric.concurrency.sync import beside
@@ -74,7 +75,10 @@ class FabricClient:
         self.watcher = MembershipWatcher(bus)
         self.broadcaster = Broadcaster(bus, self.watcher)
         self.desired = DesiredStateWriter(bus)
-        self.rollouts = RolloutPlane(bus, self.client_id, max_batch=self._batch_limit)
+        #: routes `generate(..., session=)` turns to their session's worker
+        self.affinity = Affinity(bus, self.watcher)
+        self.rollouts = RolloutPlane(bus, self.client_id, max_batch=self._batch_limit,
+                                     affinity=self.affinity)
         self._updates: WeightUpdates | None = None
 
     def _batch_limit(self, queued: int, first: RolloutRequest) -> int:
@@ -261,14 +265,18 @@ class FabricClient:
         requests as sent (with this client's id and deadlines filled in)."""
         return await self.rollouts.submit(requests, sink, timeout=timeout)
 
-    def generate(self, requests: Iterable[RolloutRequest], *,
-                 timeout: float | None = None) -> AsyncIterator[RolloutReply]:
+    def generate(self, requests: Iterable[RolloutRequest], *, timeout: float | None = None,
+                 session: str | None = None) -> AsyncIterator[RolloutReply]:
         """Submit `requests` and yield each sample's `RolloutResult` (or a `RolloutError`) as
         it arrives, exactly once per (request_id, sample_index), whichever worker served it
         and however often it was redelivered. `timeout` sets a deadline per request; samples
         still missing at their deadline are yielded as `RolloutError`s, code `deadline_exceeded`.
+        `session`: the requests are the next turn of this agent session: they go to the
+        worker that served its last turn while it lives and has room (its prefix is in that
+        worker's cache), else to the least-loaded worker; the binding is shared by every
+        client and gateway of the job (`rlfabric.bus.affinity`).
         """
-        return self.rollouts.generate(requests, timeout=timeout)
+        return self.rollouts.generate(requests, timeout=timeout, session=session)
 
     def generate_groups(self, requests: Iterable[RolloutRequest], *,
                         timeout: float | None = None) -> AsyncIterator[list[RolloutReply]]:

@@ -14,15 +14,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
+from nats.js.errors import APIError
 
 from rlfabric import tensors
 from rlfabric.bus.errors import TRANSIENT, storage_refused
-from rlfabric.concurrency import beside
 from rlfabric.schemas import ErrorCode, Nats, TensorMeta
 from rlfabric.transports.protocol import Received, ReceiveJob, Staged, StageJob, TransportError
 
@@ -35,6 +36,9 @@ ABORT = "abort"
 #: room left in a message for what the server counts beside the chunk (subject, reply)
 PAYLOAD_MARGIN = 4096
 NATS_WINDOW = 16  # chunks in flight: bounds the client's buffer, keeps the pipe full
+#: bytes JetStream stores beside a chunk's payload (its subject, sequence, timestamp, hash)
+CHUNK_OVERHEAD = 256
+MIB = 1024 * 1024
 NATS_RETRY_S = 60.0  # a chunk not stored after a reconnect is retried this long, then fails
 
 
@@ -74,11 +78,12 @@ class NatsTransport:
 
     async def stage(self, job: StageJob) -> Staged:
         s = self.bus.subjects
-        buf, dg = await self._pack(job.state, job.tensors, job.size)
         subject = s.weights(job.version)
         await self._purge(subject)  # a re-send starts clean
         chunk = self.chunk_bytes()
         chunks = -(-job.size // chunk)
+        await self._make_room(job.size + chunks * CHUNK_OVERHEAD, job.size)
+        buf, dg = await self._pack(job.state, job.tensors, job.size)
 
         async def send() -> None:
             try:
@@ -104,6 +109,45 @@ class NatsTransport:
             st.unsent = send
         return st
 
+    async def _make_room(self, need: int, size: int) -> None:
+        """Refuse at once a push the weights stream cannot hold beside the versions it holds,
+        before anything is packed or sent; where `Limits.weights_max_bytes` leaves the cap to
+        pushes, first ask JetStream to set aside what it needs."""
+        js = self.bus.js
+        info = await js.stream_info(self.bus.subjects.weights_stream)
+        cap, held = info.config.max_bytes or -1, info.state.bytes
+        if cap <= 0 or held + need <= cap:  # uncapped: a job provisioned before caps
+            return
+        fixed = self.bus.limits.weights_max_bytes is not None
+        want = -(-(held + need) // MIB) * MIB
+        why = f"its cap is {cap / MIB:.1f} MiB (Limits.weights_max_bytes)"
+        if not fixed:
+            try:
+                await js.update_stream(replace(info.config, max_bytes=want))
+                return
+            except APIError as exc:
+                if not storage_refused(exc):
+                    raise
+                why = (f"JetStream cannot set aside {want / MIB:.1f} MiB for it "
+                       f"({exc.description}{await self._account()})")
+        raise TransportError(ErrorCode.STORAGE_FULL, (
+            f"the weights stream has no room for this push: {size / MIB:.1f} MiB beside the "
+            f"{held / MIB:.1f} MiB it holds (the version in use); {why}. Nothing was sent. "
+            "Raise the server's JetStream store (max_file_store or max_memory_store, or the "
+            "account's max_storage), delete finished jobs (`rlfabric ctl --prefix P "
+            "delete-job`), push fewer bytes (an adapter), or use the shm or filesystem "
+            "transport"))
+
+    async def _account(self) -> str:
+        """The account's JetStream limits, where it has any, for an error message."""
+        try:
+            acct = await self.bus.js.account_info()
+        except Exception:  # only for the message
+            return ""
+        lim = acct.limits.max_storage
+        return "" if lim < 0 else (
+            f"; the account stores {acct.storage / MIB:.1f} of {lim / MIB:.1f} MiB")
+
     def chunk_bytes(self) -> int:
         """The chunk size: 4 MiB, or less if the server announces a smaller `max_payload`."""
         limit = int(self.bus.nc.max_payload or 0)
@@ -122,7 +166,11 @@ class NatsTransport:
         await self.bus.js.purge_stream(self.bus.subjects.weights_stream, subject=f"{subject}.>")
 
     async def _send(self, subject: str, view: memoryview, chunks: int, size: int) -> None:
-        """Every chunk (`size` bytes, the last one shorter), NATS_WINDOW in flight at a time."""
+        """Every chunk (`size` bytes, the last one shorter), NATS_WINDOW in flight at a time.
+        After a chunk fails no more are sent, and those in flight are waited for, not
+        cancelled: the server may store one after a clean-up that did not wait for its
+        answer."""
+        failed: list[Exception] = []
 
         async def one(i: int) -> None:
             # NOTE: no headers: nats-py copies the payload to prepend them. A reconnect or a
@@ -130,23 +178,27 @@ class NatsTransport:
             # indices, not messages)
             chunk = view[i * size:(i + 1) * size]
             try:
-                await self.bus.publish_stored(f"{subject}.{i}", chunk)
-            except TRANSIENT:
-                await self.bus.persist(f"{subject}.{i}", bytes(chunk), {},
-                                       until=time.time() + NATS_RETRY_S)
+                try:
+                    await self.bus.publish_stored(f"{subject}.{i}", chunk)
+                except TRANSIENT as exc:
+                    if failed or storage_refused(exc):
+                        raise
+                    await self.bus.persist(f"{subject}.{i}", bytes(chunk), {},
+                                           until=time.time() + NATS_RETRY_S)
+            except Exception as exc:
+                failed.append(exc)
+            finally:
+                window.release()
 
-        async with beside() as tg:  # a refused chunk raised as itself
-            window = anyio.Semaphore(NATS_WINDOW)
+        window = anyio.Semaphore(NATS_WINDOW)
+        async with anyio.create_task_group() as tg:
             for i in range(chunks):
                 await window.acquire()
-
-                async def go(i: int = i) -> None:
-                    try:
-                        await one(i)
-                    finally:
-                        window.release()
-
-                tg.start_soon(go)
+                if failed:
+                    break
+                tg.start_soon(one, i)
+        if failed:
+            raise failed[0]
 
     @contextlib.asynccontextmanager
     async def receive(self, locator: Nats, job: ReceiveJob) -> AsyncIterator[Received]:
@@ -204,8 +256,7 @@ class NatsTransport:
 
 
 def _full(exc: BaseException, size: int, chunk: int, chunks: int) -> str:
-    mib = 1024 * 1024
-    return (f"JetStream has no room for this push ({exc}): {size / mib:.1f} MiB in {chunks} "
-            f"chunks of {chunk / mib:.1f} MiB; what was stored of it is removed. Raise the "
+    return (f"JetStream has no room for this push ({exc}): {size / MIB:.1f} MiB in {chunks} "
+            f"chunks of {chunk / MIB:.1f} MiB; what was stored of it is removed. Raise the "
             "server's JetStream store (max_file_store, or the account's max_storage), push "
             "fewer bytes (an adapter), or use the shm or filesystem transport")

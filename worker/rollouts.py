@@ -36,9 +36,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import anyio
 import msgspec
@@ -48,6 +49,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus, Registration
+from rlfabric.bus.affinity import BUSY, OFFER_UNTIL_HEADER, TAKEN
 from rlfabric.bus.errors import TRANSIENT, PayloadTooLarge
 from rlfabric.bus.outbox import Outbox
 from rlfabric.bus.pull import Puller
@@ -92,6 +94,34 @@ class _Delivery:
     t0: float
     back: float | None = None  # set: nak with this delay once all are done (serve again)
 
+
+class _Offered:
+    """A request offered to this worker (session affinity) as the serving path sees a message
+    it pulled: acking it is nothing, and handed back it goes to the shared queue, stored (its
+    `Nats-Msg-Id` makes it one with a copy the client queues)."""
+
+    def __init__(self, bus: Bus, msg: Msg) -> None:
+        self.bus = bus
+        self.data = msg.data
+        self.headers = {k: v for k, v in (msg.headers or {}).items() if k != OFFER_UNTIL_HEADER}
+        self.subject = bus.subjects.rollout_request
+        self.metadata = _FIRST_DELIVERY
+
+    async def ack(self) -> None:
+        pass
+
+    async def in_progress(self) -> None:
+        pass
+
+    async def term(self) -> None:
+        pass
+
+    async def nak(self, delay: float | None = None) -> None:
+        del delay  # the queue's workers take it when they can
+        await self.bus.persist(self.subject, self.data, self.headers)
+
+
+_FIRST_DELIVERY = SimpleNamespace(num_delivered=1)
 
 #: what a lane takes: a delivery, one of its requests, and that request's trace context
 _Work = tuple[_Delivery, RolloutRequest, dict[str, str] | None]
@@ -246,9 +276,42 @@ class RolloutServer:
             puller = Puller(self.bus, s.rollout_stream, s.rollout_consumer, on_message,
                             kick=self._wake)
             await tg.start(puller.run)
-            task_status.started()
-            with send:  # closed once draining: lanes finish what they hold, then end
-                await self._pull(puller)
+            async with self._offers(on_message):
+                task_status.started()
+                with send:  # closed once draining: lanes finish what they hold, then end
+                    await self._pull(puller)
+
+    @contextlib.asynccontextmanager
+    async def _offers(self, take: Callable[[Msg], Awaitable[None]]) -> AsyncIterator[None]:
+        """Requests offered to this worker (session affinity), while the block runs."""
+        async def on_offer(msg: Msg) -> None:
+            await self._on_offer(msg, take)
+
+        sub = await self.bus.nc.subscribe(self.bus.subjects.offer(self.worker_id), cb=on_offer)
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_offer(self, msg: Msg, take: Callable[[Msg], Awaitable[None]]) -> None:
+        """Take an offered request if there is room now (and the offer is still valid), else
+        say so: the client queues it."""
+        try:
+            until = float((msg.headers or {}).get(OFFER_UNTIL_HEADER) or 0)
+        except ValueError:
+            until = 0.0
+        if (self.held or self.draining or self.in_flight >= self.capacity
+                or time.time() > until):
+            with contextlib.suppress(Exception):
+                await msg.respond(BUSY)
+            return
+        try:
+            await msg.respond(TAKEN)
+        except Exception:  # the client is gone: it queued the request, or nobody waits
+            return
+        # NOTE: duck-typed as a pulled message: the serving path acks, naks, reads headers
+        await take(cast(Msg, _Offered(self.bus, msg)))
 
     def _decode(self, msg: Msg) -> list[RolloutRequest]:
         if COUNT_HEADER in (msg.headers or {}):

@@ -152,8 +152,9 @@ class Worker:
             await self.engine.run(task_status=task_status)
         except Exception as exc:  # the engine is gone: say so, then leave (run() raises it)
             log.error("%s: engine %s stopped: %s", self.worker_id, self.engine.name, exc)
+            code = exc.code if isinstance(exc, EngineDied) else ErrorCode.ENGINE_DIED
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                await self.bus.emit(ErrorEvent(source=self.worker_id, code=ErrorCode.ENGINE_DIED,
+                await self.bus.emit(ErrorEvent(source=self.worker_id, code=code,
                                                message=str(exc), at=time.time()))
                 await self.bus.nc.flush()
             raise

@@ -63,6 +63,7 @@ from rlfabric.schemas import (
 )
 
 log = logging.getLogger("rlfabric.engines.vllm")
+GIB = 1024 ** 3
 
 #: vLLM's version name before any update_weight_version call
 _INITIAL = "default"
@@ -121,6 +122,7 @@ class VllmEngine:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         logging.getLogger("vllm").addHandler(self._tail)
         try:
+            _check_memory(self.options.kv_cache_gib)
             try:
                 await self._start()
             except Exception as exc:
@@ -649,6 +651,33 @@ def _digest_of(obj: Any) -> str:
     import json
 
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_memory(kv_cache_gib: float) -> None:
+    """On a CPU build, refuse at once a KV cache larger than the memory available now, which
+    vLLM finds only after loading the model, behind a generic error."""
+    if not _on_cpu():
+        return
+    available = _mem_available()
+    if available is None or kv_cache_gib * GIB <= available:
+        return
+    raise EngineDied(
+        f"vLLM cannot get the {kv_cache_gib:g} GiB of KV cache this worker was given "
+        f"(--kv-cache-gib {kv_cache_gib:g}): this machine has {available / GIB:.1f} GiB of "
+        "memory available. Lower --kv-cache-gib, or run fewer engines on this machine",
+        code=ErrorCode.MEMORY_UNAVAILABLE)
+
+
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _on_cpu() -> bool:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from nats.js.api import RetentionPolicy, StreamConfig
 
-from rlfabric.bus import Bus, Limits, Subjects, connect, provision
+from rlfabric.bus import Bus, EmbeddedNats, Limits, ProvisioningError, Subjects, connect, provision
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -47,3 +50,22 @@ async def test_two_prefixes_do_not_share_anything(nats_url: str) -> None:
 def test_bad_prefix_is_refused() -> None:
     with pytest.raises(ValueError, match=r"subject prefix 'rl\.x'"):
         Subjects("rl.x")
+
+
+async def test_a_job_the_store_cannot_set_aside_is_refused_naming_it_until_one_is_deleted(
+        ) -> None:
+    """Two jobs' caps (about 1.1 GiB each) on a 1.5 GiB store: the second is refused, naming
+    what and how much; `rlfabric ctl delete-job` on the first makes room for it."""
+    async with EmbeddedNats(max_file_store=1536 * 1024 * 1024) as srv:
+        async with Bus.connect(srv.url, prefix="one"):
+            pass
+        with pytest.raises(ProvisioningError, match=r"cannot set aside \d+ MiB for .*delete-job"):
+            async with Bus.connect(srv.url, prefix="two"):
+                pass
+        out = subprocess.run([sys.executable, "-m", "rlfabric", "ctl", "--nats", srv.url,
+                              "--prefix", "one", "delete-job"], capture_output=True, text=True,
+                             timeout=60)
+        async with Bus.connect(srv.url, prefix="two") as two:
+            depths = await two.fleet.stream_depths()
+    assert out.returncode == 0 and "ONE_WEIGHTS" in out.stdout, out.stderr
+    assert depths["TWO_WEIGHTS"] == 0

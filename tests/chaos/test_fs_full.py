@@ -1,31 +1,28 @@
-"""The filesystem transport on a small disk (a tmpfs): a push that does not fit is refused before
-anything is written, naming the sizes; the next push that fits lands, and the worker serves
-throughout."""
+"""Small storage under the filesystem and shm transports (an 8 MiB tmpfs: mounted as the
+filesystem transport's root, or as /dev/shm in a mount namespace of its own): a 12 MiB push is
+refused before anything is written, naming the sizes; the worker stays a member and acks a
+pause meanwhile; the next push that fits lands, and every request is answered once."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
-import time
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
-import torch
-from helpers import collect, req
+from small_storage import scenario
 
-from rlfabric.bus import Bus
-from rlfabric.engines.null import NullEngine
-from rlfabric.schemas import RolloutResult
-from rlfabric.transports import TransportError
 from rlfabric.transports.filesystem import FilesystemTransport
-from rlfabric.worker import Worker
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio, pytest.mark.timeout(120)]
 
-MIB = 1024 * 1024
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
@@ -42,27 +39,35 @@ def small_disk(path: Path, mib: int) -> Iterator[Path]:
         subprocess.run(["umount", str(path)], check=False)
 
 
+def held(got: dict[str, Any]) -> None:
+    print(f"\n{got['message'][:40]}...: refused in {got['refused_s']:.3f} s")
+    assert got["code"] == "storage_full" and got["refused_s"] < 5.0, got
+    assert "needs 12.0 MiB" in got["message"] and "MiB free" in got["message"], got
+    assert got["left"] == []  # nothing written
+    assert got["paused"] == ["d0"] and got["same_members"]
+    assert got["loaded"] == 2 and got["served"] == sorted(f"r{i}" for i in range(8))
+
+
 async def test_a_filesystem_push_that_does_not_fit_is_refused_and_the_next_lands(
-        nats_url, prefix, client, tmp_path, monkeypatch) -> None:
+        nats_url, prefix, tmp_path, monkeypatch) -> None:
     with small_disk(tmp_path / "disk", 8) as disk:
         monkeypatch.setattr(FilesystemTransport, "root", str(disk))
-        async with Bus.connect(nats_url, prefix=prefix) as bus, \
-                anyio.create_task_group() as tg:
-            await tg.start(Worker(bus, NullEngine(), "d0", capacity=8).run)
-            async with client() as fabric:
-                await fabric.wait_for_workers(1, timeout=30)
-                t0 = time.monotonic()
-                with pytest.raises(TransportError, match=r"needs 12\.0 MiB.*MiB free") as exc:
-                    await fabric.update_weights(1, state_dict={"w": torch.randn(3 * MIB)},
-                                                transport="filesystem", verify="off")
-                refused_s = time.monotonic() - t0
-                left = list(os.walk(disk))
-                ok = await fabric.update_weights(2, state_dict={"w": torch.randn(MIB // 2)},
-                                                 transport="filesystem", verify="off")
-                out = await collect(fabric, [req(f"r{i}", max_tokens=2) for i in range(8)])
-            tg.cancel_scope.cancel()
-    assert exc.value.code == "storage_full" and refused_s < 5.0
-    assert all(not files for _, _, files in left)  # nothing written
-    assert ok.ok == ("d0",) and ok.acks["d0"].weight_version == 2
-    assert sorted(r.request_id for r in out) == [f"r{i}" for i in range(8)]
-    assert all(isinstance(r, RolloutResult) for r in out)
+        held(await scenario(nats_url, prefix, "filesystem", str(disk)))
+
+
+async def test_an_shm_push_that_does_not_fit_is_refused_and_the_next_lands(
+        nats_url, prefix) -> None:
+    script = ("mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "
+              f"{sys.executable} {TESTS / 'small_storage.py'} {nats_url} {prefix}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    try:
+        run = await anyio.run_process(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            env=env, check=False)
+    except FileNotFoundError:
+        pytest.skip("no `unshare` here: the small-/dev/shm test needs a mount namespace")
+    if run.returncode != 0 and b"mount" in run.stderr and not run.stdout:
+        pytest.skip(f"cannot mount a small /dev/shm here ({run.stderr.decode()[-300:]})")
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    held(json.loads(run.stdout.decode().strip().splitlines()[-1]))

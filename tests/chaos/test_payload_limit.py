@@ -1,7 +1,8 @@
 """Against a server at the stock 1 MiB max_payload: a request too large for one message is
 refused by the client before it is sent, naming its size and the limit; a result too large is
 answered `payload_too_large` (not retryable) while the other requests of the same call are
-served; nothing is dropped and the worker stays."""
+served; batches of requests and of results several MiB in all go in messages under the limit;
+nothing is dropped and the worker stays."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import anyio
 import pytest
 from helpers import collect, req
 
-from rlfabric.bus import Bus, EmbeddedNats, PayloadTooLarge
+from rlfabric.bus import Bus, EmbeddedNats, PayloadTooLarge, QuorumPolicy
 from rlfabric.engines.null import NullEngine
 from rlfabric.schemas import RolloutError, RolloutResult
 from rlfabric.trainer import FabricClient
@@ -34,7 +35,16 @@ async def test_oversized_requests_and_results_get_clear_errors_and_the_rest_is_s
             small = [req(f"s{i}", max_tokens=2) for i in range(6)]
             with anyio.fail_after(60):
                 out = await collect(fabric, [big, *small])
+            # batched both ways: 64 requests of 160 KB, then 32 results of about 100 KB each,
+            # several MiB in all, in messages under the limit
+            with anyio.fail_after(60):
+                long_prompts = await collect(fabric, [req(f"m{i}", range(1, 40_001),
+                                                          max_tokens=2) for i in range(64)])
+                long_outputs = await collect(fabric, [req(f"o{i}", range(1, 12_001),
+                                                          max_tokens=12_000) for i in range(32)])
             members = await fabric.bus.fleet.members()
+            paused = await fabric.pause(policy=QuorumPolicy(timeout=5))
+            await fabric.resume()
         tg.cancel_scope.cancel()
     errors = [r for r in out if isinstance(r, RolloutError)]
     assert [(e.request_id, e.code, e.retryable) for e in errors] == [
@@ -42,4 +52,8 @@ async def test_oversized_requests_and_results_get_clear_errors_and_the_rest_is_s
     assert "max_payload" in errors[0].message
     assert sorted(r.request_id for r in out if isinstance(r, RolloutResult)) == [
         f"s{i}" for i in range(6)]
-    assert list(members) == ["p0"]
+    assert list(members) == ["p0"] and paused.ok == ("p0",)
+    for got, prefix, n in ((long_prompts, "m", 64), (long_outputs, "o", 32)):
+        assert sorted(r.request_id for r in got if isinstance(r, RolloutResult)) == sorted(
+            f"{prefix}{i}" for i in range(n))
+    assert all(len(r.completion_token_ids) == 12_000 for r in long_outputs)

@@ -225,6 +225,31 @@ async def test_sleep_and_collective_are_refused_at_once_on_cpu(two_vllm: Fleet) 
         assert {a.detail["paused"] for a in rep.acks.values()} == {"False"}
 
 
+async def test_a_kv_cache_larger_than_the_machine_exits_at_start_naming_the_flag(
+        two_vllm: Fleet) -> None:
+    """Beside the two serving workers: it exits (3) before it loads anything, they go on."""
+    async with client(two_vllm) as fabric:
+        await fabric.wait_for_workers(2, timeout=240)
+        epoch = fabric.watcher.snapshot().epoch
+        t0 = time.monotonic()
+        proc = two_vllm.start("huge", "--kv-cache-gib", "100000")
+        rc = await anyio.to_thread.run_sync(lambda: proc.wait(timeout=120))
+        exit_s = time.monotonic() - t0
+        rep = await fabric.pause()
+        await fabric.resume()
+        out = [r async for r in fabric.generate([req(f"k{i}") for i in range(8)],
+                                                timeout=120)]
+        snap = fabric.watcher.snapshot()
+    with open(f"{os.environ.get('TMPDIR', '/tmp')}/rlf-{two_vllm.prefix}-huge.log") as f:
+        log = f.read()
+    print(f"\nKV cache too large: the worker exited {rc} after {exit_s:.1f} s")
+    assert rc == 3 and exit_s < 60, (rc, exit_s, log[-2000:])
+    assert "100000 GiB of KV cache" in log and "--kv-cache-gib" in log, log[-2000:]
+    assert "GiB of memory available" in log
+    assert sorted(rep.ok) == ["vl0", "vl1"] and snap.epoch == epoch
+    assert sorted(r.request_id for r in out) == [f"k{i}" for i in range(8)]
+
+
 async def test_vllm_nccl_bridge_commands_reach_every_worker_and_cpu_refuses_at_once(
         two_vllm: Fleet) -> None:
     """vLLM's trainer engine calls its client's four methods from its own threads; through

@@ -1,0 +1,150 @@
+"""Session affinity: the turns of a session go to the worker that holds its prefix in cache.
+
+- The binding (session key -> the worker whose result ended its last turn) lives in the
+  `<prefix>_affinity` KV bucket, read at every turn: every gateway replica and every
+  `FabricClient` of the job routes a session the same way. It expires after
+  `Limits.affinity_ttl` without a turn.
+- A turn goes to its bound worker while that worker is a member and has room; a session with
+  no binding (or whose worker left or is full) goes to the least-loaded member (its reported
+  load plus what this client offered it since).
+- The request is offered to that worker on core NATS (`<prefix>.worker.<id>.offer`); it
+  answers whether it took it. Refused, not answered within `offer_wait`, or nobody there (a
+  dead worker answers at once): the request goes to the shared queue, persisted, for any
+  worker. An offer carries the time it stops being valid, so a worker that reads it late
+  does not serve it beside the queue's copy.
+- A request a worker took lives with that worker: if the worker leaves membership before its
+  result came, the client puts the request in the shared queue (`lost`); a worker that hands
+  an offered request back puts it there itself. Either way its submission id makes the copies
+  one request: the stream drops the second, the client keeps the first result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import anyio
+import nats.errors
+import nats.js.errors
+from anyio.abc import TaskStatus
+
+from rlfabric.bus.membership import MembershipWatcher
+from rlfabric.bus.session import Bus
+from rlfabric.concurrency import RateLimited, Signal
+from rlfabric.schemas import WorkerInfo
+
+#: seconds a worker has to answer an offer before the request goes to the shared queue
+OFFER_WAIT = 1.0
+#: the header of an offer: the unix time after which the worker must not take it
+OFFER_UNTIL_HEADER = "rlf-offer-until"
+TAKEN, BUSY = b"taken", b"busy"
+log = logging.getLogger("rlfabric.bus")
+_unbound = RateLimited(log)
+_KEY = re.compile(r"[-_=A-Za-z0-9]{1,128}")
+
+
+def affinity_key(session_id: str) -> str:
+    """The session's key in the bucket: its id where KV takes it as one, else a digest."""
+    if _KEY.fullmatch(session_id) and not session_id.startswith("h-"):
+        return session_id
+    return "h-" + hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
+
+
+class Affinity:
+    def __init__(self, bus: Bus, watcher: MembershipWatcher, *,
+                 offer_wait: float = OFFER_WAIT) -> None:
+        self.bus = bus
+        self.watcher = watcher
+        self.offer_wait = offer_wait
+        self.kv = bus.buckets.affinity
+        #: request id -> the worker that took it, until its result comes
+        self.taken: dict[str, str] = {}
+        self._offered: Counter[str] = Counter()  # requests per worker taken, not answered
+        #: turns routed: to their bound worker, to a new one, to the shared queue
+        self.counts: Counter[str] = Counter()
+
+    async def bound(self, session_key: str) -> str | None:
+        if self.kv is None:
+            return None
+        try:
+            entry = await self.kv.get(session_key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return entry.value.decode() if entry.value else None
+
+    async def bind(self, session_key: str, worker_id: str) -> None:
+        """Bind the session to `worker_id`. Not stored (the bus busy): its next turn goes to
+        the least-loaded worker, said once a while."""
+        if self.kv is None:
+            return
+        try:
+            await self.kv.put(session_key, worker_id.encode())
+        except Exception as exc:
+            _unbound.warning("session %s not bound to %s (%s: %s)", session_key, worker_id,
+                             type(exc).__name__, exc)
+
+    def choose(self, bound: str | None) -> str | None:
+        """The bound worker while it is a member with room, else the least-loaded member."""
+        members = {m.worker_id: m for m in self.watcher.snapshot().members
+                   if m.state == "ready"}
+        if bound in members and self._room(members[bound]) > 0:
+            self.counts["bound"] += 1
+            return bound
+        if not members:
+            return None
+        self.counts["moved" if bound else "new"] += 1
+        return max(members.values(), key=lambda m: (self._room(m) / max(1, m.capacity),
+                                                    random.random())).worker_id
+
+    def _room(self, m: WorkerInfo) -> int:
+        return m.capacity - m.in_flight - self._offered[m.worker_id]
+
+    async def offer(self, worker_id: str, request_id: str, data: bytes,
+                    headers: dict[str, str]) -> bool:
+        """Whether `worker_id` took the request (False: it goes to the shared queue)."""
+        until = time.time() + self.offer_wait
+        try:
+            reply = await self.bus.nc.request(
+                self.bus.subjects.offer(worker_id), data,
+                headers={**headers, OFFER_UNTIL_HEADER: f"{until:.6f}"},
+                timeout=self.offer_wait)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            reply = None
+        if reply is None or reply.data != TAKEN:
+            self.counts["queued"] += 1
+            return False
+        self.taken[request_id] = worker_id
+        self._offered[worker_id] += 1
+        return True
+
+    def answered(self, request_id: str) -> None:
+        wid = self.taken.pop(request_id, None)
+        if wid is not None:
+            self._offered[wid] -= 1
+            if self._offered[wid] <= 0:
+                del self._offered[wid]
+
+    async def run(self, lost: Callable[[list[str]], None], *,
+                  task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Hand `lost` the requests whose worker left before answering, as it leaves."""
+        joins_leaves = Signal()
+        with self.watcher.firing_on_join_or_leave(joins_leaves):
+            task_status.started()
+            while True:
+                changed = joins_leaves.event()
+                self._rescue(lost)
+                await changed.wait()
+
+    def _rescue(self, lost: Callable[[list[str]], None]) -> None:
+        alive = set(self.watcher.snapshot().worker_ids)
+        gone = [rid for rid, wid in self.taken.items() if wid not in alive]
+        for rid in gone:
+            self.answered(rid)
+        if gone:
+            self.counts["rescued"] += len(gone)
+            lost(gone)
