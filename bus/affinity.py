@@ -4,14 +4,15 @@
   `<prefix>_affinity` KV bucket, read at every turn: every gateway replica and every
   `FabricClient` of the job routes a session the same way. It expires after
   `Limits.affinity_ttl` without a turn.
-- A turn goes to its bound worker while that worker is a member and has room; a session with
-  no binding (or whose worker left or is full) goes to the least-loaded member (its reported
-  load plus what this client offered it since).
+- A turn goes to its bound worker while that worker is a member ready to serve; a session with
+  no binding (or whose worker left) goes to the least-loaded member (its reported load plus
+  what this client sent it since). The worker itself says whether it has room.
 - The request is offered to that worker on core NATS (`<prefix>.worker.<id>.offer`); it
-  answers whether it took it. Refused, not answered within `offer_wait`, or nobody there (a
-  dead worker answers at once): the request goes to the shared queue, persisted, for any
-  worker. An offer carries the time it stops being valid, so a worker that reads it late
-  does not serve it beside the queue's copy.
+  answers whether it took it. Refused (full, paused, draining), not answered within
+  `offer_wait`, nobody there (a dead worker answers at once), or the bus in a reconnect: the
+  request goes to the shared queue, persisted, for any worker. An offer carries the time it
+  stops being valid, so a worker that reads it late does not serve it beside the queue's
+  copy.
 - A request a worker took lives with that worker: if the worker leaves membership before its
   result came, the client puts the request in the shared queue (`lost`); a worker that hands
   an offered request back puts it there itself. Either way its submission id makes the copies
@@ -64,16 +65,22 @@ class Affinity:
         self.kv = bus.buckets.affinity
         #: request id -> the worker that took it, until its result comes
         self.taken: dict[str, str] = {}
-        self._offered: Counter[str] = Counter()  # requests per worker taken, not answered
+        self._offered: Counter[str] = Counter()  # requests per worker sent, not answered
         #: turns routed: to their bound worker, to a new one, to the shared queue
         self.counts: Counter[str] = Counter()
 
     async def bound(self, session_key: str) -> str | None:
+        """The worker the session is bound to (None: none, or the bucket cannot be read now:
+        the turn then goes to the least-loaded worker)."""
         if self.kv is None:
             return None
         try:
             entry = await self.kv.get(session_key)
         except nats.js.errors.KeyNotFoundError:
+            return None
+        except Exception as exc:
+            _unbound.warning("session %s: binding not read (%s: %s)", session_key,
+                             type(exc).__name__, exc)
             return None
         return entry.value.decode() if entry.value else None
 
@@ -88,46 +95,62 @@ class Affinity:
             _unbound.warning("session %s not bound to %s (%s: %s)", session_key, worker_id,
                              type(exc).__name__, exc)
 
-    def choose(self, bound: str | None) -> str | None:
-        """The bound worker while it is a member with room, else the least-loaded member."""
+    def choose(self, bound: str | None, n: int = 1) -> str | None:
+        """The bound worker while it is a member (it says itself whether it has room: an
+        offer it refuses goes to the shared queue), else the least-loaded member. `n`
+        requests are counted against the worker chosen at once (`offer` gives back those it
+        did not take), so sessions that start together spread."""
         members = {m.worker_id: m for m in self.watcher.snapshot().members
                    if m.state == "ready"}
-        if bound in members and self._room(members[bound]) > 0:
+        if bound in members:
             self.counts["bound"] += 1
-            return bound
-        if not members:
+            wid: str | None = bound
+        elif not members:
             return None
-        self.counts["moved" if bound else "new"] += 1
-        return max(members.values(), key=lambda m: (self._room(m) / max(1, m.capacity),
-                                                    random.random())).worker_id
+        else:
+            self.counts["moved" if bound else "new"] += 1
+            wid = max(members.values(), key=lambda m: (self._room(m) / max(1, m.capacity),
+                                                       random.random())).worker_id
+        assert wid is not None
+        self._offered[wid] += n
+        return wid
 
     def _room(self, m: WorkerInfo) -> int:
         return m.capacity - m.in_flight - self._offered[m.worker_id]
 
     async def offer(self, worker_id: str, request_id: str, data: bytes,
                     headers: dict[str, str]) -> bool:
-        """Whether `worker_id` took the request (False: it goes to the shared queue)."""
+        """Whether `worker_id` (as `choose` gave it) took the request; False: it goes to the
+        shared queue."""
         until = time.time() + self.offer_wait
+        taken = False
         try:
             reply = await self.bus.nc.request(
                 self.bus.subjects.offer(worker_id), data,
                 headers={**headers, OFFER_UNTIL_HEADER: f"{until:.6f}"},
                 timeout=self.offer_wait)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            reply = None
-        if reply is None or reply.data != TAKEN:
+            taken = reply.data == TAKEN
+        except nats.errors.Error:  # timeout, nobody there, a reconnect: the queue takes it
+            pass
+        finally:
+            if taken:
+                self.taken[request_id] = worker_id
+            else:
+                self.release(worker_id)
+        if not taken:
             self.counts["queued"] += 1
-            return False
-        self.taken[request_id] = worker_id
-        self._offered[worker_id] += 1
-        return True
+        return taken
+
+    def release(self, worker_id: str) -> None:
+        """Give back a count `choose` took for a request `worker_id` did not take."""
+        self._offered[worker_id] -= 1
+        if self._offered[worker_id] <= 0:
+            del self._offered[worker_id]
 
     def answered(self, request_id: str) -> None:
         wid = self.taken.pop(request_id, None)
         if wid is not None:
-            self._offered[wid] -= 1
-            if self._offered[wid] <= 0:
-                del self._offered[wid]
+            self.release(wid)
 
     async def run(self, lost: Callable[[list[str]], None], *,
                   task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -312,12 +312,20 @@ class RolloutPlane:
         prepared = self._register(requests, inbox, timeout, deltas)
         try:
             bound = await aff.bound(key)
-            wid = aff.choose(bound)
+            wid = aff.choose(bound, len(prepared))
             rest = []
-            for r in prepared:
+            for i, r in enumerate(prepared):
                 hdrs = self.bus.headers({**self._request_headers([r]),
                                          "Nats-Msg-Id": r.submission_id})
-                if wid is None or not await aff.offer(wid, r.request_id, encode(r), hdrs):
+                try:
+                    taken = wid is not None and await aff.offer(wid, r.request_id, encode(r),
+                                                                hdrs)
+                except BaseException:
+                    if wid is not None:
+                        for _ in prepared[i + 1:]:  # not offered: their counts go back
+                            aff.release(wid)
+                    raise
+                if not taken:
                     rest.append(r)
         except BaseException:
             for r in prepared:

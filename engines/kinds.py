@@ -24,6 +24,7 @@ class VllmOptions:
 
     max_model_len: int = 512  # --max-model-len
     kv_cache_gib: float = 1.0  # --kv-cache-gib (CPU: VLLM_CPU_KVCACHE_SPACE)
+    block_size: int = 0  # --block-size: tokens a KV block holds (0: vLLM's own, 128 on CPU)
     dtype: str = "float32"  # --dtype
     threads_bind: str = "nobind"  # --threads-bind (CPU: VLLM_CPU_OMP_THREADS_BIND)
     in_process: bool = True  # --no-in-process: vLLM's default 3-process layout
@@ -65,6 +66,9 @@ def _vllm_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gib", type=float, default=d["kv_cache_gib"],
                    help="KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE; default "
                    "%(default)s)")
+    g.add_argument("--block-size", type=int, default=d["block_size"],
+                   help="tokens per KV-cache block, the unit the prefix cache reuses (0: "
+                   "vLLM's own, 128 on CPU; CPU takes multiples of 32)")
     g.add_argument("--dtype", default=d["dtype"],
                    help="weights and compute dtype (default %(default)s: logprob parity)")
     g.add_argument("--threads-bind", default=d["threads_bind"],
@@ -102,7 +106,8 @@ VLLM = register(EngineKind(
     add_options=_vllm_options,
     options=lambda a: {"options": VllmOptions(
         max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib, dtype=a.dtype,
-        threads_bind=a.threads_bind, in_process=a.in_process, max_num_seqs=a.max_batch,
+        block_size=a.block_size, threads_bind=a.threads_bind, in_process=a.in_process,
+        max_num_seqs=a.max_batch,
         max_adapters=_or(a.max_adapters, 0), adapter_versions=a.adapter_versions,
         max_lora_rank=a.max_lora_rank, worker_extension=a.worker_extension)},
     # vLLM's CPU build takes 64-wide heads only

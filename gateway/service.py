@@ -377,9 +377,8 @@ class Gateway:
 
     async def _stream_chat(self, turn: _Turn, *, logprobs: bool,
                            include_usage: bool) -> AsyncIterator[bytes]:
-        n = turn.request.sampling.n
+        n, created = turn.request.sampling.n, int(time.time())
         cid = f"chatcmpl-{turn.request.request_id[3:]}"
-        created = int(time.time())
 
         def chunk(choices: list[ChunkChoice], **extra: Any) -> bytes:
             return b"data: " + msgspec.json.encode(ChatChunk(

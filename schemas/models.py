@@ -2,7 +2,8 @@
 `build_model("tiny")` (`rlfabric.tensors.models`) are the same architecture, defined once here.
 
 `tiny` is a small random-init Llama with a byte-level vocabulary: ids 0-255 are bytes, then
-BOS, EOS and PAD; `tiny64` is the same with attention heads vLLM's CPU build accepts.
+BOS, EOS and PAD; `tiny64` is the same with attention heads vLLM's CPU build accepts; `small64`
+the same vocabulary in a larger body, for benchmarks where prefill must cost.
 `tinyqwen` is a random-init two-layer Qwen2 with the real Qwen2.5 tokenizer (its full
 151,936-row vocabulary, 64-wide heads) and a ChatML chat template with Qwen's tool calls: the
 model the gateway serves agents with. Initial weights are fixed by `seed`, so a worker's
@@ -61,7 +62,11 @@ TINYQWEN = ModelSpec(name="tinyqwen", arch="qwen2", vocab_size=151936, hidden_si
                      intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
                      max_position_embeddings=4096, bos_token_id=151643, eos_token_id=151645,
                      pad_token_id=151643, tokenizer="qwen2.5", chat_template="chatml-tools")
-BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (TINY, TINY64, TINYQWEN)}
+#: the byte vocabulary in a body about 75x tiny64's (9.4M parameters, 6 layers): a 1,000-token
+#: prefill costs what a prefix cache saves (`rlfabric bench agent`)
+SMALL64 = ModelSpec(name="small64", hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)
+BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (TINY, TINY64, TINYQWEN, SMALL64)}
 
 
 def byte_tokens(text: str | bytes, *, bos: bool = True) -> list[int]:

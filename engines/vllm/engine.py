@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import uuid
@@ -44,6 +45,7 @@ from rlfabric.engines.kinds import VllmOptions
 from rlfabric.engines.payload import PackedWeights
 from rlfabric.engines.protocol import TokenSink, adapter_held, checked
 from rlfabric.engines.vllm.adapters import VllmAdapters, discard
+from rlfabric.engines.vllm.stats import PrefixCacheCounts, counting_into
 from rlfabric.schemas import (
     Adapter,
     Collective,
@@ -115,6 +117,8 @@ class VllmEngine:
         self._finished = Signal()  # one of them finished
         self._restarting = anyio.Lock()
         self._nccl_epoch = 0  # the vLLM NCCL weight-transfer group joined (0: none)
+        #: vLLM's prefix-cache counters since start (tokens looked up, found)
+        self.prefix_cache = PrefixCacheCounts()
         self.lora = VllmAdapters(self._shapes, max_adapters=self.options.max_adapters,
                                  keep=self.options.adapter_versions)
 
@@ -168,7 +172,13 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # NOTE: on CPU a seeded request whose prefill is split over steps kills the engine
+        # (vLLM rewinds its generator's offset, which a CPU generator has not): prefills whole
+        cpu = _on_cpu()
         args = AsyncEngineArgs(
+            enable_chunked_prefill=False if cpu else None,
+            max_num_batched_tokens=max(o.max_model_len, 4096) if cpu else None,
+            block_size=o.block_size or None,
             model=self.model, skip_tokenizer_init=True, dtype=o.dtype,
             enforce_eager=o.enforce_eager, max_model_len=o.max_model_len,
             max_num_seqs=o.max_num_seqs, logprobs_mode="raw_logprobs",
@@ -176,7 +186,9 @@ class VllmEngine:
             **_lora_args(o),
             enable_sleep_mode=not _on_cpu(), **_weight_transfer_args())
         # NOTE: off the event loop: building the engine blocks for 10-20 s
-        self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
+        build = functools.partial(AsyncLLM.from_engine_args, args,
+                                  stat_loggers=[counting_into(self.prefix_cache)])
+        self._llm = await anyio.to_thread.run_sync(build)
         await self._llm.check_health()
         await self._warm_up()
 
@@ -266,10 +278,13 @@ class VllmEngine:
                 return
             if self._paused == "wait":  # held until resume (keep: vLLM queues it itself)
                 await self._resumed.wait()
+            llm = self._llm
+            if llm is None:  # stopped (it died): the request goes back for another worker
+                raise EngineDied(f"the vLLM engine of {self.model} is stopped")
             self._active.add(rid)
             sent = 0
             try:
-                async for out in self._llm.generate(
+                async for out in llm.generate(
                         prompt, params, rid, lora_request=lora.request if lora else None):
                     final = out
                     if on_tokens is not None:
@@ -556,7 +571,9 @@ class VllmEngine:
         o = self.options
         return {"engine": self.name, "model": self.model, "version": str(self._version),
                 "dtype": o.dtype, "max_model_len": str(o.max_model_len),
-                "in_process": str(o.in_process), "paused": self._paused or ""}
+                "in_process": str(o.in_process), "paused": self._paused or "",
+                "prefix_cache_queries": str(self.prefix_cache.queries),
+                "prefix_cache_hits": str(self.prefix_cache.hits)}
 
 
 def _top(rows: list[Any], k: int) -> TopLogprobs:

@@ -410,3 +410,25 @@ async def test_up_trains_a_lora_adapter_on_vllm(tmp_path) -> None:
     assert summary["mismatch_mean"] is not None and summary["mismatch_mean"] <= 1e-4
     assert set(summary["workers_on_final"].values()) == {12}
     assert 0 < summary["update_bytes"] < summary["full_model_bytes"] / 4
+
+
+async def test_agent_sessions_with_affinity_hit_vllms_prefix_cache() -> None:
+    """`rlfabric bench agent`, small: seeded turns whose prompts pass 800 tokens (longer than a
+    step's budget together: prefills that vLLM would otherwise split), 4 sessions at once, on
+    two vLLM workers. With affinity every later turn lands on its session's worker and vLLM's
+    own counters find most tokens in its cache; without, turns move. (How much faster that is
+    at scale: `rlfabric bench agent`, docs/benchmarks.md.)"""
+    import argparse
+
+    from rlfabric.bench.agent import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--sessions", "4", "--turns", "4", "--system-tokens", "768",
+                         "--first-tokens", "32", "--user-tokens", "16", "--max-tokens", "4"])
+    on, off = (await run(args))["rows"]
+    print(f"\nagent sessions on vLLM: prefix hit {on['hit_rate']:.1%} with affinity, "
+          f"{off['hit_rate']:.1%} without")
+    assert on["turns"] == off["turns"] == 16
+    assert on["same_worker"] == 1.0 and on["hit_rate"] >= 0.8
+    assert off["same_worker"] < 1.0
