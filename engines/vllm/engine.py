@@ -248,20 +248,26 @@ class VllmEngine:
                 async for res in recv:
                     yield res
 
-    async def _one_sample(self, request: RolloutRequest, index: int, worker_id: str,
-                          send: Any, on_tokens: TokenSink | None) -> None:
-        from vllm import SamplingParams, TokensPrompt
+    def _params(self, request: RolloutRequest, index: int, *, streamed: bool) -> Any:
+        """vLLM's SamplingParams for sample `index` of `request`."""
+        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         sp = request.sampling
         seed = None if sp.seed is None else (sp.seed + index) % (1 << 63)
-        params = SamplingParams(
+        return SamplingParams(
             n=1, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
             top_k=sp.top_k, seed=seed, logprobs=sp.logprobs,
             stop_token_ids=sorted(set(sp.stop_token_ids) | self._eos),
             # streamed: every step's output (all tokens so far), the new ones sent as a delta
-            output_kind=(RequestOutputKind.CUMULATIVE if on_tokens is not None
+            output_kind=(RequestOutputKind.CUMULATIVE if streamed
                          else RequestOutputKind.FINAL_ONLY), detokenize=False)
+
+    async def _one_sample(self, request: RolloutRequest, index: int, worker_id: str,
+                          send: Any, on_tokens: TokenSink | None) -> None:
+        from vllm import TokensPrompt
+
+        params = self._params(request, index, streamed=on_tokens is not None)
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
         rid = f"{request.request_id}/{index}/{uuid.uuid4().hex[:8]}"
         # the adapter version is pinned here: one landing meanwhile serves later requests
