@@ -14,6 +14,10 @@ results stream, singly or coalesced (`RolloutReplies`); a redelivered request ca
 result twice, so results are deduplicated by (request_id, sample_index) here, at the one
 place that knows what is still awaited.
 
+The requests of an agent session's turn (`generate(..., session=)`) are offered to the worker
+that served its last turn first (`rlfabric.bus.affinity`); those it does not take go to the
+queue like the rest.
+
 Token deltas of requests submitted with `stream` set come on core NATS
 (`<prefix>.stream.<client_id>`); a `generate(..., deltas=True)` call yields them among its
 results while its request is awaited. One may be lost, so a caller that sees a gap takes the
@@ -330,6 +334,7 @@ class RolloutPlane:
         except BaseException:
             for r in prepared:
                 self._waiting.pop(r.request_id, None)
+                aff.answered(r.request_id)  # taken ones: their results are not awaited
             raise
         return prepared, self._send(rest, inbox.stored), bound or ""
 

@@ -57,9 +57,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE|NAME",
                    help="a Jinja chat template file, or a built-in one (chatml-tools, "
                    "chatml-think), instead of the model's own")
-    p.add_argument("--tool-call-parser", default=g["tool_parser"], choices=("qwen", "hermes"),
+    p.add_argument("--tool-call-parser", default=g["tool_parser"],
+                   choices=("qwen", "hermes", "tinychat"),
                    help="how tool calls are read from the model's output (qwen = hermes: "
-                   "<tool_call>{json}</tool_call>; default %(default)s)")
+                   "<tool_call>{json}</tool_call>; tinychat: the one token <tool_call> calls "
+                   "the request's one tool; default %(default)s)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (repeatable; env "
                    "RLFABRIC_API_KEY); its tenant is 'default'")

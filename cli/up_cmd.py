@@ -54,32 +54,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "up", help="the demo: embedded NATS + N workers + GRPO on a toy task, live",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = config.defaults()
     p.add_argument("--workers", type=int, default=2, help="worker processes (default %(default)s)")
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"GRPO steps (default {d['steps']}; {config.ASYNC_STEPS} with --async, "
-                   "which learns from one-step stale samples and needs a few more)")
-    p.add_argument("--transport", default=d["transport"], choices=transports.names(),
-                   help="how weights reach the workers (default %(default)s)")
-    p.add_argument("--engine", default="torch", choices=registry.names(trains=True),
-                   help="the workers' engine (default %(default)s); vllm serves the tiny64 "
-                   "model (64-wide heads) and needs vLLM installed (README, 'vLLM')")
-    p.add_argument("--async", dest="async_mode", action="store_true",
-                   help="overlap generation of step k+1 with training of step k (one step "
-                   "off-policy; keep pauses; version spans)")
-    p.add_argument("--prompts", type=int, default=d["prompts_per_step"],
-                   help="prompts per step (default %(default)s)")
-    p.add_argument("--group-size", type=int, default=d["group_size"],
-                   help="samples per prompt (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=d["max_tokens"],
-                   help="tokens per sample (default %(default)s)")
-    p.add_argument("--lr", type=float, default=d["lr"],
-                   help="Adam learning rate (default %(default)s)")
-    p.add_argument("--threshold", type=float, default=d["reward_threshold"],
-                   help="final reward needed for exit 0 (default %(default)s)")
-    p.add_argument("--lora", type=int, default=d["lora_rank"], metavar="RANK",
-                   help="train a LoRA adapter of this rank instead of every weight, and push "
-                   "only the adapter each step (default: off)")
+    p.add_argument("--task", default="letter", choices=("letter", "tools"),
+                   help="letter: single-turn requests, reward for one letter (the tiny model); "
+                   "tools: multi-turn episodes, an agent with the openai client calling a "
+                   "calculator tool through `rlfabric gateway`, trained on the trajectories "
+                   "the bus recorded (the tinychat model; default %(default)s)")
+    _grpo_options(p)
     p.add_argument("--out", default="rlfabric-runs",
                    help="folder for the run's plot, summary and worker logs (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
@@ -110,6 +91,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --launcher ray: GPUs in each worker's bundle (default 0)")
     add_telemetry_options(p)  # the workers up starts write to the same files
     p.set_defaults(func=run)
+
+
+def _grpo_options(p: argparse.ArgumentParser) -> None:
+    d = config.defaults()
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"GRPO steps (default {d['steps']}; {config.ASYNC_STEPS} with --async, "
+                   f"which learns from one-step stale samples and needs a few more; "
+                   f"{config.TOOLS_STEPS} with --task tools)")
+    p.add_argument("--transport", default=d["transport"], choices=transports.names(),
+                   help="how weights reach the workers (default %(default)s)")
+    p.add_argument("--engine", default="torch", choices=registry.names(trains=True),
+                   help="the workers' engine (default %(default)s); vllm serves the tiny64 "
+                   "model (64-wide heads) and needs vLLM installed (README, 'vLLM')")
+    p.add_argument("--async", dest="async_mode", action="store_true",
+                   help="overlap generation of step k+1 with training of step k (one step "
+                   "off-policy; keep pauses; version spans)")
+    p.add_argument("--prompts", type=int, default=d["prompts_per_step"],
+                   help="prompts per step (default %(default)s)")
+    p.add_argument("--group-size", type=int, default=d["group_size"],
+                   help="samples per prompt (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"],
+                   help="tokens per sample (default %(default)s)")
+    p.add_argument("--lr", type=float, default=d["lr"],
+                   help="Adam learning rate (default %(default)s)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help=f"final reward needed for exit 0 (default {d['reward_threshold']}; "
+                   f"{config.TOOLS_THRESHOLD} with --task tools)")
+    p.add_argument("--lora", type=int, default=d["lora_rank"], metavar="RANK",
+                   help="train a LoRA adapter of this rank instead of every weight, and push "
+                   "only the adapter each step (default: off)")
 
 
 @contextlib.asynccontextmanager
@@ -161,10 +172,11 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
     from rlfabric.trainer.config import GRPOConfig
 
     cfg = GRPOConfig(steps=args.steps or (config.ASYNC_STEPS if args.async_mode
+                                          else config.TOOLS_STEPS if args.task == "tools"
                                           else config.defaults()["steps"]),
                      prompts_per_step=args.prompts, group_size=args.group_size,
                      max_tokens=args.max_tokens, lr=args.lr, transport=args.transport,
-                     async_mode=args.async_mode, reward_threshold=args.threshold,
+                     async_mode=args.async_mode, reward_threshold=_threshold(args),
                      lora_rank=args.lora)
     run = _Run(args=args, cfg=cfg, run_dir=run_dir,
                mode="async (1 step off-policy)" if args.async_mode else "sync",
@@ -183,6 +195,13 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
     return _report(run)
 
 
+def _threshold(args: argparse.Namespace) -> float:
+    if args.threshold is not None:
+        return float(args.threshold)
+    return config.TOOLS_THRESHOLD if args.task == "tools" else config.defaults()[
+        "reward_threshold"]
+
+
 async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None) -> None:
     """Start the workers, train, and wait (10 s at most) for every one to serve the last
     version."""
@@ -191,7 +210,7 @@ async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None)
     from rlfabric.trainer.grpo import GRPOTrainer
 
     args = run.args
-    model = registry.kind(args.engine).default_model
+    model = "tinychat" if args.task == "tools" else registry.kind(args.engine).default_model
     if fleet is not None:
         # the workers hold the one adapter --lora trains (vLLM holds none unless told)
         extra = ("--max-adapters", "1") if args.lora else ()
@@ -207,9 +226,10 @@ async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None)
         (run.run_dir / "pids.json").write_text(json.dumps(
             {"up": os.getpid(), "nats": nats_pid, "workers": pids}))
         live = run.console.is_terminal and not args.no_live
-        trainer = GRPOTrainer(fabric, build_model(model), run.cfg,
-                              on_step=functools.partial(_on_step, run, live))
-        await _drive(run, trainer, fabric, live)
+        async with _agents(run, fabric, url) as agent:
+            trainer = GRPOTrainer(fabric, build_model(model), run.cfg, agent=agent,
+                                  on_step=functools.partial(_on_step, run, live))
+            await _drive(run, trainer, fabric, live)
         run.final, run.full_bytes = trainer.version, trainer.full_bytes
         with anyio.move_on_after(10):
             await fabric.watcher.wait_until(
@@ -217,6 +237,20 @@ async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None)
                 and all(_serves(m, args.lora) == run.final for m in s.members), timeout=10)
         run.on_final = {m.worker_id: _serves(m, args.lora)
                         for m in fabric.watcher.snapshot().members}
+
+
+@contextlib.asynccontextmanager
+async def _agents(run: _Run, fabric: FabricClient, url: str) -> AsyncIterator[Any]:
+    """The tools task's agents and their gateway (None for the letter task)."""
+    if run.args.task != "tools":
+        yield None
+        return
+    from rlfabric.cli.up_agent import agent_rollouts
+
+    async with agent_rollouts(fabric, url, run.args.prefix, run.run_dir,
+                              turn_tokens=run.cfg.max_tokens) as agents:
+        run.console.print(f"rlfabric up: agents through the gateway at {agents.base_url}")
+        yield agents
 
 
 def _serves(m: WorkerInfo, lora: int) -> int:
@@ -283,8 +317,15 @@ def _summary(run: _Run) -> dict[str, Any]:
         mismatch_max=max(mismatches) if mismatches else None,
         wall_s=run.wall, steps_per_s=len(h) / busy, tokens_per_s=sum(x.tokens for x in h) / busy,
         lora_rank=cfg.lora_rank, update_bytes=h[-1].update_bytes, full_model_bytes=run.full_bytes,
+        task=args.task, **_episodes(h) if args.task == "tools" else {},
         passed=last >= cfg.reward_threshold and last > first and all_final,
         plot=str(plot_path))
+
+
+def _episodes(h: list[StepStats]) -> dict[str, float]:
+    """The tools task's episodes over the run: turns, tool calls, segments, on average."""
+    keys = ("turns_per_episode", "tool_calls_per_episode", "segments_per_episode")
+    return {k: round(sum(getattr(x, k) for x in h) / len(h), 4) for k in keys}
 
 
 def _report(run: _Run) -> int:
@@ -341,6 +382,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         print("rlfabric up: --workers must be >= 1", file=sys.stderr)
+        return 2
+    if args.task == "tools" and (args.async_mode or args.lora):
+        print("rlfabric up: --task tools trains every weight in sync mode: drop "
+              f"{'--async' if args.async_mode else '--lora'}", file=sys.stderr)
         return 2
     if args.workers_external and not args.nats:
         print("rlfabric up: --workers-external needs --nats URL, the server those workers use",

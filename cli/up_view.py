@@ -43,6 +43,10 @@ def live_view(history: list[StepStats], snap: MembershipSnapshot, *, steps: int,
         head.add_row(Text("control ms"), Text(f"pause {last.pause_ms:.1f}"),
                      Text(f"update {last.update_ms:.1f}"), Text(f"resume {last.resume_ms:.1f}"),
                      Text(""))
+    if last and last.turns_per_episode:  # the tools task
+        head.add_row(Text("per episode"), Text(f"turns {last.turns_per_episode:.2f}"),
+                     Text(f"tool calls {last.tool_calls_per_episode:.2f}"),
+                     Text(f"segments {last.segments_per_episode:.3f}"), Text(""))
     workers = Table(title="workers", title_justify="left", expand=False)
     for col in ("worker", "version", "state", "in flight"):
         workers.add_column(col)
@@ -54,14 +58,20 @@ def live_view(history: list[StepStats], snap: MembershipSnapshot, *, steps: int,
 def summary_table(history: list[StepStats]) -> Table:
     t = Table(title="rlfabric up: per step (control columns in ms, all workers acked)",
               title_justify="left", padding=(0, 0, 0, 1), box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("step", "ver", "reward", "mismatch", "n", "gen s", "train s", "pause",
-                "update", "resume", "tok/s"):
+    episodes = any(h.turns_per_episode for h in history)  # the tools task
+    cols = ["step", "ver", "reward", "mismatch", "n", "gen s", "train s", "pause", "update",
+            "resume", "tok/s", *(("turns", "calls", "segs") if episodes else ())]
+    for col in cols:
         t.add_column(col, justify="right", no_wrap=True)
     for h in history:
-        t.add_row(str(h.step), str(h.version), f"{h.reward:.3f}",
-                  "-" if h.mismatch is None else f"{h.mismatch:.1e}", str(h.samples),
-                  f"{h.gen_s:.2f}", f"{h.train_s:.2f}", f"{h.pause_ms:.1f}",
-                  f"{h.update_ms:.1f}", f"{h.resume_ms:.1f}", f"{h.tokens_per_s:.0f}")
+        cells = [str(h.step), str(h.version), f"{h.reward:.3f}",
+                 "-" if h.mismatch is None else f"{h.mismatch:.1e}", str(h.samples),
+                 f"{h.gen_s:.2f}", f"{h.train_s:.2f}", f"{h.pause_ms:.1f}",
+                 f"{h.update_ms:.1f}", f"{h.resume_ms:.1f}", f"{h.tokens_per_s:.0f}"]
+        if episodes:
+            cells += [f"{h.turns_per_episode:.2f}", f"{h.tool_calls_per_episode:.2f}",
+                      f"{h.segments_per_episode:.3f}"]
+        t.add_row(*cells)
     return t
 
 
@@ -87,9 +97,17 @@ def plot(history: list[StepStats], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     steps = [h.step for h in history]
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    episodes = any(h.turns_per_episode for h in history)  # the tools task
+    fig, ax = plt.subplots(1, 4 if episodes else 3, figsize=(20 if episodes else 15, 4))
     ax[0].plot(steps, [h.reward for h in history], marker="o")
     ax[0].set(title="reward per step", xlabel="step", ylabel="mean reward", ylim=(-0.05, 1.05))
+    if episodes:
+        for key, label in (("turns_per_episode", "turns"),
+                           ("tool_calls_per_episode", "tool calls"),
+                           ("segments_per_episode", "segments")):
+            ax[3].plot(steps, [getattr(h, key) for h in history], marker=".", label=label)
+        ax[3].set(title="per episode", xlabel="step", ylabel="mean per episode")
+        ax[3].legend()
     mm = [(h.step, h.mismatch) for h in history if h.mismatch is not None]
     if mm:
         ax[1].semilogy([s for s, _ in mm], [max(m, 1e-12) for _, m in mm], marker="o")

@@ -34,6 +34,8 @@ class OutputRules:
     parser: Parser | None = None
     #: where the parser's calls begin in the text (held back while streaming)
     call_open: str = "<tool_call>"
+    #: the request's one tool: what a call that names none calls (a one-token call format)
+    only_tool: str = ""
 
 
 @dataclass(slots=True)
@@ -98,6 +100,10 @@ def finalize(fmt: ChatFormat, ids: list[int], logprobs: list[float], spans: Sequ
     calls: list[ParsedCall] = []
     if rules.parser is not None:
         content, calls = rules.parser(text)
+        if any(not c.name for c in calls):  # the one tool offered, or no call at all
+            calls = ([ParsedCall(name=rules.only_tool, arguments=c.arguments) for c in calls]
+                     if rules.only_tool else [])
+            content = content if calls else (text or None)
         if calls:
             reason = "tool_calls"
     n = len(ids)

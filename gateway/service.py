@@ -121,7 +121,8 @@ class Gateway:
         members = self.watcher.members
         return {"status": "ok" if self.bus.nc.is_connected else "bus_unreachable",
                 "workers": len(members),
-                "versions": sorted({m.weight_version for m in members.values()})}
+                "versions": sorted({m.weight_version for m in members.values()}),
+                **self.store.load()}
 
     def _adapter_of(self, model: str) -> str:
         """The adapter `model` names ("" for the base model), or 404."""
@@ -219,13 +220,14 @@ class Gateway:
                 affinity=session.key if session_id else None,
                 request=RolloutRequest(request_id=f"gw-{uuid.uuid4().hex}",
                                        prompt_token_ids=PackedI32(p.prompt), stream=req.stream,
-                                       adapter=adapter)), parse)
+                                       adapter=adapter)), parse,
+                only_tool=tools[0]["function"]["name"] if tools and len(tools) == 1 else "")
         except BaseException:
             self.store.done(session)
             raise
 
-    async def _chat_turn(self, req: ChatRequest, turn: _Turn, parse: bool,
-                         ) -> ChatCompletion | AsyncIterator[bytes]:
+    async def _chat_turn(self, req: ChatRequest, turn: _Turn, parse: bool, *,
+                         only_tool: str = "") -> ChatCompletion | AsyncIterator[bytes]:
         """`turn` sampled as `req` asks; `store.done(turn.session)` once it ends (a stream:
         when its generator ends)."""
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None \
@@ -238,7 +240,7 @@ class Gateway:
             prompt_len=len(turn.plan.prompt), max_param=max_param)
         turn.rules = OutputRules(stops=stops, stop_ids=frozenset(sp.stop_token_ids),
                                  parser=self.tools.parse if parse else None,
-                                 call_open=self.tools.open)
+                                 call_open=self.tools.open, only_tool=only_tool)
         turn.request = msgspec.structs.replace(turn.request, sampling=sp)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage

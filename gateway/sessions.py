@@ -128,6 +128,12 @@ class SessionStore:
         s.touched = time.monotonic()
         return s
 
+    def load(self) -> dict[str, int]:
+        """What the bound counts: sessions held, those in turns now, their bytes (about)."""
+        return {"sessions": len(self._cache),
+                "sessions_in_turns": sum(1 for s in self._cache.values() if self._busy(s)),
+                "session_bytes": self.held_bytes}
+
     def begin(self, s: Session) -> None:
         s.active += 1
         s.began = time.monotonic()

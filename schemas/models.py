@@ -66,7 +66,13 @@ TINYQWEN = ModelSpec(name="tinyqwen", arch="qwen2", vocab_size=151936, hidden_si
 #: prefill costs what a prefix cache saves (`rlfabric bench agent`)
 SMALL64 = ModelSpec(name="small64", hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)
-BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (TINY, TINY64, TINYQWEN, SMALL64)}
+#: the byte vocabulary with a chat's special tokens (`rlfabric.text.bytechat`: ids 256-261, the
+#: last a one-token tool call), 64-wide heads: the policy `rlfabric up --task tools` trains
+TINYCHAT = ModelSpec(name="tinychat", vocab_size=262, hidden_size=128, intermediate_size=256,
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                     eos_token_id=260, tokenizer="bytes-chat", chat_template="tinychat")
+BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (TINY, TINY64, TINYQWEN, SMALL64,
+                                                     TINYCHAT)}
 
 
 def byte_tokens(text: str | bytes, *, bos: bool = True) -> list[int]:

@@ -1,4 +1,4 @@
-"""Tokenizer files of the built-in models that have a real tokenizer (`tinyqwen`), written
+"""Tokenizer files of the built-in models that have a tokenizer (`tinyqwen`, `tinychat`), written
 once under the user's cache; the checkpoint of such a model carries the same files."""
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ def tokenizer_dir(model: str) -> str:
 
 def write_tokenizer_files(spec: ModelSpec, directory: str) -> str:
     """Write `spec`'s tokenizer and chat template into `directory` (kept if already there)."""
-    if spec.tokenizer != "qwen2.5":
-        raise ValueError(f"model {spec.name!r} has no tokenizer to write ({spec.tokenizer!r})")
-    from rlfabric.text.qwen import write_tokenizer
     from rlfabric.text.templates import TEMPLATES
 
+    if spec.tokenizer == "qwen2.5":
+        from rlfabric.text.qwen import write_tokenizer
+    elif spec.tokenizer == "bytes-chat":
+        from rlfabric.text.bytechat import write_tokenizer
+    else:
+        raise ValueError(f"model {spec.name!r} has no tokenizer to write ({spec.tokenizer!r})")
     return write_tokenizer(directory, chat_template=TEMPLATES[spec.chat_template],
                            model_max_length=spec.max_position_embeddings)

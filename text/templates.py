@@ -114,4 +114,24 @@ CHATML_THINK = _SYSTEM_AND_TOOLS + """\
 """
 
 #: the templates by the name a `ModelSpec.chat_template` gives
-TEMPLATES: dict[str, str] = {"chatml-tools": CHATML_TOOLS, "chatml-think": CHATML_THINK}
+#: `tinychat`'s: ChatML's markers with a one-letter role (u, s, a, t), a tool call as the one
+#: token `<tool_call>` (the calculator of `rlfabric up --task tools`; tools are not listed).
+#: Append-only.
+TINYCHAT = """\
+{%- for message in messages %}
+    {%- if message.role == 'assistant' %}
+        {{- '<|im_start|>a' + (message.content or '') }}
+        {%- for tool_call in message.tool_calls or [] %}
+            {{- '<tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role[0] + (message.content or '') + '<|im_end|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>a' }}
+{%- endif %}
+"""
+TEMPLATES: dict[str, str] = {"chatml-tools": CHATML_TOOLS, "chatml-think": CHATML_THINK,
+                             "tinychat": TINYCHAT}

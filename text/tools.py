@@ -59,6 +59,19 @@ def _one(body: str) -> ParsedCall | None:
     return ParsedCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
 
 
+_TOKEN = "<tool_call>"
+
+
+def parse_token(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """`tinychat`'s calls: each `<tool_call>` token calls the request's one tool, with no
+    arguments (the name is left empty for the gateway to fill: `OutputRules.only_tool`)."""
+    start = text.find(_TOKEN)
+    if start < 0:
+        return (text or None), []
+    content = text[:start].rstrip()
+    return (content or None), [ParsedCall(name="", arguments="{}")] * text.count(_TOKEN)
+
+
 @dataclass(frozen=True, slots=True)
 class ToolFormat:
     """How one family of templates writes tool calls: the parser, where a call opens in the
@@ -81,4 +94,6 @@ QWEN = ToolFormat(name="qwen", parse=parse_qwen, open=_OPEN,
                   opening='<tool_call>\n{"name": "',
                   named_opening='<tool_call>\n{{"name": "{name}", "arguments": ')
 #: tool formats by the name `rlfabric gateway --tool-call-parser` takes (vLLM's name too)
-PARSERS: dict[str, ToolFormat] = {"qwen": QWEN, "hermes": QWEN}
+TINYCHAT = ToolFormat(name="tinychat", parse=parse_token, open=_TOKEN, opening=_TOKEN,
+                      named_opening=_TOKEN)
+PARSERS: dict[str, ToolFormat] = {"qwen": QWEN, "hermes": QWEN, "tinychat": TINYCHAT}

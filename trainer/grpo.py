@@ -43,6 +43,17 @@ from rlfabric.trainer.client import FabricClient
 from rlfabric.trainer.config import LORA_NAME, LORA_TARGETS, GRPOConfig
 from rlfabric.trainer.errors import RolloutFailed
 from rlfabric.trainer.task import LetterTask
+from rlfabric.trainer.tools import AgentRollouts, Episode, Sample
+
+
+@dataclass(slots=True)
+class _Rollouts:
+    """A step's rollouts: results (the letter task), or episodes and their samples (tools)."""
+
+    results: list[RolloutResult]
+    gen_s: float
+    episodes: list[Episode] | None = None
+    samples: list[Sample] | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +76,10 @@ class StepStats:
     tokens_per_s: float
     #: bytes the update after this step pushed (the adapter's alone with --lora)
     update_bytes: int = 0
+    #: the tools task's episodes: turns, tool calls and trajectory segments, on average
+    turns_per_episode: float = 0.0
+    tool_calls_per_episode: float = 0.0
+    segments_per_episode: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,10 +87,12 @@ class StepStats:
 
 class GRPOTrainer:
     def __init__(self, fabric: FabricClient, model: torch.nn.Module, cfg: GRPOConfig, *,
-                 task: LetterTask | None = None,
+                 task: LetterTask | None = None, agent: AgentRollouts | None = None,
                  on_step: Callable[[StepStats], None] | None = None) -> None:
         self.fabric = fabric
         self.cfg = cfg
+        #: the tools task: episodes through the gateway instead of the letter task's requests
+        self.agent = agent
         self.config: Any = model.config
         self.task = task or LetterTask(max_tokens=cfg.max_tokens)
         self.on_step = on_step
@@ -120,8 +137,12 @@ class GRPOTrainer:
                                         seed=(step * 7919 + i) * 64)))
         return reqs
 
-    async def _generate(self, step: int) -> tuple[list[RolloutResult], float]:
+    async def _generate(self, step: int) -> _Rollouts:
         t0 = time.perf_counter()
+        if self.agent is not None:
+            episodes, samples = await self.agent.step(step, self.cfg.prompts_per_step,
+                                                      self.cfg.group_size)
+            return _Rollouts([], time.perf_counter() - t0, episodes, samples)
         out: list[RolloutResult] = []
         async for group in self.fabric.generate_groups(self._requests(step),
                                                        timeout=self.cfg.request_timeout):
@@ -132,55 +153,71 @@ class GRPOTrainer:
                                     f"{e.worker_id or 'no worker'}: {e.code}: {e.message}",
                                     error=e)
             out.extend(r for r in group if isinstance(r, RolloutResult))
-        return out, time.perf_counter() - t0
+        return _Rollouts(out, time.perf_counter() - t0)
+
+    def _batch(self, out: _Rollouts) -> tuple[list[Sample], int, int]:
+        """What this step learns from (the letter task: through the staleness buffer), the
+        tokens sampled, and the samples more than one version made."""
+        if out.samples is not None:
+            return (out.samples, sum(sum(s.mask) for s in out.samples),
+                    sum(1 for s in out.samples if s.version == -2))
+        self.buffer.add(out.results)
+        return (self._samples(self.buffer.take(self.version)),
+                sum(len(r.completion_token_ids) for r in out.results),
+                sum(1 for r in out.results if len(r.version_spans) > 1))
+
+    def _samples(self, results: list[RolloutResult]) -> list[Sample]:
+        out = []
+        for r in results:
+            prompt, comp = self._prompt_ids[r.request_id], r.completion_token_ids.tolist()
+            out.append(Sample(ids=prompt + comp, mask=[0] * len(prompt) + [1] * len(comp),
+                              old=[0.0] * len(prompt) + r.logprobs.tolist(),
+                              version=sample_version(r) if len(r.version_spans) == 1 else -2,
+                              group=r.request_id, reward=self.task.reward(comp)))
+        return out
 
     # ---- learning ----
-    def _train(self, batch: list[RolloutResult]) -> tuple[float, float, float | None]:
-        """One optimizer step on `batch` (runs in a worker thread). Returns reward mean, std
-        and the mismatch over samples produced by the version the trainer holds."""
+    def _train(self, batch: list[Sample]) -> tuple[float, float, float | None]:
+        """One optimizer step on `batch` (runs in a worker thread): the clipped policy
+        gradient over the sampled tokens only, advantages normalised within each group.
+        Returns reward mean, std and the mismatch over samples produced by the version the
+        trainer holds."""
         cfg = self.cfg
-        groups: dict[str, list[RolloutResult]] = {}
-        for r in batch:
-            groups.setdefault(r.request_id, []).append(r)
-        rewards_all: list[float] = []
-        seqs, advs, olds, plens, versions = [], [], [], [], []
-        for rid, g in groups.items():
-            rs = torch.tensor([self.task.reward(r.completion_token_ids.tolist()) for r in g])
-            rewards_all.extend(rs.tolist())
-            adv = (rs - rs.mean()) / (rs.std(unbiased=False) + 1e-4)
-            for r, a in zip(g, adv.tolist(), strict=True):
-                comp = r.completion_token_ids.tolist()
-                if not comp:
-                    continue
-                seqs.append(self._prompt_ids[rid] + comp)
-                plens.append(len(self._prompt_ids[rid]))
-                advs.append(a)
-                olds.append(torch.from_numpy(r.logprobs.numpy().copy()))
-                versions.append(sample_version(r) if len(r.version_spans) == 1 else -2)
-        rw = torch.tensor(rewards_all)
-        reward = (rw.mean().item(), rw.std(unbiased=False).item()) if rewards_all else (
+        rw = torch.tensor([s.reward for s in batch])
+        reward = (rw.mean().item(), rw.std(unbiased=False).item()) if batch else (
             math.nan, math.nan)
-        if not seqs:  # every sample stale or empty: nothing to learn from, no step
+        advs = torch.zeros(len(batch))
+        groups: dict[str, list[int]] = {}
+        for k, s in enumerate(batch):
+            groups.setdefault(s.group, []).append(k)
+        for idx in groups.values():
+            rs = rw[idx]
+            advs[idx] = (rs - rs.mean()) / (rs.std(unbiased=False) + 1e-4)
+        keep = [k for k, s in enumerate(batch) if any(s.mask[1:])]
+        if not keep:  # every sample stale or empty: nothing to learn from, no step
             return (*reward, None)
-        width = max(len(s) for s in seqs)
+        seqs = [batch[k] for k in keep]
+        width = max(len(s.ids) for s in seqs)
         pad = self.config.pad_token_id
-        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        ids = torch.tensor([s.ids + [pad] * (width - len(s.ids)) for s in seqs])
+        mask = torch.tensor([[1] * len(s.ids) + [0] * (width - len(s.ids)) for s in seqs])
         logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
         logp = torch.log_softmax(logits, dim=-1)
+        versions = [s.version for s in seqs]
         earlier = self._earlier_logp(ids, mask, versions)
         loss_terms, mismatch = [], []
-        for k, s in enumerate(seqs):
-            p, n = plens[k], len(s) - plens[k]
-            new = logp[k, p - 1:p - 1 + n].gather(1, ids[k, p:p + n, None])[:, 0]
-            old = olds[k][:n]
-            if versions[k] == self.version:
+        for row, s in enumerate(seqs):
+            pos = torch.tensor([t for t in range(1, len(s.ids)) if s.mask[t]])
+            tok = ids[row, pos, None]
+            new = logp[row, pos - 1].gather(1, tok)[:, 0]
+            old = torch.tensor([s.old[t] for t in pos.tolist()])
+            if s.version == self.version:
                 mismatch.append((new.detach() - old).abs().mean().item())
-            elif k in earlier:  # a stale sample, checked against the weights that made it
-                ref = earlier[k][p - 1:p - 1 + n].gather(1, ids[k, p:p + n, None])[:, 0]
+            elif row in earlier:  # a stale sample, checked against the weights that made it
+                ref = earlier[row][pos - 1].gather(1, tok)[:, 0]
                 mismatch.append((ref - old).abs().mean().item())
             ratio = torch.exp(new - old)
-            a = advs[k]
+            a = advs[keep[row]].item()
             clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps)
             loss_terms.append(-torch.minimum(ratio * a, clipped * a).mean())
         loss = torch.stack(loss_terms).mean()
@@ -252,6 +289,26 @@ class GRPOTrainer:
         self._remember()
         self.model.train()
 
+    def _stats(self, step: int, out: _Rollouts, samples: int, tokens: int, two: int,
+               trained: tuple[float, float, float | None], train_s: float,
+               timed: tuple[float, float, float], wall: float) -> StepStats:
+        reward, reward_std, mismatch = trained
+        eps = out.episodes or []
+        if eps:  # the tools task: an episode's reward, whatever its segments
+            rw = torch.tensor([e.reward for e in eps])
+            reward, reward_std = rw.mean().item(), rw.std(unbiased=False).item()
+        n = max(1, len(eps))
+        return StepStats(
+            step=step, version=self.version, reward=reward, reward_std=reward_std,
+            mismatch=mismatch, samples=samples, tokens=tokens,
+            stale_dropped=self.buffer.dropped, two_version_samples=two, gen_s=out.gen_s,
+            train_s=train_s, pause_ms=timed[0], update_ms=timed[1], resume_ms=timed[2],
+            wall_s=wall, tokens_per_s=tokens / out.gen_s if out.gen_s > 0 else math.nan,
+            update_bytes=self.update_bytes,
+            turns_per_episode=sum(e.turns for e in eps) / n,
+            tool_calls_per_episode=sum(e.calls for e in eps) / n,
+            segments_per_episode=sum(e.segments for e in eps) / n)
+
     async def run(self) -> list[StepStats]:
         await self.push_initial()
         pending: dict[int, Any] = {}
@@ -274,34 +331,23 @@ class GRPOTrainer:
                 t_step = time.perf_counter()
                 box = pending.pop(step)
                 await box["done"].wait()
-                results, gen_s = box["out"]
+                out: _Rollouts = box["out"]
                 if self.cfg.async_mode and step + 1 < self.cfg.steps:
                     start(step + 1)  # overlaps this step's training and update
-                self.buffer.add(results)
-                batch = self.buffer.take(self.version)
+                batch, tokens, two = self._batch(out)
                 try:
                     with spans.within(box["span"]):
                         t0 = time.perf_counter()
                         with spans.span("train", attributes={"rlfabric.samples": len(batch)}):
-                            reward, reward_std, mismatch = await anyio.to_thread.run_sync(
-                                self._train, batch)
+                            trained = await anyio.to_thread.run_sync(self._train, batch)
                         train_s = time.perf_counter() - t0
-                        pause_ms, update_ms, resume_ms = await self._publish()
+                        timed = await self._publish()
                 finally:
                     box["span"].end()
                 if not self.cfg.async_mode and step + 1 < self.cfg.steps:
                     start(step + 1)
-                tokens = sum(len(r.completion_token_ids) for r in results)
-                wall = time.perf_counter() - t_step
-                stats = StepStats(
-                    step=step, version=self.version, reward=reward, reward_std=reward_std,
-                    mismatch=mismatch, samples=len(batch), tokens=tokens,
-                    stale_dropped=self.buffer.dropped,
-                    two_version_samples=sum(1 for r in results if len(r.version_spans) > 1),
-                    gen_s=gen_s, train_s=train_s, pause_ms=pause_ms, update_ms=update_ms,
-                    resume_ms=resume_ms, wall_s=wall,
-                    tokens_per_s=tokens / gen_s if gen_s > 0 else math.nan,
-                    update_bytes=self.update_bytes)
+                stats = self._stats(step, out, len(batch), tokens, two, trained, train_s,
+                                    timed, time.perf_counter() - t_step)
                 self.history.append(stats)
                 if self.on_step is not None:
                     self.on_step(stats)

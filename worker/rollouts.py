@@ -21,6 +21,9 @@ each result before acking its request.
   ridden through: results are published again until stored (their `Nats-Msg-Id` makes a
   repeat a duplicate), pull requests are renewed on reconnect, and a message beyond the free
   capacity (pull requests the server kept across a reconnect) goes straight back.
+- A request can also be offered to this worker directly (session affinity, core NATS
+  `<prefix>.worker.<id>.offer`): taken when there is room and the offer is still valid, it is
+  served like a pulled one; handed back, it goes to the shared queue, stored.
 - Bad requests are answered with a typed `RolloutError` and never reach the engine.
 - A request with `stream` set has its tokens sent as `TokenDelta`s on core NATS
   (`<prefix>.stream.<client_id>`) while it is sampled, in order, by one sender task: what is

@@ -17,10 +17,11 @@ def test_agent_bench_rows_on_the_torch_engine() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["--engine", "torch", "--sessions", "3", "--turns", "3",
-                         "--first-tokens", "32", "--user-tokens", "8", "--max-tokens", "2"])
+                         "--system-tokens", "16", "--first-tokens", "32", "--user-tokens", "8",
+                         "--max-tokens", "2"])
     out = anyio.run(run, args)
     on, off = out["rows"]
     assert (on["affinity"], off["affinity"]) == ("on", "off")
     assert on["turns"] == off["turns"] == 9
     assert on["same_worker"] == 1.0
-    assert on["longest_prompt"] == 32 + 3 * (2 + 8)
+    assert on["longest_prompt"] == 16 + 32 + 3 * (2 + 8)

@@ -432,3 +432,14 @@ async def test_agent_sessions_with_affinity_hit_vllms_prefix_cache() -> None:
     assert on["turns"] == off["turns"] == 16
     assert on["same_worker"] == 1.0 and on["hit_rate"] >= 0.8
     assert off["same_worker"] < 1.0
+
+
+async def test_up_trains_the_tools_task_on_vllm(tmp_path) -> None:
+    out = subprocess.run([sys.executable, "-m", "rlfabric", "up", "--task", "tools", "--engine",
+                          "vllm", "--workers", "2", "--no-live", "--json", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"][-1]["reward"] >= summary["threshold"] > summary["reward_first"]
+    assert summary["mismatch_max"] is not None and summary["mismatch_max"] <= 1e-4
+    assert summary["tool_calls_per_episode"] > 0 and 1.0 <= summary["segments_per_episode"] < 1.1

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 
-from rlfabric.bus import Bus
 from rlfabric.trainer import FabricClient
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
@@ -31,16 +31,14 @@ def _control(nats: str, prefix: str, op: str) -> None:
     anyio.run(go)
 
 
-def _wait_queued(nats: str, prefix: str, n: int, timeout: float = 30.0) -> None:
-    """Until `n` requests wait in the rollout stream (the turns are in the gateway)."""
-    async def go() -> None:
-        async with Bus.connect(nats, prefix=prefix, provision_streams=False) as bus:
-            stream = bus.subjects.rollout_stream
-            with anyio.fail_after(timeout):
-                # a stream's depth has no event to wait on
-                while (await bus.fleet.stream_depths()).get(stream) != n:  # noqa: ASYNC110
-                    await anyio.sleep(0.05)
-    anyio.run(go)
+def _wait_in_turns(base: str, n: int, timeout: float = 30.0) -> None:
+    """Until the gateway has `n` sessions in turns (its /health says)."""
+    deadline = time.monotonic() + timeout
+    # a gateway's load has no event to wait on from outside: its /health is read until then
+    while httpx.get(base.removesuffix("/v1") + "/health", timeout=5).json()[
+            "sessions_in_turns"] != n:
+        assert time.monotonic() < deadline, f"not {n} sessions in turns within {timeout}s"
+        time.sleep(0.05)
 
 
 def test_a_new_session_past_the_bound_gets_503_and_the_next_one_fits(new_fleet, client):
@@ -52,7 +50,7 @@ def test_a_new_session_past_the_bound_gets_503_and_the_next_one_fits(new_fleet, 
     _control(f.nats, f.prefix, "pause")
     with ThreadPoolExecutor(2) as pool:
         held = [pool.submit(_turn, c, sid) for sid in ("s1", "s2")]
-        _wait_queued(f.nats, f.prefix, 2)
+        _wait_in_turns(base, 2)
         t0 = time.monotonic()
         with pytest.raises(Exception) as refused:
             _turn(c, "s3")

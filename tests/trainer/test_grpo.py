@@ -31,7 +31,7 @@ def test_a_batch_of_empty_completions_reports_rewards_without_a_step() -> None:
                            completion_token_ids=[], logprobs=[], finish_reason="stop",
                            version_spans=()) for i in range(2)]
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
-    reward, _, mismatch = t._train(empty)
+    reward, _, mismatch = t._train(t._samples(empty))
     assert reward == 0.0 and mismatch is None
     assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
 
@@ -54,7 +54,27 @@ def test_a_step_moves_the_weights() -> None:
                            version_spans=(VersionSpan(version=0, start=0, end=2),))
              for i, c in enumerate(comps)]
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
-    reward, _, mismatch = t._train(batch)
+    reward, _, mismatch = t._train(t._samples(batch))
     assert reward == 1 / 16  # one 'a' in 2 x 8 positions
     assert mismatch is not None and mismatch < 1e-4  # the logprobs are the model's own
+    assert any(not torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+
+
+def test_a_multi_turn_sample_learns_from_its_sampled_tokens_only() -> None:
+    """A trajectory segment: prompt, a sampled turn, inserted tokens (a tool's result), a
+    second sampled turn. The inserted tokens carry nonsense logprobs: the mismatch, over the
+    sampled tokens only, still reads the model's own logprobs."""
+    from rlfabric.trainer.tools import Sample
+
+    t = trainer()
+    ids = [*t.task.prompt(0), 97, 98, 40, 41, 42, 97]  # a turn, a tool result, a turn
+    mask = [0] * (len(ids) - 6) + [1, 1, 0, 0, 0, 1]
+    with torch.no_grad():
+        logp = torch.log_softmax(t.model(torch.tensor([ids])).logits.float(), -1)[0]
+    old = [float(logp[i - 1, tok]) if mask[i] else -100.0 for i, tok in enumerate(ids)]
+    samples = [Sample(ids=ids, mask=mask, old=old, version=0, group="g", reward=r)
+               for r in (1.0, 0.0)]
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    reward, _, mismatch = t._train(samples)
+    assert reward == 0.5 and mismatch is not None and mismatch < 1e-4
     assert any(not torch.equal(before[k], v) for k, v in t.model.state_dict().items())
