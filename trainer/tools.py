@@ -60,7 +60,8 @@ class Episode:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ToolTask:
-    turn_tokens: int = 8  # what a turn may sample
+    turn_tokens: int = 8  # what the first turn (the call) may sample
+    answer_tokens: int = 2  # what the answer may (its first character is read)
 
     def question(self, i: int) -> tuple[int, int]:
         rng = random.Random(i)
@@ -97,7 +98,8 @@ class AgentRollouts:
         for choice in ("auto", "none"):  # a call, then the answer
             r = await self.client.chat.completions.create(
                 model=MODEL, messages=msgs, tools=[CALCULATOR], tool_choice=choice,
-                temperature=self.temperature, max_tokens=self.task.turn_tokens,
+                temperature=self.temperature,
+                max_tokens=self.task.turn_tokens if choice == "auto" else self.task.answer_tokens,
                 extra_headers={"X-Session-ID": sid})
             turns += 1
             m = r.choices[0].message

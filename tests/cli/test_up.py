@@ -43,6 +43,7 @@ def test_lora_trains_only_the_adapter_and_pushes_only_it(tmp_path: Path) -> None
     assert {s["update_bytes"] for s in summary["steps"]} == {summary["update_bytes"]}
 
 
+@pytest.mark.timeout(300)
 def test_tools_task_trains_an_agent_through_the_gateway_on_its_trajectories(
         tmp_path: Path) -> None:
     """Agent episodes (the openai client against the gateway), read back off the bus, the
@@ -53,7 +54,7 @@ def test_tools_task_trains_an_agent_through_the_gateway_on_its_trajectories(
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     first, last = summary["steps"][0], summary["steps"][-1]
-    assert summary["reward_first"] < 0.2 and last["reward"] >= summary["threshold"] == 0.5
+    assert summary["reward_first"] < 0.2 and last["reward"] >= summary["threshold"] == 0.35
     assert summary["mismatch_max"] is not None and summary["mismatch_max"] <= 1e-4
     assert first["tool_calls_per_episode"] < 0.5 <= last["tool_calls_per_episode"]
     assert 1.0 <= summary["turns_per_episode"] <= 2.0
