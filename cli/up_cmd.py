@@ -103,16 +103,19 @@ def _grpo_options(p: argparse.ArgumentParser) -> None:
                    help="how weights reach the workers (default %(default)s)")
     p.add_argument("--engine", default="torch", choices=registry.names(trains=True),
                    help="the workers' engine (default %(default)s); vllm serves the tiny64 "
-                   "model (64-wide heads) and needs vLLM installed (README, 'vLLM')")
+                   "model (64-wide heads; tinychat with --task tools) and needs vLLM "
+                   "installed (README, 'vLLM')")
     p.add_argument("--async", dest="async_mode", action="store_true",
                    help="overlap generation of step k+1 with training of step k (one step "
                    "off-policy; keep pauses; version spans)")
     p.add_argument("--prompts", type=int, default=d["prompts_per_step"],
-                   help="prompts per step (default %(default)s)")
+                   help="prompts per step, each --group-size samples (--task tools: "
+                   "questions, each --group-size episodes; default %(default)s)")
     p.add_argument("--group-size", type=int, default=d["group_size"],
                    help="samples per prompt (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d["max_tokens"],
-                   help="tokens per sample (default %(default)s)")
+                   help="tokens per sample (--task tools: of the turn that calls the tool; "
+                   "default %(default)s)")
     p.add_argument("--lr", type=float, default=d["lr"],
                    help="Adam learning rate (default %(default)s)")
     p.add_argument("--threshold", type=float, default=None,
