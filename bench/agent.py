@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import time
 from typing import Any
 
 import anyio
 
-from rlfabric.bench._util import children, pct, table
+from rlfabric.bench._util import children, environ, pct, table
 from rlfabric.bus import EmbeddedNats
 from rlfabric.engines import checkpoint_dir, registry
 from rlfabric.schemas import PackedI32, RolloutRequest, RolloutResult, SamplingParams
@@ -147,9 +146,7 @@ async def _warm_up(fabric: FabricClient, args: argparse.Namespace) -> None:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     checkpoint_dir(MODEL)  # written once, before the workers read it
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    try:
+    with environ(ENV):
         async with EmbeddedNats() as nats, \
                 children([_worker_cmd(nats.url, i, args) for i in range(args.workers)],
                          ready="ready (", timeout=300), \
@@ -157,12 +154,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await fabric.wait_for_workers(args.workers, timeout=120)
             await _warm_up(fabric, args)
             rows = [await _row(fabric, args, affinity) for affinity in (True, False)]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     off = rows[1]["p50_ms"]
     for r in rows:
         r["x_off_p50"] = r["p50_ms"] / off

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -45,7 +44,7 @@ from typing import Any
 
 import anyio
 
-from rlfabric.bench._util import children, cpu_seconds, descendants, pct, table
+from rlfabric.bench._util import children, cpu_seconds, descendants, environ, pct, table
 from rlfabric.bus import EmbeddedNats
 from rlfabric.bus.cluster import free_ports
 from rlfabric.engines import registry
@@ -173,17 +172,9 @@ async def _vllm_server(args: argparse.Namespace) -> AsyncIterator[tuple[str, int
            "--max-model-len", str(args.max_model_len), "--enforce-eager", "--max-num-seqs",
            "64", "--disable-log-stats"]
     env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(args.kv_cache_gib)))}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the child inherits them
-    try:
+    with environ(env):  # the child inherits them
         async with children([cmd], ready="Application startup complete", timeout=300) as [p]:
             yield f"http://127.0.0.1:{port}/v1", p.pid
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 async def _cost(url: str, prefix: str, base: str, gw_pid: int, floor: str,
@@ -258,9 +249,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                   logprobs=lp, pids=[pid])
                 rows.append({"path": "vllm serve, logprobs" if lp else "vllm serve", **row})
     async with EmbeddedNats() as nats:
-        saved = {k: os.environ.get(k) for k in ENV}
-        os.environ.update(ENV)
-        try:
+        with environ(ENV):
             for n in [int(x) for x in args.workers.split(",") if x]:
                 prefix = f"benchgw{n}"
                 async with _gateway_fleet(nats.url, prefix, n, args) as (base, pid, ws):
@@ -274,12 +263,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                               str(port)]], ready="serving", timeout=60):
                             cost = await _cost(nats.url, prefix, base, pid,
                                                f"http://127.0.0.1:{port}", args)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     ref, ref_lp = ((rows[0]["requests_s"], rows[1]["requests_s"]) if args.engine == "vllm"
                    else (float("nan"), float("nan")))
     for r in rows:
