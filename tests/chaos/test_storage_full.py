@@ -9,7 +9,9 @@ request queue at its cap refuses a submit (`StorageFull`), and takes the next on
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace as replace
 
 import anyio
@@ -44,6 +46,20 @@ def answered_once(got: list[RolloutResult], prefix: str, n: int) -> bool:
             and all(isinstance(r, RolloutResult) for r in got))
 
 
+@contextlib.asynccontextmanager
+async def small_store() -> AsyncIterator[tuple[Bus, FabricClient]]:
+    """A server with a 64 MiB store, a worker on it, a trainer: the job's bus and client."""
+    async with EmbeddedNats(max_file_store=64 * MIB) as srv, \
+            Bus.connect(srv.url, prefix="full", limits=SMALL) as bus, \
+            anyio.create_task_group() as tg:
+        await tg.start(Worker(bus, NullEngine(), "f0", capacity=8).run)
+        async with FabricClient.connect(srv.url, prefix="full", limits=SMALL,
+                                        policy=QuorumPolicy(timeout=60)) as fabric:
+            await fabric.wait_for_workers(1, timeout=30)
+            yield bus, fabric
+        tg.cancel_scope.cancel()
+
+
 async def fill_weights_stream(bus: Bus) -> int:
     """Raw chunks under version 0 until the weights stream refuses one; the bytes stored."""
     stored = 0
@@ -59,34 +75,27 @@ async def fill_weights_stream(bus: Bus) -> int:
 
 async def test_a_full_weights_stream_stops_nothing_else_and_a_push_too_big_is_refused_at_once(
         ) -> None:
-    async with EmbeddedNats(max_file_store=64 * MIB) as srv, \
-            Bus.connect(srv.url, prefix="full", limits=SMALL) as bus, \
-            anyio.create_task_group() as tg:
-        await tg.start(Worker(bus, NullEngine(), "f0", capacity=8).run)
-        async with FabricClient.connect(srv.url, prefix="full", limits=SMALL,
-                                        policy=QuorumPolicy(timeout=60)) as fabric:
-            await fabric.wait_for_workers(1, timeout=30)
-            epoch = fabric.watcher.snapshot().epoch
-            before = await collect(fabric, [req(f"b{i}", max_tokens=2) for i in range(20)])
-            full_at = time.time()
-            stored = await fill_weights_stream(bus)
-            # the weights stream is at its cap: a heartbeat, a pause, a state write, results
-            beat = await fabric.watcher.wait_until(
-                lambda snap: any(m.heartbeat_at > full_at for m in snap.members), timeout=5)
-            rep = await fabric.pause(policy=QuorumPolicy(timeout=5))
-            await fabric.resume(policy=QuorumPolicy(timeout=5))
-            during = await collect(fabric, [req(f"d{i}", max_tokens=2) for i in range(20)])
-            t0 = time.monotonic()
-            with pytest.raises(TransportError, match=r"96\.0 MiB beside.*cannot set aside"
-                               ) as exc:
-                await fabric.update_weights(1, state_dict=weights(96), transport="nats",
-                                            verify="off")
-            refused_s = time.monotonic() - t0
-            ok = await fabric.update_weights(1, state_dict=weights(16), transport="nats",
-                                             verify="off")
-            after = await collect(fabric, [req(f"a{i}", max_tokens=2) for i in range(20)])
-            snap = fabric.watcher.snapshot()
-        tg.cancel_scope.cancel()
+    async with small_store() as (bus, fabric):
+        epoch = fabric.watcher.snapshot().epoch
+        before = await collect(fabric, [req(f"b{i}", max_tokens=2) for i in range(20)])
+        full_at = time.time()
+        stored = await fill_weights_stream(bus)
+        # the weights stream is at its cap: a heartbeat, a pause, a state write, results
+        beat = await fabric.watcher.wait_until(
+            lambda snap: any(m.heartbeat_at > full_at for m in snap.members), timeout=5)
+        rep = await fabric.pause(policy=QuorumPolicy(timeout=5))
+        await fabric.resume(policy=QuorumPolicy(timeout=5))
+        during = await collect(fabric, [req(f"d{i}", max_tokens=2) for i in range(20)])
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=r"96\.0 MiB beside.*cannot set aside"
+                           ) as exc:
+            await fabric.update_weights(1, state_dict=weights(96), transport="nats",
+                                        verify="off")
+        refused_s = time.monotonic() - t0
+        ok = await fabric.update_weights(1, state_dict=weights(16), transport="nats",
+                                         verify="off")
+        after = await collect(fabric, [req(f"a{i}", max_tokens=2) for i in range(20)])
+        snap = fabric.watcher.snapshot()
     print(f"\nweights stream full: push refused in {refused_s:.3f} s, pause acked")
     assert stored == 15 * MIB  # 16 MiB cap, less what a chunk's record adds
     assert beat.members and rep.ok == ("f0",)
@@ -99,32 +108,25 @@ async def test_a_full_weights_stream_stops_nothing_else_and_a_push_too_big_is_re
 
 async def test_a_push_the_store_runs_out_under_is_removed_and_the_worker_told(
         ) -> None:
-    async with EmbeddedNats(max_file_store=64 * MIB) as srv, \
-            Bus.connect(srv.url, prefix="full", limits=SMALL) as bus, \
-            anyio.create_task_group() as tg:
-        await tg.start(Worker(bus, NullEngine(), "f0", capacity=8).run)
-        async with FabricClient.connect(srv.url, prefix="full", limits=SMALL,
-                                        policy=QuorumPolicy(timeout=60)) as fabric:
-            await fabric.wait_for_workers(1, timeout=30)
-            # another tenant's stream, with no cap, takes most of the store
-            await bus.js.add_stream(StreamConfig(name="OTHER", subjects=["other.>"]))
-            for i in range(52):
-                await bus.publish_stored(f"other.{i}", b"o" * MIB)
-            t0 = time.monotonic()
-            with pytest.raises(TransportError, match=r"no room.*24\.0 MiB") as exc:
-                await fabric.update_weights(1, state_dict=weights(24), transport="nats",
-                                            verify="off")
-            refused_s = time.monotonic() - t0
-            t1 = time.monotonic()
-            await bus.js.delete_stream("OTHER")
-            rep = await fabric.pause(policy=QuorumPolicy(timeout=10))
-            pause_s = time.monotonic() - t1
-            await fabric.resume()
-            depths = await fabric.bus.fleet.stream_depths()
-            ok = await fabric.update_weights(2, state_dict=weights(24), transport="nats",
-                                             verify="off")
-            after = await collect(fabric, [req(f"a{i}", max_tokens=2) for i in range(20)])
-        tg.cancel_scope.cancel()
+    async with small_store() as (bus, fabric):
+        # another tenant's stream, with no cap, takes most of the store
+        await bus.js.add_stream(StreamConfig(name="OTHER", subjects=["other.>"]))
+        for i in range(52):
+            await bus.publish_stored(f"other.{i}", b"o" * MIB)
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=r"no room.*24\.0 MiB") as exc:
+            await fabric.update_weights(1, state_dict=weights(24), transport="nats",
+                                        verify="off")
+        refused_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        await bus.js.delete_stream("OTHER")
+        rep = await fabric.pause(policy=QuorumPolicy(timeout=10))
+        pause_s = time.monotonic() - t1
+        await fabric.resume()
+        depths = await fabric.bus.fleet.stream_depths()
+        ok = await fabric.update_weights(2, state_dict=weights(24), transport="nats",
+                                         verify="off")
+        after = await collect(fabric, [req(f"a{i}", max_tokens=2) for i in range(20)])
     print(f"\nstore full mid-push: refused in {refused_s:.3f} s, pause acked in {pause_s:.3f} s")
     assert exc.value.code == "storage_full" and refused_s < 5.0
     assert rep.ok == ("f0",) and pause_s < 2.0  # not stuck waiting for chunks
