@@ -150,6 +150,8 @@ class SessionStore:
         return len(self._cache) >= self.max_cached or self.held_bytes >= self.max_bytes
 
     def _make_room(self) -> None:
+        if not self._full():  # the common case: no copy of the cache
+            return
         for key, old in list(self._cache.items()):  # least recently used first
             if not self._full():
                 return
