@@ -28,6 +28,7 @@ import argparse
 import json
 import random
 import time
+from collections import Counter
 from typing import Any
 
 import anyio
@@ -114,6 +115,7 @@ async def _row(fabric: FabricClient, args: argparse.Namespace, affinity: bool
 
     await fabric.reset_prefix_cache()
     before = await _cache_counts(fabric)
+    routed = Counter(fabric.affinity.counts)
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for k in range(args.sessions):
@@ -125,7 +127,8 @@ async def _row(fabric: FabricClient, args: argparse.Namespace, affinity: bool
     return {"affinity": tag, "turns": len(lat), "p50_ms": 1e3 * pct(lat, 0.5),
             "p99_ms": 1e3 * pct(lat, 0.99), "tokens_s": tokens / wall, "hit_rate": hit,
             "same_worker": stayed / later if later else float("nan"), "wall_s": wall,
-            "longest_prompt": context}
+            "longest_prompt": context,
+            "routed": dict(Counter(fabric.affinity.counts) - routed)}
 
 
 async def _warm_up(fabric: FabricClient, args: argparse.Namespace) -> None:

@@ -66,7 +66,8 @@ class Affinity:
         #: request id -> the worker that took it, until its result comes
         self.taken: dict[str, str] = {}
         self._offered: Counter[str] = Counter()  # requests per worker sent, not answered
-        #: turns routed: to their bound worker, to a new one, to the shared queue
+        #: turns routed: to their bound worker (bound), to another (moved: the bound one
+        #: left; new: no binding), to the shared queue (queued: refused or unanswered)
         self.counts: Counter[str] = Counter()
 
     async def bound(self, session_key: str) -> str | None:
@@ -130,8 +131,10 @@ class Affinity:
                 headers={**headers, OFFER_UNTIL_HEADER: f"{until:.6f}"},
                 timeout=self.offer_wait)
             taken = reply.data == TAKEN
+            if not taken:
+                self.counts["refused"] += 1
         except nats.errors.Error:  # timeout, nobody there, a reconnect: the queue takes it
-            pass
+            self.counts["unanswered"] += 1
         finally:
             if taken:
                 self.taken[request_id] = worker_id

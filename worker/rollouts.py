@@ -137,7 +137,9 @@ class _Many:
 
     left: dict[str, int]
     posted: dict[str, int]
-    request_done: Callable[[], None]  # a request's every sample stored (or never to come)
+    #: a request's every sample stored (or never to come); True: all were generated
+    request_done: Callable[[bool], None]
+    generated: set[str] = field(default_factory=set)  # every sample generated
     errors: dict[str, BaseException] = field(default_factory=dict)
     settled: anyio.Event = field(default_factory=anyio.Event)
 
@@ -147,7 +149,7 @@ class _Many:
         self.left[rid] -= samples
         if self.left[rid] == 0:
             del self.left[rid]
-            self.request_done()
+            self.request_done(rid in self.generated)
             if not self.left:
                 self.settled.set()
 
@@ -170,6 +172,9 @@ class RolloutServer:
         self.capacity = capacity
         self.ack_wait = bus.limits.rollout_ack_wait
         self.in_flight = 0
+        #: requests in flight whose every sample is generated (their results being stored):
+        #: the engine has room for another while they are
+        self.storing = 0
         self.served = 0
         self.held = False
         self.draining = False
@@ -251,7 +256,7 @@ class RolloutServer:
                 self._wake.fire()
             else:
                 self._per_msg = per + 0.2 * (len(reqs) - per)
-            if self.in_flight and self.in_flight + len(reqs) > self.capacity:
+            if self.engaged and self.engaged + len(reqs) > self.capacity:
                 await msg.nak()  # more than we have room for: back, for anyone
                 return
             d = _Delivery(msg, len(reqs), time.monotonic())
@@ -304,7 +309,7 @@ class RolloutServer:
             until = float((msg.headers or {}).get(OFFER_UNTIL_HEADER) or 0)
         except ValueError:
             until = 0.0
-        if (self.held or self.draining or self.in_flight >= self.capacity
+        if (self.held or self.draining or self.engaged >= self.capacity
                 or time.time() > until):
             with contextlib.suppress(Exception):
                 await msg.respond(BUSY)
@@ -451,9 +456,19 @@ class RolloutServer:
         await self._reply_error(d.msg, req, code, f"{type(exc).__name__}: {exc}",
                                 retryable=retryable)
 
-    def _request_done(self) -> None:
-        """A request's capacity is free again (its results stored, or it was answered)."""
+    @property
+    def engaged(self) -> int:
+        """Requests in flight the engine still generates for: what an offer or a message
+        counts against capacity (a request whose results are being stored is not: its next
+        turn may come before the store's acknowledgement does)."""
+        return self.in_flight - self.storing
+
+    def _request_done(self, generated: bool = False) -> None:
+        """A request's capacity is free again (its results stored, or it was answered);
+        `generated`: it was counted in `storing`."""
         self.in_flight -= 1
+        if generated:
+            self.storing -= 1
         self._wake.fire()
         if self.in_flight == 0:
             self._idle.set()
@@ -525,6 +540,9 @@ class RolloutServer:
                                                   submission_id=req.submission_id)
                     tokens.add(len(res.completion_token_ids), who)
                     many.posted[req.request_id] += 1
+                    if many.posted[req.request_id] == req.sampling.n:
+                        many.generated.add(req.request_id)
+                        self.storing += 1
                     try:
                         # past its deadline + a margin nobody waits for a result: stop
                         # retrying
@@ -595,23 +613,32 @@ class RolloutServer:
         # past its deadline + a margin nobody waits for a result: stop retrying the publish
         until = req.deadline + 10.0 if req.deadline else None
         tokens = instruments.current.tokens
-        with spans.span(f"{self.engine.name} generate", attributes={
-                spans.WORKER_ID: self.worker_id, "rlfabric.engine": self.engine.name}) as gen:
-            async for res in self.engine.generate(
-                    req, worker_id=self.worker_id,
-                    on_tokens=self._streamer({req.request_id: req}) if req.stream else None):
-                res = msgspec.structs.replace(res, attempt=attempt,
-                                              submission_id=req.submission_id)
-                n = len(res.completion_token_ids)
-                tokens.add(n, {spans.WORKER_ID: self.worker_id})
-                if gen.is_recording():
-                    gen.add_event("sample", {"index": res.sample_index, "tokens": n,
-                                             "finish_reason": res.finish_reason})
-                # persisted (PubAck), coalesced with what finished meanwhile, before the
-                # request's message is acked
-                with spans.producer_span(subject, message_id=_result_id(req, res.sample_index)):
-                    await self.outbox.send(subject, [(res, _result_id(req, res.sample_index))],
-                                           until=until)
+        left = req.sampling.n
+        try:
+            with spans.span(f"{self.engine.name} generate", attributes={
+                    spans.WORKER_ID: self.worker_id, "rlfabric.engine": self.engine.name}) as gen:
+                async for res in self.engine.generate(
+                        req, worker_id=self.worker_id,
+                        on_tokens=self._streamer({req.request_id: req}) if req.stream else None):
+                    left -= 1
+                    if left == 0:
+                        self.storing += 1
+                    res = msgspec.structs.replace(res, attempt=attempt,
+                                                  submission_id=req.submission_id)
+                    n = len(res.completion_token_ids)
+                    tokens.add(n, {spans.WORKER_ID: self.worker_id})
+                    if gen.is_recording():
+                        gen.add_event("sample", {"index": res.sample_index, "tokens": n,
+                                                 "finish_reason": res.finish_reason})
+                    # persisted (PubAck), coalesced with what finished meanwhile, before the
+                    # request's message is acked
+                    with spans.producer_span(subject,
+                                             message_id=_result_id(req, res.sample_index)):
+                        await self.outbox.send(
+                            subject, [(res, _result_id(req, res.sample_index))], until=until)
+        finally:
+            if left <= 0:
+                self.storing -= 1
         self.served += 1
 
     async def _version_ready(self, d: _Delivery, req: RolloutRequest) -> bool:

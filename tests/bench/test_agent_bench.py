@@ -23,5 +23,5 @@ def test_agent_bench_rows_on_the_torch_engine() -> None:
     on, off = out["rows"]
     assert (on["affinity"], off["affinity"]) == ("on", "off")
     assert on["turns"] == off["turns"] == 9
-    assert on["same_worker"] == 1.0
+    assert on["same_worker"] == 1.0, on["routed"]
     assert on["longest_prompt"] == 16 + 32 + 3 * (2 + 8)
