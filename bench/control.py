@@ -14,7 +14,8 @@ an order that rotates from block to block: the host's speed swings within a minu
 way a slow stretch costs every path a block rather than one path its whole row. Every block
 starts with `SETTLE_CALLS` calls that are not measured. A row's latencies and CPU are over all
 its measured calls; `p50 / rlfabric p50` is the median over the blocks of the path's block p50
-over rlfabric's in the same block. CPU time per call, in
+over rlfabric's in the same block, and `p50 / floor p50` (`x_floor`) the same over the
+nats-py floor's. CPU time per call, in
 microseconds: `caller` is the calling process's (the trainer's cost), `server` the
 nats-server's (all nodes of a cluster; none for HTTP), `responders` all responder processes'
 together (Linux /proc). While another path runs, the rlfabric fleet's simulated workers are
@@ -58,8 +59,8 @@ PER_PROCESS = 250  # simulated workers per process, at most, unless --processes 
 HTTPX_MAX = 256  # responders; above it httpx's connection pool times out on connect
 IDLE_S = 5.0  # seconds the idle cost of a job is measured over, before its calls
 BLOCKS = 10  # interleaved blocks a path's calls are split into
-#: an idle rlfabric fleet is stopped while another path runs, at most this long a block (its
-#: members' keys live 5 s past their last heartbeat, sent every 1.25 s)
+#: an idle rlfabric fleet is stopped while another path runs, at most this long a block (a
+#: member unheard for `member_ttl`, 5 s, is pinged; its beats come every 1.25 s)
 FREEZE_MAX_S = 2.5
 #: calls a block starts with, not measured: a fleet that was stopped sends its heartbeats and
 #: polls then, not in the first measured call
@@ -116,17 +117,21 @@ class _Path:
         self.lat += lat
         self.block_p50.append(pct(lat, 0.5))
 
-    def row(self, fabric: _Path) -> dict[str, Any]:
+    def ratio(self, other: _Path) -> float:
+        """The median over blocks of this path's block p50 over `other`'s: block b of every
+        path ran in the same round; a path with fewer calls than blocks has fewer blocks,
+        paired with the first of the other's."""
+        return statistics.median(
+            b / o for b, o in zip(self.block_p50, other.block_p50, strict=False))
+
+    def row(self, fabric: _Path, floor: _Path) -> dict[str, Any]:
         per_call = 1e6 / len(self.lat)
-        # block b of every path ran in the same round; a path with fewer calls than blocks
-        # has fewer blocks, paired with the first of rlfabric's
-        ratios = [b / f for b, f in zip(self.block_p50, fabric.block_p50, strict=False)]
         return {"path": self.name, "rounds": len(self.lat), "blocks": len(self.block_p50),
                 "p50_ms": pct(self.lat, 0.5), "p99_ms": pct(self.lat, 0.99),
                 "mean_ms": sum(self.lat) / len(self.lat),
                 "cpu_us": self.cpu * per_call, "server_cpu_us": self.server_cpu * per_call,
                 "responders_cpu_us": self.responders_cpu * per_call,
-                "x_vs_fabric": statistics.median(ratios),
+                "x_vs_fabric": self.ratio(fabric), "x_floor": self.ratio(floor),
                 "p50_ms_blocks": [round(x, 3) for x in self.block_p50], **self.extra}
 
 
@@ -368,7 +373,8 @@ async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0,
                                        r, call, nodes_pids, pids, idle, quiet=pids))
                 call, pids = await fleets.enter_async_context(
                     floor_fleet(nats.url, n, procs))
-                paths.append(_Path("nats-py floor", r, call, single, pids))
+                floor = _Path("nats-py floor", r, call, single, pids)
+                paths.append(floor)
                 clients = ["aiohttp", *(["httpx"] if n <= HTTPX_MAX else [])]
                 calls, pids = await fleets.enter_async_context(http_fleet(n, procs, clients))
                 paths.append(_Path("aiohttp", r, calls["aiohttp"], [], pids))
@@ -377,7 +383,7 @@ async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0,
                     paths.append(_Path("httpx", hr, calls["httpx"], [], pids))
                 await interleave(paths, blocks)
             for p in paths:
-                rows.append({"responders": n, "processes": procs, **p.row(paths[0])})
+                rows.append({"responders": n, "processes": procs, **p.row(paths[0], floor)})
     return rows
 
 
@@ -410,7 +416,8 @@ def main(args: argparse.Namespace) -> int:
                        ("mean_ms", "mean ms", ".2f"), ("cpu_us", "caller cpu us", ".0f"),
                        ("server_cpu_us", "server cpu us", ".0f"),
                        ("responders_cpu_us", "responders cpu us", ".0f"),
-                       ("x_vs_fabric", "p50 / rlfabric p50", ".2f")]))
+                       ("x_vs_fabric", "p50 / rlfabric p50", ".2f"),
+                       ("x_floor", "p50 / floor p50", ".2f")]))
     idle = [r for r in rows if "idle_server_pct" in r]
     print(f"\nidle cost, no calls ({IDLE_S:.0f} s with every worker joined; % of one core): "
           "heartbeats and the trainer's membership watch")

@@ -1,18 +1,23 @@
-"""Membership: workers register and heartbeat a `WorkerInfo`; trainers watch the set.
+"""Membership: workers register a `WorkerInfo` and beat; trainers watch the set.
 
 Worker side, `Registration`: answers pings on `<prefix>.worker.<id>.ping`, puts its key in the
-members bucket (TTL = `Limits.member_ttl`), re-puts it every `heartbeat` seconds, and deletes it
-on a clean exit. A SIGKILLed worker stops answering pings at once (its connection is gone) and
-its key expires after the TTL.
+members bucket, beats on core NATS (`<prefix>.events.beat.<id>`, no payload) every
+`member_ttl / 4`, writes its key again when its state changes and every `member_key_ttl / 3`
+(the key's TTL), and deletes it on a clean exit. Liveness costs the server a core message per
+beat, not a stored write: an idle fleet of thousands stays cheap.
 
-Trainer side, `MembershipWatcher`: a KV watch folded into `MembershipSnapshot`s. The epoch moves
-on every join or leave it observes; heartbeats do not move it.
+Trainer side, `MembershipWatcher`: a KV watch folded into `MembershipSnapshot`s, and the beats.
+The epoch moves on every join or leave it observes; beats and state updates do not move it. A
+member unheard for `member_ttl` (no beat, no key write) is pinged: no ping responder (the
+process is gone; a SIGKILLed worker's connection closes with it) is a leave at once, and its
+key is deleted; a worker that is there but does not answer (a loaded host, a stopped process)
+leaves only once unheard for another `member_ttl`. A slow key write is never a leave.
 
-A broker restart is not a leave: a worker whose key expired (its heartbeats could not reach the
-server) stays a member while it answers pings, and "no responders" counts as death only once
-the connection has been up for `RECONNECT_SETTLE` seconds (peers need that long to come back).
-After a reconnect the watch is re-opened and the member set re-read, instead of waiting for
-the old watch's consumer to be found dead.
+A broker restart is not a leave: a worker whose key expired stays a member while it answers
+pings, and "no responders" counts as death only once the connection has been up for
+`RECONNECT_SETTLE` seconds (peers need that long to come back). After a reconnect the watch is
+re-opened and the member set re-read, instead of waiting for the old watch's consumer to be
+found dead.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import anyio
@@ -75,11 +80,15 @@ class Registration:
     def __init__(self, bus: Bus, info: WorkerInfo, *, heartbeat: float | None = None) -> None:
         self.bus = bus
         self.info = info
-        # NOTE: from the bucket's real TTL, not our Limits: another process may have created it.
-        self.heartbeat = heartbeat or max(0.1, bus.buckets.member_ttl / 4)
+        # NOTE: from the bucket as the server has it, not our Limits: another process may
+        # have created it.
+        self.heartbeat = heartbeat or max(0.05, bus.buckets.member_ttl / 4)
+        self.key_refresh = max(self.heartbeat, bus.buckets.member_key_ttl / 3)
         #: called before each write to bring live fields (in-flight, version) up to date
         self.refresh: Callable[[WorkerInfo], WorkerInfo] | None = None
         self._checked_at = -math.inf  # when refuse_if_taken() last found the id free
+        self._write_at = math.inf  # when the key is written again if nothing changes
+        self._written: WorkerInfo | None = None  # what the key holds
 
     @property
     def worker_id(self) -> str:
@@ -94,6 +103,39 @@ class Registration:
         info = self.refresh(self.info) if self.refresh else self.info
         self.info = msgspec.structs.replace(info, heartbeat_at=time.time())
         await self.bus.buckets.members.put(self.worker_id, encode(self.info))
+        self._written = self.info
+        self._write_at = time.monotonic() + self.key_refresh
+
+    def _changed(self) -> bool:
+        """Whether the info differs from what the key holds (a write that failed or timed
+        out, a change no one flushed)."""
+        info = self.refresh(self.info) if self.refresh else self.info
+        written = self._written
+        return written is None or msgspec.structs.replace(
+            info, heartbeat_at=written.heartbeat_at) != written
+
+    async def _beat(self) -> None:
+        """A beat every `heartbeat` s; the key written again with it when the info changed
+        since it was last written, every `key_refresh` s, and after a reconnect (a restarted
+        server may have lost or expired it)."""
+        link, nc = self.bus.link, self.bus.nc
+        subject = self.bus.subjects.beat(self.worker_id)
+        while True:
+            reconnected = link.reconnected.event()
+            await wait_any(reconnected, timeout=self.heartbeat)
+            if not nc.is_connected:
+                continue  # nothing to send to; the reconnect wakes us
+            with contextlib.suppress(nats.errors.Error):  # the next beat goes
+                await nc.publish(subject, b"")
+            if (not reconnected.is_set() and time.monotonic() < self._write_at
+                    and not self._changed()):
+                continue
+            try:
+                with anyio.fail_after(max(1.0, 2 * self.heartbeat)):
+                    await self.flush()
+            except Exception as exc:  # the server went meanwhile: the next beat retries
+                log.warning("membership key of %s not written: %s", self.worker_id,
+                            str(exc) or type(exc).__name__)
 
     async def _on_ping(self, msg: Msg) -> None:
         info = self.refresh(self.info) if self.refresh else self.info
@@ -131,19 +173,7 @@ class Registration:
             await self.bus.nc.flush(timeout=5)  # the responder is live on the server
             await self.flush()
             task_status.started()
-            link = self.bus.link
-            while True:
-                # a beat every `heartbeat` s, and one at once after a reconnect (a restarted
-                # server may have expired the key meanwhile)
-                await wait_any(link.reconnected.event(), timeout=self.heartbeat)
-                if not self.bus.nc.is_connected:
-                    continue  # nothing to write to; the reconnect wakes us
-                try:
-                    with anyio.fail_after(max(1.0, 2 * self.heartbeat)):
-                        await self.flush()
-                except Exception as exc:  # the server went meanwhile: the next beat retries
-                    log.warning("heartbeat of %s failed: %s", self.worker_id,
-                                str(exc) or type(exc).__name__)
+            await self._beat()
         finally:
             with anyio.CancelScope(shield=True):
                 await sub.unsubscribe()
@@ -162,6 +192,9 @@ class MembershipWatcher:
         self.bus = bus
         self.members: dict[str, WorkerInfo] = {}
         self.epoch = 0
+        self._heard: dict[str, float] = {}  # member -> when it last beat or wrote its key
+        self._checking: set[str] = set()  # members being pinged (`_verify_gone`)
+        self._silent: set[str] = set()  # left unheard, not gone: a beat readmits them
         self._changed = Signal()
         self._joins_leaves: set[Signal] = set()
         self._codec = codec_for(WorkerInfo)
@@ -212,9 +245,10 @@ class MembershipWatcher:
 
     async def mark_dead(self, worker_id: str) -> None:
         """A ping found `worker_id` gone: drop it now and delete its key so every watcher sees
-        the leave at once rather than at TTL expiry. A live worker re-puts its key at its next
-        heartbeat and rejoins."""
+        the leave at once rather than at TTL expiry. A worker only cut off writes its key
+        again as it reconnects, and rejoins."""
         if self.members.pop(worker_id, None) is not None:
+            self._heard.pop(worker_id, None)
             self._set_changed()
         try:
             await self.bus.buckets.members.delete(worker_id)
@@ -234,11 +268,14 @@ class MembershipWatcher:
                 return
             joined = key not in self.members
             self.members[key] = info
+            self._heard[key] = time.monotonic()
+            self._silent.discard(key)
             if joined:
                 self._set_changed()
             else:  # a heartbeat or state update: waiters re-check, the epoch stays
                 self._changed.fire()
         elif self.members.pop(key, None) is not None:
+            self._heard.pop(key, None)
             self._set_changed()
 
     async def _keys_now(self) -> set[str]:
@@ -250,25 +287,83 @@ class MembershipWatcher:
             log.debug("could not list the members bucket's keys: %s", exc)
             return set()
 
-    async def _verify_gone(self, key: str) -> None:
-        """A key expired (no heartbeat reached the server for a TTL): drop the member unless
-        it answers a ping (a broker restart, not a death; its next heartbeat re-puts it)."""
+    def _unheard(self, key: str) -> float:
+        """Seconds `key` has not been heard from while this watcher could hear it (a member
+        is not unheard while our own connection is down)."""
         link = self.bus.link
-        while key in self.members:
-            answer = await self.bus.fleet.ping(key, timeout=1.0)
-            if answer == "alive":
-                return
-            if answer == "silent" or link.settled(RECONNECT_SETTLE):
-                break
-            await anyio.sleep(0.25)  # "no responders" just after a reconnect: ask again
-        if self.members.pop(key, None) is not None:
-            log.info("member %s left: its key expired and it does not answer", key)
-            self._set_changed()
+        if not link.up:
+            return 0.0
+        return time.monotonic() - max(self._heard.get(key, -math.inf), link.since)
+
+    async def _verify_gone(self, key: str) -> None:
+        """`key` is unheard for `member_ttl` (or its key expired, or a new watch does not
+        list it): ping it until it answers or beats (it stays), its connection is gone (it
+        left: its key is deleted) or it is unheard for twice `member_ttl` (it left; it comes
+        back at its next beat)."""
+        if key in self._checking:
+            return
+        self._checking.add(key)
+        link, ttl = self.bus.link, self.bus.buckets.member_ttl
+        try:
+            while key in self.members and self._unheard(key) >= ttl:
+                try:
+                    answer = await self.bus.fleet.ping(key, timeout=1.0)
+                except nats.errors.Error as exc:  # our connection in a reconnect: ask again
+                    log.debug("ping of %s not sent: %s", key, exc)
+                    await anyio.sleep(0.25)
+                    continue
+                if answer == "alive":
+                    self._heard[key] = time.monotonic()
+                    return
+                if answer == "dead" and link.settled(RECONNECT_SETTLE):
+                    log.info("member %s left: unheard and its connection is gone", key)
+                    await self.mark_dead(key)
+                    return
+                if answer == "silent" and self._unheard(key) >= 2 * ttl:
+                    self.members.pop(key, None)
+                    self._heard.pop(key, None)
+                    self._silent.add(key)
+                    log.info("member %s left: unheard for %.1f s and it does not answer", key,
+                             2 * ttl)
+                    self._set_changed()
+                    return
+                if answer == "dead":  # "no responders" just after a reconnect: ask again
+                    await anyio.sleep(0.25)
+        finally:
+            self._checking.discard(key)
+
+    def _on_beat(self, msg: Msg, tg: TaskGroup) -> None:
+        key = msg.subject.rpartition(".")[2]
+        if key in self.members:
+            self._heard[key] = time.monotonic()
+        elif key in self._silent:  # back: its key tells what it is
+            self._silent.discard(key)
+            tg.start_soon(self._readmit, key)
+
+    async def _readmit(self, key: str) -> None:
+        try:
+            entry = await self.bus.buckets.members.get(key)
+        except Exception as exc:  # expired, or the bus busy: its next key write readmits it
+            log.debug("member %s beats again; its key is not read (%s)", key, exc)
+            return
+        if key not in self.members:
+            self._apply(key, None, entry.value)
+
+    async def _sweep(self) -> None:
+        """Ping the members unheard for `member_ttl`."""
+        ttl = self.bus.buckets.member_ttl
+        async with anyio.create_task_group() as tg:
+            while True:
+                await anyio.sleep(ttl / 4)
+                for key in [k for k in self.members if self._unheard(k) >= ttl]:
+                    if key not in self._checking:
+                        tg.start_soon(self._verify_gone, key)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         link = self.bus.link
         started = False
-        async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg, self._beats(tg):
+            tg.start_soon(self._sweep)
             while True:
                 reconnects = link.reconnects
                 try:
@@ -294,6 +389,18 @@ class MembershipWatcher:
                                 await watcher.stop()
                         except Exception:
                             pass
+
+    @contextlib.asynccontextmanager
+    async def _beats(self, tg: TaskGroup) -> AsyncIterator[None]:
+        async def on_beat(msg: Msg) -> None:
+            self._on_beat(msg, tg)
+
+        sub = await self.bus.nc.subscribe(self.bus.subjects.beats, cb=on_beat)
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _follow(self, watcher: Any, tg: TaskGroup, reconnects: int,
                       started: Callable[[], None]) -> None:
@@ -331,7 +438,7 @@ class MembershipWatcher:
                 delivered.add(entry.key)
                 if entry.operation is None and entry.value:
                     listed.add(entry.key)
-            if entry.operation == "PURGE":  # the TTL's marker: verify before dropping
+            if entry.operation == "PURGE":  # the key's TTL: a member still beating stays
                 if entry.key in self.members:
                     tg.start_soon(self._verify_gone, entry.key)
                 continue

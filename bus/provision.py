@@ -52,7 +52,12 @@ log = logging.getLogger("rlfabric.bus")
 
 @dataclass(kw_only=True, slots=True)
 class Limits:
-    """Retention knobs. `member_ttl`: seconds a worker's key lives without a heartbeat.
+    """Retention knobs. `member_ttl`: seconds a worker may go unheard (it beats on core NATS
+    every quarter of it) before a watcher pings it: one whose connection is gone then counts
+    as left at once, one that does not answer after another `member_ttl`.
+    `member_key_ttl`: seconds a worker's key lives in the members bucket unless written again
+    (at every change of its state, and every third of it). The first process to create a job
+    fixes both for every process of it.
 
     Every stream and bucket has a byte cap, which JetStream sets aside for it when it is
     created (the `*_max_bytes`, about 1 GiB a job in all, plus the weights stream's): a full
@@ -62,6 +67,7 @@ class Limits:
     says which)."""
 
     member_ttl: float = 5.0
+    member_key_ttl: float = 60.0
     control_max_age: float = 24 * HOUR
     #: commands (small); the oldest go first past it
     control_max_bytes: int = 64 * MIB
@@ -99,8 +105,10 @@ class Limits:
 class Buckets:
     members: KeyValue
     state: KeyValue
-    #: the members bucket's TTL as the server has it (the first process to create it chose it)
+    #: the job's `Limits.member_ttl` and `member_key_ttl` as the first process to create the
+    #: members bucket chose them (read back from the server)
     member_ttl: float
+    member_key_ttl: float
     #: session -> worker bindings (None: a job provisioned before it, read by a read-only tool)
     affinity: KeyValue | None = None
 
@@ -258,8 +266,9 @@ async def bind_buckets(js: JetStreamContext, s: Subjects) -> Buckets | None:
     """The job's buckets if they exist, without creating anything (for read-only tools)."""
     try:
         members = await js.key_value(s.members_bucket)
+        ttl, key_ttl = await _member_ttls(members, Limits())
         return Buckets(members=members, state=await js.key_value(s.state_bucket),
-                       member_ttl=await _ttl(members, Limits().member_ttl))
+                       member_ttl=ttl, member_key_ttl=key_ttl)
     except NotFoundError:
         return None
 
@@ -316,8 +325,9 @@ async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None
         js,
         KeyValueConfig(
             bucket=s.members_bucket,
+            description=f"{_MEMBER_TTL}{lim.member_ttl:g}",
             history=1,
-            ttl=lim.member_ttl,
+            ttl=lim.member_key_ttl,
             # A delete marker on expiry, so watchers see a silent worker leave.
             limit_marker_ttl=max(1.0, lim.member_ttl),
             max_bytes=lim.members_max_bytes,
@@ -334,10 +344,23 @@ async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None
                            max_bytes=lim.affinity_max_bytes, storage=StorageType.FILE,
                            replicas=replicas)
     ), within=within)
+    ttl, key_ttl = await _member_ttls(members, lim)
     return Buckets(members=members, state=state,
-                   member_ttl=await _ttl(members, lim.member_ttl), affinity=affinity)
+                   member_ttl=ttl, member_key_ttl=key_ttl, affinity=affinity)
 
 
-async def _ttl(kv: KeyValue, default: float) -> float:
-    ttl = (await kv.status()).ttl
-    return float(ttl) if ttl else default
+#: the members bucket's description: the job's `member_ttl` follows it
+_MEMBER_TTL = "rlfabric members; member_ttl="
+
+
+async def _member_ttls(kv: KeyValue, lim: Limits) -> tuple[float, float]:
+    """The job's member TTLs as its creator set them (a bucket from before `member_key_ttl`
+    has only its TTL: `lim.member_ttl` for the rest)."""
+    status = await kv.status()
+    note = status.stream_info.config.description or ""
+    try:
+        member_ttl = float(note.removeprefix(_MEMBER_TTL)) if note.startswith(_MEMBER_TTL) \
+            else lim.member_ttl
+    except ValueError:
+        member_ttl = lim.member_ttl
+    return member_ttl, float(status.ttl) if status.ttl else lim.member_key_ttl

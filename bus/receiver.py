@@ -17,9 +17,10 @@ so it begins from the desired state it read at join, not from stale commands).
 - `seq < next_seq` was applied already: ignored;
 - a catch-up also runs after every reconnect, every `poll` seconds in which no live copy was
   applied (a command stored by something other than a `Broadcaster`, or whose live copy never
-  came, and no copy after it showed the jump), and when the sender pings this worker with the
-  sequence it waits for (`Fanout`'s probe). A ping for a command already applied re-sends its
-  acks (they may have been lost).
+  came, and no copy after it showed the jump; the wait doubles while polls find nothing, up to
+  `poll_max`, so an idle fleet costs the server next to nothing), and when the sender pings
+  this worker with the sequence it waits for (`Fanout`'s probe). A ping for a command already
+  applied re-sends its acks (they may have been lost).
 
 Per command, in stream order:
 - not an rlfabric command (garbage, another schema, an unknown major version): an
@@ -120,12 +121,13 @@ class CommandReceiver:
 
     def __init__(self, bus: Bus, worker_id: str, handler: Handler, *,
                  state: StateFn = lambda: (-1, ""), poll: float = 1.0,
-                 remember: int = 4096, buffer: int = 4096) -> None:
+                 poll_max: float = 8.0, remember: int = 4096, buffer: int = 4096) -> None:
         self.bus = bus
         self.worker_id = check_token(worker_id, "worker id")
         self.handler = handler
         self.state = state
         self.poll = poll
+        self.poll_max = max(poll, poll_max)
         self._sent: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()  # cmd_id -> its acks
         self._seq_ids: OrderedDict[int, str] = OrderedDict()  # seq -> cmd_id, for re-sends
         self._remember = remember
@@ -320,15 +322,19 @@ class CommandReceiver:
         applied. While copies come in order a poll would find nothing a copy does not show:
         a command stored without one is a jump in the next copy's seq. Once they stop, the
         next quiet poll reads it (within two polls). A poll costs a stream read, of the worker's
-        CPU and the server's: skipping them while commands flow takes them off the calls."""
+        CPU and the server's: skipping them while commands flow takes them off the calls, and
+        the wait doubling while nothing comes takes them off an idle fleet."""
         link = self.bus.link
-        live = self.applied_live
+        live, seq, wait = self.applied_live, self.next_seq, self.poll
         while True:
             reconnected = link.reconnected.event()
-            await wait_any(reconnected, timeout=self.poll * random.uniform(0.5, 1.5))
+            await wait_any(reconnected, timeout=wait * random.uniform(0.5, 1.5))
             before, live = live, self.applied_live
             if reconnected.is_set() or live == before:  # else: in step with the live copies
                 self._sync()
+            moved, seq = self.next_seq != seq, self.next_seq
+            wait = (self.poll if reconnected.is_set() or moved
+                    else min(2 * wait, self.poll_max))
 
     async def _stream_end(self) -> int:
         delay = 0.05

@@ -170,6 +170,14 @@ class Subjects:
     def weights_all(self) -> str:
         return f"{self.prefix}.weights.>"
 
+    def beat(self, worker_id: str) -> str:
+        """Core NATS, no payload: the worker is alive (every quarter of `member_ttl`)."""
+        return f"{self.prefix}.events.beat.{check_token(worker_id, 'worker id')}"
+
+    @property
+    def beats(self) -> str:
+        return f"{self.prefix}.events.beat.*"
+
     def events(self, kind: str, source: str) -> str:
         return f"{self.prefix}.events.{kind}.{source}"
 

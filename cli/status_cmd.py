@@ -44,7 +44,7 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
                 "weight_version": m.weight_version,
                 "state": m.state,
                 "age_s": round(now - m.started_at, 1),
-                "heartbeat_age_s": round(now - m.heartbeat_at, 1),
+                "key_age_s": round(now - m.heartbeat_at, 1),  # its last key write
                 "host": m.host,
                 "pid": m.pid,
                 "capacity": m.capacity,

@@ -1,7 +1,7 @@
 """Fleet state: membership, desired state, quorum reports, events.
 
 - `WorkerInfo` is what each worker keeps under its key in the `<prefix>_members` KV bucket
-  (heartbeated, TTL) and what it answers to a ping.
+  (written on change, TTL) and what it answers to a ping.
 - `DesiredState` is the one key of the `<prefix>_state` bucket, written by the trainer.
 - `MembershipSnapshot` and `FanoutReport` are what the trainer-side SDK returns.
 - `ErrorEvent` / `StateEvent` go to `<prefix>.events.>` for operators and telemetry.
@@ -31,6 +31,8 @@ class WorkerInfo(Message, frozen=True, kw_only=True):
     in_flight: int = 0
     ranks: int = 1
     started_at: float = 0.0
+    #: when the worker last wrote this key (at every state change, and every third of the
+    #: key's TTL; its liveness is its beats, `rlfabric.bus.membership`)
     heartbeat_at: float = 0.0
     #: the weights checksum of the checkpoint the worker started from (see `CheckpointClaim`)
     checkpoint: str = ""

@@ -268,9 +268,9 @@ def fabric(nats_url: str, prefix: str):
     from rlfabric.bus import Broadcaster, Bus, Limits, MembershipWatcher
 
     @contextlib.asynccontextmanager
-    async def _open(member_ttl: float = 5.0):
+    async def _open(member_ttl: float = 5.0, **limits: float):
         async with Bus.connect(nats_url, prefix=prefix,
-                               limits=Limits(member_ttl=member_ttl)) as bus, \
+                               limits=Limits(member_ttl=member_ttl, **limits)) as bus, \
                 anyio.create_task_group() as tg:
             watcher = MembershipWatcher(bus)
             await tg.start(watcher.run)

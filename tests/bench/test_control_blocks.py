@@ -58,8 +58,9 @@ def test_blocks_interleave_and_a_ratio_is_the_median_of_the_blocks() -> None:
     assert len(a.lat) == 6 and len(a.block_p50) == 3 and len(b.block_p50) == 3
     a.block_p50, b.block_p50 = slow["a"], slow["b"]
     # per block: 2/1, 2/1, 2/9; the median is 2 (the ratio of the pooled p50s would not be)
-    assert b.row(a)["x_vs_fabric"] == 2.0
-    assert a.row(a)["x_vs_fabric"] == 1.0 and a.row(a)["blocks"] == 3
+    assert b.row(a, b)["x_vs_fabric"] == 2.0 and b.row(a, b)["x_floor"] == 1.0
+    assert a.row(a, b)["x_vs_fabric"] == 1.0 and a.row(a, b)["blocks"] == 3
+    assert a.row(a, b)["x_floor"] == 0.5  # a against b as the floor: the inverse per block
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -100,6 +101,8 @@ def test_every_path_answers_in_every_block_with_every_fleet_up() -> None:
         assert r["rounds"] == 20, r
         assert 0 < r["p50_ms"] <= r["p99_ms"], r
         assert r["cpu_us"] > 0, r
-    assert by_path["rlfabric"]["x_vs_fabric"] == 1.0
+    assert by_path["rlfabric"]["x_vs_fabric"] == 1.0 == by_path["nats-py floor"]["x_floor"]
+    assert by_path["rlfabric"]["x_floor"] == pytest.approx(
+        1 / by_path["nats-py floor"]["x_vs_fabric"], rel=0.5)  # medians of per-block ratios
     assert "idle_server_pct" in by_path["rlfabric"]
     assert "idle_server_pct" not in by_path["aiohttp"]

@@ -1,4 +1,4 @@
-"""Membership on a real server: join, heartbeat, clean leave, TTL expiry, ping."""
+"""Membership on a real server: join, beats, clean leave, unheard members, ping."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ async def test_join_heartbeat_update_and_clean_leave(fabric) -> None:
         assert await bus.fleet.ping("w1") == "dead"
 
 
-async def test_sigkilled_worker_expires_at_ttl_and_ping_says_dead_at_once(fabric, sims) -> None:
+async def test_sigkilled_worker_leaves_when_unheard_and_ping_says_dead_at_once(
+        fabric, sims) -> None:
     async with fabric(member_ttl=1.0) as (bus, watcher, _bc, _tg):
         assert bus.buckets.member_ttl == 1.0
         (proc,) = sims(["k1"])
@@ -51,6 +52,45 @@ async def test_sigkilled_worker_expires_at_ttl_and_ping_says_dead_at_once(fabric
         assert await bus.fleet.ping("k1") == "dead"
         assert time.monotonic() - t0 < 0.5
         await watcher.wait_until(lambda s: s.worker_ids == (), timeout=5)  # expiry marker
+
+
+async def test_a_member_whose_key_expires_while_it_beats_stays(fabric) -> None:
+    """A slow or failed key write is no leave: a member that beats stays while its key is
+    gone, and nothing but its state changes writes the key."""
+    async with fabric(member_ttl=1.0, member_key_ttl=1.0) as (bus, watcher, _bc, tg):
+        assert (bus.buckets.member_ttl, bus.buckets.member_key_ttl) == (1.0, 1.0)
+        reg = Registration(bus, new_worker_info("w1", engine="t", model="m"))
+        reg.key_refresh = 3600.0  # written once, at its join
+        await tg.start(reg.run)
+        await watcher.wait_until(lambda s: s.worker_ids == ("w1",), timeout=5)
+        e0 = watcher.snapshot().epoch
+        await anyio.sleep(3.0)  # three key TTLs: the key expires, the beats go on
+        assert await bus.fleet.members() == {}
+        assert watcher.snapshot().worker_ids == ("w1",) and watcher.snapshot().epoch == e0
+
+
+async def test_a_stopped_worker_stays_a_while_then_leaves_and_comes_back_when_it_beats(
+        fabric, sims) -> None:
+    """A worker that is there but does not answer (here SIGSTOPped) stays a member for twice
+    `member_ttl`, then leaves; its first beat after SIGCONT readmits it."""
+    async with fabric(member_ttl=1.0) as (bus, watcher, _bc, _tg):
+        (proc,) = sims(["s1"])
+        await watcher.wait_until(lambda s: s.worker_ids == ("s1",), timeout=30)
+        e0 = watcher.snapshot().epoch
+        proc.send_signal(signal.SIGSTOP)
+        await anyio.sleep(1.5)  # unheard past member_ttl, under twice it
+        proc.send_signal(signal.SIGCONT)
+        await anyio.sleep(1.5)
+        assert watcher.snapshot().worker_ids == ("s1",) and watcher.snapshot().epoch == e0
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        await watcher.wait_until(lambda s: s.worker_ids == (), timeout=10)
+        left_after = time.monotonic() - t0
+        proc.send_signal(signal.SIGCONT)
+        await watcher.wait_until(lambda s: s.worker_ids == ("s1",), timeout=5)
+        assert 2.0 - 0.25 <= left_after < 4.0, left_after  # its last beat: 0-0.25 s before
+        assert watcher.snapshot().epoch == e0 + 2
+        assert "s1" in await bus.fleet.members()  # its key stayed: only the silent left
 
 
 async def test_fingerprint_is_order_free_and_ids_are_checked() -> None:

@@ -1,11 +1,12 @@
 """JetStream's store running out, on a server with a 64 MiB store.
 
 Every stream and bucket of a job has its own cap, set aside when it is created: a weights
-stream at its cap refuses its own writes, while heartbeats, commands, desired-state writes and
-results go on. A push JetStream cannot set the room aside for is refused before anything is
-sent, naming the sizes; the next one that fits lands. A push that a full store stops part-way
-(another tenant's stream took the room) removes what it stored and tells the workers. A
-request queue at its cap refuses a submit (`StorageFull`), and takes the next once it drains."""
+stream at its cap refuses its own writes, while membership writes, commands, desired-state
+writes and results go on. A push JetStream cannot set the room aside for is refused before
+anything is sent, naming the sizes; the next one that fits lands. A push that a full store
+stops part-way (another tenant's stream took the room) removes what it stored and tells the
+workers. A request queue at its cap refuses a submit (`StorageFull`), and takes the next once
+it drains."""
 
 from __future__ import annotations
 
@@ -80,10 +81,12 @@ async def test_a_full_weights_stream_stops_nothing_else_and_a_push_too_big_is_re
         before = await collect(fabric, [req(f"b{i}", max_tokens=2) for i in range(20)])
         full_at = time.time()
         stored = await fill_weights_stream(bus)
-        # the weights stream is at its cap: a heartbeat, a pause, a state write, results
-        beat = await fabric.watcher.wait_until(
-            lambda snap: any(m.heartbeat_at > full_at for m in snap.members), timeout=5)
+        # the weights stream is at its cap: a pause, the worker's key written (its state),
+        # the desired state written, results
         rep = await fabric.pause(policy=QuorumPolicy(timeout=5))
+        beat = await fabric.watcher.wait_until(
+            lambda snap: any(m.heartbeat_at > full_at and m.state == "paused"
+                             for m in snap.members), timeout=5)
         await fabric.resume(policy=QuorumPolicy(timeout=5))
         during = await collect(fabric, [req(f"d{i}", max_tokens=2) for i in range(20)])
         t0 = time.monotonic()
