@@ -21,9 +21,9 @@ nats-server's (all nodes of a cluster; none for HTTP), `responders` all responde
 together (Linux /proc). While another path runs, the rlfabric fleet's simulated workers are
 stopped (SIGSTOP, at most `FREEZE_MAX_S` a block; a block starts once they read as stopped,
 or `STOP_WAIT_S` after the signal), so their heartbeats and stream polls load no other row; a
-second table gives that idle cost (no calls: heartbeats, the trainer's membership watch),
-measured as each rlfabric fleet has joined, before any call and before the floor's and HTTP
-fleets start.
+second table gives that idle cost (no calls: heartbeats, command polls, the trainer's
+membership watch), measured `IDLE_SETTLE_S` after each rlfabric fleet has joined, before any
+call and before the floor's and HTTP fleets start.
 
 With `--cluster 3`, `rlfabric` runs again on a 3-node loopback cluster (streams and buckets
 R3), in the same run. Above 250 responders the simulated workers spread over one process per
@@ -58,6 +58,9 @@ from rlfabric.trainer import FabricClient
 PER_PROCESS = 250  # simulated workers per process, at most, unless --processes asks for fewer
 HTTPX_MAX = 256  # responders; above it httpx's connection pool times out on connect
 IDLE_S = 5.0  # seconds the idle cost of a job is measured over, before its calls
+#: seconds an idle job runs before its cost is measured: its workers' command polls slow down
+#: while nothing comes (1 s doubling up to 8 s); a fleet that just joined still polls often
+IDLE_SETTLE_S = 15.0
 BLOCKS = 10  # interleaved blocks a path's calls are split into
 #: an idle rlfabric fleet is stopped while another path runs, at most this long a block (a
 #: member unheard for `member_ttl`, 5 s, is pinged; its beats come every 1.25 s)
@@ -277,6 +280,7 @@ async def fabric_fleet(url: str, n: int, processes: int, servers: list[int], pre
             url, prefix=prefix, policy=QuorumPolicy(timeout=30)) as fabric:
         await fabric.wait_for_workers(n, timeout=120)
         pids = [p.pid for p in procs]
+        await anyio.sleep(IDLE_SETTLE_S)
         idle = await idle_cpu(servers, pids)
 
         async def call(i: int) -> None:
@@ -419,8 +423,9 @@ def main(args: argparse.Namespace) -> int:
                        ("x_vs_fabric", "p50 / rlfabric p50", ".2f"),
                        ("x_floor", "p50 / floor p50", ".2f")]))
     idle = [r for r in rows if "idle_server_pct" in r]
-    print(f"\nidle cost, no calls ({IDLE_S:.0f} s with every worker joined; % of one core): "
-          "heartbeats and the trainer's membership watch")
+    print(f"\nidle cost, no calls ({IDLE_S:.0f} s, from {IDLE_SETTLE_S:.0f} s after every "
+          "worker joined; % of one core): beats, command polls and the trainer's membership "
+          "watch")
     print(table(idle, [("responders", "responders", ""), ("path", "path", ""),
                        ("idle_caller_pct", "caller %", ".1f"),
                        ("idle_server_pct", "server %", ".1f"),

@@ -1,10 +1,11 @@
 """Membership: workers register a `WorkerInfo` and beat; trainers watch the set.
 
 Worker side, `Registration`: answers pings on `<prefix>.worker.<id>.ping`, puts its key in the
-members bucket, beats on core NATS (`<prefix>.events.beat.<id>`, no payload) every
-`member_ttl / 4`, writes its key again when its state changes and every `member_key_ttl / 3`
-(the key's TTL), and deletes it on a clean exit. Liveness costs the server a core message per
-beat, not a stored write: an idle fleet of thousands stays cheap.
+members bucket, beats on core NATS every `member_ttl / 4`, writes its key again when its state
+changes and every `member_key_ttl / 3` (the key's TTL), and deletes it on a clean exit. The
+beats of every worker on one connection go in one `Beats` message
+(`<prefix>.events.beat.<id>`): liveness costs the server a core message per process and beat,
+not a stored write per worker, so an idle fleet of thousands stays cheap.
 
 Trainer side, `MembershipWatcher`: a KV watch folded into `MembershipSnapshot`s, and the beats.
 The epoch moves on every join or leave it observes; beats and state updates do not move it. A
@@ -29,6 +30,7 @@ import math
 import os
 import socket
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
@@ -44,7 +46,7 @@ from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import check_token
 from rlfabric.concurrency.ratelimit import RateLimited
 from rlfabric.concurrency.sync import Signal, wait_any
-from rlfabric.schemas import MembershipSnapshot, SchemaError, WorkerInfo, codec_for, encode
+from rlfabric.schemas import Beats, MembershipSnapshot, SchemaError, WorkerInfo, codec_for, encode
 
 log = logging.getLogger("rlfabric.bus.membership")
 
@@ -55,6 +57,8 @@ RECONNECT_SETTLE = 2.0
 INITIAL_SETTLE_S = 2.0
 #: seconds after which `Registration.run` checks again that its worker id is free
 RECHECK_AFTER_S = 5.0
+#: seconds the first beat of an instant waits for the other workers of its connection
+BEAT_GATHER_S = 0.01
 _REWATCH: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
 
 
@@ -73,6 +77,35 @@ def new_worker_info(worker_id: str, *, engine: str, model: str, capacity: int = 
                       started_at=t, heartbeat_at=t)
 
 
+class _Beater:
+    """The beats of one connection's workers: their timers keep one phase (a multiple of the
+    interval), and the first to fire sends, `BEAT_GATHER_S` later, every id that fired with
+    it."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.due: list[str] = []
+        self.gathering = False
+
+    async def beat(self, worker_id: str) -> None:
+        self.due.append(worker_id)
+        if self.gathering:
+            return  # the first of this instant sends it
+        self.gathering = True
+        try:
+            await anyio.sleep(BEAT_GATHER_S)
+        finally:  # cancelled (its worker stopping): these beats are lost, the next go
+            self.gathering = False
+            ids, self.due = tuple(self.due), []
+        if self.bus.nc.is_connected:
+            with contextlib.suppress(nats.errors.Error):  # the next beat goes
+                await self.bus.nc.publish(self.bus.subjects.beat(ids[0]),
+                                          encode(Beats(worker_ids=ids)))
+
+
+_beaters: weakref.WeakKeyDictionary[Bus, _Beater] = weakref.WeakKeyDictionary()
+
+
 class Registration:
     """A worker's presence on the bus. Run with `await tg.start(reg.run)`: started means the
     ping responder is live and the key is written."""
@@ -84,6 +117,7 @@ class Registration:
         # have created it.
         self.heartbeat = heartbeat or max(0.05, bus.buckets.member_ttl / 4)
         self.key_refresh = max(self.heartbeat, bus.buckets.member_key_ttl / 3)
+        self._beater = _beaters.setdefault(bus, _Beater(bus))
         #: called before each write to bring live fields (in-flight, version) up to date
         self.refresh: Callable[[WorkerInfo], WorkerInfo] | None = None
         self._checked_at = -math.inf  # when refuse_if_taken() last found the id free
@@ -118,15 +152,13 @@ class Registration:
         """A beat every `heartbeat` s; the key written again with it when the info changed
         since it was last written, every `key_refresh` s, and after a reconnect (a restarted
         server may have lost or expired it)."""
-        link, nc = self.bus.link, self.bus.nc
-        subject = self.bus.subjects.beat(self.worker_id)
+        link, nc, every = self.bus.link, self.bus.nc, self.heartbeat
         while True:
             reconnected = link.reconnected.event()
-            await wait_any(reconnected, timeout=self.heartbeat)
+            await wait_any(reconnected, timeout=every - time.monotonic() % every)
             if not nc.is_connected:
                 continue  # nothing to send to; the reconnect wakes us
-            with contextlib.suppress(nats.errors.Error):  # the next beat goes
-                await nc.publish(subject, b"")
+            await self._beater.beat(self.worker_id)
             if (not reconnected.is_set() and time.monotonic() < self._write_at
                     and not self._changed()):
                 continue
@@ -198,6 +230,7 @@ class MembershipWatcher:
         self._changed = Signal()
         self._joins_leaves: set[Signal] = set()
         self._codec = codec_for(WorkerInfo)
+        self._beats_codec = codec_for(Beats)
         self._flood = RateLimited(log)
 
     def snapshot(self) -> MembershipSnapshot:
@@ -333,12 +366,18 @@ class MembershipWatcher:
             self._checking.discard(key)
 
     def _on_beat(self, msg: Msg, tg: TaskGroup) -> None:
-        key = msg.subject.rpartition(".")[2]
-        if key in self.members:
-            self._heard[key] = time.monotonic()
-        elif key in self._silent:  # back: its key tells what it is
-            self._silent.discard(key)
-            tg.start_soon(self._readmit, key)
+        try:
+            ids = self._beats_codec.decode(msg.data, check_version=False).worker_ids
+        except SchemaError as exc:
+            self._flood.warning("ignoring an unreadable beat on %s: %s", msg.subject, exc)
+            return
+        now = time.monotonic()
+        for key in ids:
+            if key in self.members:
+                self._heard[key] = now
+            elif key in self._silent:  # back: its key tells what it is
+                self._silent.discard(key)
+                tg.start_soon(self._readmit, key)
 
     async def _readmit(self, key: str) -> None:
         try:

@@ -21,6 +21,8 @@ BENCHES = {
                 "weight update MB/s per transport beside memcpy and /dev/shm"),
     "gateway": ("rlfabric.bench.gateway",
                 "the gateway + vLLM workers vs vLLM's own OpenAI server; the gateway's cost"),
+    "liveness": ("rlfabric.bench.liveness",
+                 "an idle fleet's cost to the server per worker, and at 10k / 100k workers"),
     "agent": ("rlfabric.bench.agent",
               "agent sessions on vLLM workers, session affinity on vs off: turn latency, "
               "prefix-cache hit rate"),

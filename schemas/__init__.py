@@ -59,6 +59,7 @@ from rlfabric.schemas.errors import (
     UnknownSchemaVersion,
 )
 from rlfabric.schemas.fleet import (
+    Beats,
     CheckpointClaim,
     DesiredState,
     ErrorEvent,
@@ -124,6 +125,7 @@ _ALL: tuple[type, ...] = (
     External,
     Ack,
     WorkerInfo,
+    Beats,
     MembershipSnapshot,
     DesiredState,
     FanoutReport,
@@ -152,6 +154,7 @@ __all__ = [
     "Ack",
     "Adapter",
     "Base",
+    "Beats",
     "CheckpointClaim",
     "Codec",
     "Collective",

@@ -40,6 +40,13 @@ class WorkerInfo(Message, frozen=True, kw_only=True):
     adapters: dict[str, tuple[int, ...]] = {}
 
 
+class Beats(Message, frozen=True, kw_only=True):
+    """The workers of one connection that are alive (core NATS, `<prefix>.events.beat.<id>`,
+    every quarter of the job's `member_ttl`; sent without headers, read like a KV value)."""
+
+    worker_ids: tuple[str, ...]
+
+
 class CheckpointClaim(Message, frozen=True, kw_only=True):
     """Version 0 of a job that no trainer pushed weights to: the checkpoint the first worker
     to join loaded (key `checkpoint` of `<prefix>_state`, written once). A worker whose own

@@ -11,6 +11,7 @@ import sys
 import anyio
 import pytest
 
+from rlfabric.bench import control
 from rlfabric.bench.control import (
     SETTLE_CALLS,
     _Path,
@@ -91,8 +92,9 @@ def test_a_fleets_idle_processes_are_stopped_while_another_path_runs() -> None:
 
 @pytest.mark.nats
 @pytest.mark.slow
-def test_every_path_answers_in_every_block_with_every_fleet_up() -> None:
+def test_every_path_answers_in_every_block_with_every_fleet_up(monkeypatch) -> None:
     # real fleets: 2 simulated rlfabric workers, 2 floor responders, 2 aiohttp servers
+    monkeypatch.setattr(control, "IDLE_SETTLE_S", 0.0)
     rows = anyio.run(run, [2], 20, 2, 0, 4)
     by_path = {r["path"]: r for r in rows}
     assert set(by_path) == {"rlfabric", "nats-py floor", "aiohttp", "httpx"}
