@@ -169,9 +169,11 @@ async def fabric_path(engine_kind: str, workers: int, conc: int, torch_threads: 
 
 
 @contextlib.asynccontextmanager
-async def floor_path(workers: int) -> AsyncIterator[One]:
+async def floor_path(workers: int, engine: str = "", torch_threads: int = 1
+                     ) -> AsyncIterator[One]:
     """The same rollouts over raw nats-py: requests batched into a JetStream stream, `workers`
-    echo processes (`rlfabric.bench.floor rollout`), results back through a second stream."""
+    processes (`rlfabric.bench.floor rollout`) echoing them or serving them with `engine`,
+    results back through a second stream."""
     import nats
 
     async with EmbeddedNats() as srv:
@@ -179,9 +181,12 @@ async def floor_path(workers: int) -> AsyncIterator[One]:
         try:
             js = nc.jetstream(publish_async_max_pending=4096)
             await _floor_streams(js)
+            per_engine = (["--engine", engine, "--threads", str(torch_threads)] if engine
+                          else [])
             cmds = [["rlfabric.bench.floor", "rollout", "--nats", srv.url, "--subject",
-                     "floor.req"] for _ in range(workers)]
-            async with _FloorClient(js) as one, children(cmds, ready="floor: rollout ready"):
+                     "floor.req", *per_engine] for _ in range(workers)]
+            async with _FloorClient(js) as one, children(cmds, ready="floor: rollout ready",
+                                                         timeout=300):
                 yield one
         finally:
             await nc.close()
@@ -209,6 +214,7 @@ class _FloorClient:
         self.enc = msgspec.msgpack.Encoder()
         self.dec = msgspec.msgpack.Decoder(list[FloorResult])
         self.waiting: dict[str, anyio.Event] = {}
+        self.tokens: dict[str, int] = {}  # request id -> tokens its result brought
         self.queue: list[Any] = []
         self.queued = anyio.Event()
         self._stack = contextlib.AsyncExitStack()
@@ -231,6 +237,7 @@ class _FloorClient:
         for r in self.dec.decode(msg.data):
             ev = self.waiting.pop(r.request_id, None)
             if ev is not None:
+                self.tokens[r.request_id] = len(r.tokens) // 4
                 ev.set()
 
     async def _sender(self) -> None:
@@ -256,7 +263,7 @@ class _FloorClient:
                                        max_tokens=req.sampling.max_tokens))
         self.queued.set()
         await ev.wait()
-        return req.sampling.max_tokens
+        return self.tokens.pop(req.request_id)
 
 
 class _Runs:
@@ -372,8 +379,9 @@ async def _block(load: _Load, k: int, direct_one: One | None, direct: _Runs
                 http_path(load.eng, k, load.conc, load.threads(k)))
         paths["rlfabric"] = await stack.enter_async_context(
             fabric_path(load.eng, k, load.conc, load.threads(k)))
-        if load.eng == "null":  # the transport alone: nothing to compare a model with
-            paths["nats-py floor"] = await stack.enter_async_context(floor_path(k))
+        if load.eng != "vllm":  # the same messages with nats-py alone (and the same engine)
+            paths["nats-py floor"] = await stack.enter_async_context(floor_path(
+                k, "" if load.eng == "null" else load.eng, load.threads(k)))
         for one in paths.values():
             await measure(one, 50, load.conc, load.max_tokens, "w")
         if direct_one is not None:

@@ -25,6 +25,7 @@ parents every item's span on the call that sent it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +36,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
+from nats.js.api import PubAck
 
 from rlfabric.bus.errors import TRANSIENT, PayloadTooLarge, StorageFull, storage_refused
 from rlfabric.bus.session import Bus
@@ -147,7 +149,12 @@ class Outbox:
                     if not self._queue:
                         await queued.wait()
                         continue
-                    tg.start_soon(self._store, self._take())
+                    batch = self._take()
+                    subject, data, hdrs = self._message(batch)
+                    # sent from here, its PubAck awaited in a task: the message leaves now,
+                    # not once that task is scheduled behind whatever else is ready
+                    sent = await self._send_now(subject, data, hdrs)
+                    tg.start_soon(self._store, batch, subject, data, hdrs, sent)
                     await anyio.lowlevel.checkpoint()  # let senders queue more meanwhile
             finally:
                 self._tg = None
@@ -170,24 +177,41 @@ class Outbox:
         self._queue = rest
         return batch
 
-    async def _store(self, batch: list[_Item]) -> None:
-        msgs = [i.msg for i in batch]
+    def _message(self, batch: list[_Item]) -> tuple[str, bytes, dict[str, str]]:
+        """The subject, body and headers of the message holding `batch`."""
         if len(batch) == 1:
             data, msg_id = batch[0].data, batch[0].msg_id
         else:
             # the items as `post` encoded them, not encoded again (msgspec writes a Raw as is)
             data = encode(self.combine([msgspec.Raw(i.data) for i in batch]))
             msg_id = batch_id([i.msg_id for i in batch])
-        extra = self.extra_headers(msgs) if self.extra_headers else {}
+        extra = self.extra_headers([i.msg for i in batch]) if self.extra_headers else {}
         hdrs = self.bus.headers({**extra, "Nats-Msg-Id": msg_id})
         _trace_headers(hdrs, batch)
-        subject = batch[0].subject
+        return batch[0].subject, data, hdrs
+
+    async def _send_now(self, subject: str, data: bytes, hdrs: dict[str, str]
+                        ) -> asyncio.Future[PubAck] | None:
+        """The message sent, its PubAck to come on the future; None if it could not go now
+        (no connection): `_store` stores it, and says why if it cannot."""
+        if not self.bus.nc.is_connected:
+            return None
+        try:
+            return await self.bus.send_stored(subject, data, hdrs)
+        except Exception:
+            return None
+
+    async def _store(self, batch: list[_Item], subject: str, data: bytes,
+                     hdrs: dict[str, str], sent: asyncio.Future[PubAck] | None) -> None:
         error: BaseException | None = None
         try:
             try:
                 # a PubAck not back in 2 s (a server still recovering after a restart may
                 # drop the publish): sent again, a stored one is dropped as a duplicate
-                await self.bus.publish_stored(subject, data, hdrs, timeout=2.0)
+                if sent is not None:
+                    await self.bus.pub_ack(sent, timeout=2.0)
+                else:
+                    await self.bus.publish_stored(subject, data, hdrs, timeout=2.0)
             except TRANSIENT:  # a reconnect or a broker restart: until stored
                 untils = [i.ticket.until for i in batch]
                 until = None if None in untils else max(u for u in untils if u is not None)

@@ -47,6 +47,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="unique id on the bus (default: <host>-<pid>); letters, digits, _ -")
     p.add_argument("--capacity", type=int, default=CAPACITY,
                    help="requests in flight at most (default %(default)s)")
+    p.add_argument("--prefetch", type=int, default=0, metavar="N",
+                   help="requests taken beyond --capacity and held until the engine has room, "
+                   "so its next batch is in hand when one ends rather than one pull later "
+                   "(default %(default)s: none). Worth it with one worker and a queue longer "
+                   "than its capacity; in a fleet, held requests wait for this worker while "
+                   "another may be free")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's own choice; set it when several "
                    "workers share a machine)")
@@ -89,7 +95,7 @@ async def _serve(args: argparse.Namespace, engine: Engine, worker_id: str) -> No
 
     async with Bus.connect(connect_options(args, f"rlfabric-worker-{worker_id}"),
                            prefix=args.prefix) as bus:
-        worker = Worker(bus, engine, worker_id, capacity=args.capacity)
+        worker = Worker(bus, engine, worker_id, capacity=args.capacity, prefetch=args.prefetch)
         # NOTE: signals are caught before the worker joins: a SIGTERM that lands while it
         # takes its first requests still drains it
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -108,8 +114,8 @@ async def _serve(args: argparse.Namespace, engine: Engine, worker_id: str) -> No
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.capacity < 1:
-        print("rlfabric worker: --capacity must be >= 1", file=sys.stderr)
+    if args.capacity < 1 or args.prefetch < 0:
+        print("rlfabric worker: --capacity must be >= 1 and --prefetch >= 0", file=sys.stderr)
         return 2
     try:
         anyio.run(serve, args)

@@ -2,8 +2,15 @@
 serve them (a message at a time, or one request at a time on a fixed set of lanes), publish
 each result before acking its request.
 
-- Pull requests are kept out for exactly the free capacity (`Puller`), none while held
-  (paused, asleep) or draining; a request that lands as a pause does goes back (`nak`).
+- Pull requests are kept out for exactly the engine's free room (`Puller`; a request whose
+  samples are all generated leaves it while its results are stored) plus `prefetch`, none
+  while held (paused, asleep) or draining; a request that lands as a pause does goes back
+  (`nak`).
+- Prefetch: up to `prefetch` requests beyond capacity are taken and held (in flight, kept
+  alive, not yet in the engine), so the next batch is in hand when room frees, not one pull
+  later. Held ones go to the engine in the order they came; at a pause or a drain they go
+  back to the stream at once; a worker killed holding them has them redelivered after
+  `ack_wait`, as any request it held.
 - A message holds one request or several (`RolloutRequests`, header `rlf-count`); credits
   are messages, sized by the average number of requests a message brought (one credit until
   the first message came).
@@ -48,7 +55,7 @@ import anyio
 import msgspec
 import nats.errors
 from anyio.abc import TaskGroup, TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus, Registration
@@ -164,12 +171,18 @@ class _Many:
 
 class RolloutServer:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, reg: Registration, *,
-                 capacity: int) -> None:
+                 capacity: int, prefetch: int = 0) -> None:
         self.bus = bus
         self.engine = engine
         self.worker_id = worker_id
         self.reg = reg
         self.capacity = capacity
+        self.prefetch = prefetch
+        #: messages taken beyond capacity (prefetch), waiting for the engine's room; and
+        #: their requests (counted in `in_flight` too)
+        self._parked: deque[tuple[_Delivery, list[RolloutRequest]]] = deque()
+        self.parked = 0
+        self._send: MemoryObjectSendStream[_Work] | None = None  # the lanes' queue, running
         self.ack_wait = bus.limits.rollout_ack_wait
         self.in_flight = 0
         #: requests in flight whose every sample is generated (their results being stored):
@@ -203,10 +216,12 @@ class RolloutServer:
 
     # ---- what the runtime's commands change ----
     def hold(self) -> None:
-        """Take no more requests (pause, sleep): the loop stops pulling."""
+        """Take no more requests (pause, sleep): the loop stops pulling, prefetched requests
+        go back to the stream."""
         if not self.held:  # held twice (pause, pause): the loop waits on the first event
             self.held = True
             self._serving = anyio.Event()
+        self._give_back_parked()
         self._wake.fire()
 
     def serve_again(self) -> None:
@@ -227,6 +242,7 @@ class RolloutServer:
     async def drain(self, grace: float) -> None:
         """Stop fetching and wait (at most `grace` seconds) for in-flight requests."""
         self.draining = True
+        self._give_back_parked()
         self._wake.fire()
         with anyio.move_on_after(grace):
             await self.wait_idle()
@@ -256,7 +272,8 @@ class RolloutServer:
                 self._wake.fire()
             else:
                 self._per_msg = per + 0.2 * (len(reqs) - per)
-            if self.engaged and self.engaged + len(reqs) > self.capacity:
+            park = self.parked > 0 or not self._fits(len(reqs))
+            if park and self.parked + len(reqs) > self.prefetch:
                 await msg.nak()  # more than we have room for: back, for anyone
                 return
             d = _Delivery(msg, len(reqs), time.monotonic())
@@ -264,18 +281,20 @@ class RolloutServer:
             self.in_flight += len(reqs)
             self._idle = anyio.Event()
             self._load.fire()  # a message at a time: the fleet sees the load it took
-            if (self._many is not None and self._tg is not None and not spans.enabled()
-                    and len({r.request_id for r in reqs}) == len(reqs)):
-                self._tg.start_soon(self._serve_many, d, reqs)
-                return
-            traced = _traces(msg.headers, len(reqs)) if spans.enabled() else None
-            for i, req in enumerate(reqs):
-                send.send_nowait((d, req, traced[i] if traced else None))
+            if park:
+                self._parked.append((d, reqs))
+                self.parked += len(reqs)
+            else:
+                self._dispatch(d, reqs)
 
+        self._send = send
         async with anyio.create_task_group() as tg:
             self._tg = tg
             await tg.start(self.outbox.run)
-            for _ in range(self.capacity):
+            # a lane holds its request while its results are stored, and the engine has room
+            # for another meanwhile (`engaged`): twice the lanes, never more than capacity
+            # generating
+            for _ in range(2 * self.capacity):
                 tg.start_soon(self._lane, recv.clone())
             recv.close()
             tg.start_soon(self._keep_alive)
@@ -284,10 +303,14 @@ class RolloutServer:
             puller = Puller(self.bus, s.rollout_stream, s.rollout_consumer, on_message,
                             kick=self._wake)
             await tg.start(puller.run)
-            async with self._offers(on_message):
-                task_status.started()
-                with send:  # closed once draining: lanes finish what they hold, then end
-                    await self._pull(puller)
+            try:
+                async with self._offers(on_message):
+                    task_status.started()
+                    with send:  # closed once draining: lanes finish what they hold, then end
+                        await self._pull(puller)
+            finally:  # stopped: prefetched requests go back now, not at ack_wait
+                with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                    await self._nak_parked()
 
     @contextlib.asynccontextmanager
     async def _offers(self, take: Callable[[Msg], Awaitable[None]]) -> AsyncIterator[None]:
@@ -321,6 +344,45 @@ class RolloutServer:
         # NOTE: duck-typed as a pulled message: the serving path acks, naks, reads headers
         await take(cast(Msg, _Offered(self.bus, msg)))
 
+    def _fits(self, n: int) -> bool:
+        """Whether `n` more requests go to the engine now (an idle engine takes any message)."""
+        running = self.engaged - self.parked
+        return running == 0 or running + n <= self.capacity
+
+    def _dispatch(self, d: _Delivery, reqs: list[RolloutRequest]) -> None:
+        """Hand a taken message's requests to the engine: in one call (`ServesMany`), or to
+        the lanes one by one."""
+        if (self._many is not None and self._tg is not None and not spans.enabled()
+                and len({r.request_id for r in reqs}) == len(reqs)):
+            self._tg.start_soon(self._serve_many, d, reqs)
+            return
+        traced = _traces(d.msg.headers, len(reqs)) if spans.enabled() else None
+        assert self._send is not None
+        for i, req in enumerate(reqs):
+            self._send.send_nowait((d, req, traced[i] if traced else None))
+
+    def _unpark(self) -> None:
+        """Prefetched messages to the engine, in the order they came, while they fit."""
+        while (self._parked and not self.held and not self.draining
+               and self._fits(len(self._parked[0][1]))):
+            d, reqs = self._parked.popleft()
+            self.parked -= len(reqs)
+            self._dispatch(d, reqs)
+
+    def _give_back_parked(self) -> None:
+        if self._parked and self._tg is not None:
+            self._tg.start_soon(self._nak_parked)
+
+    async def _nak_parked(self) -> None:
+        """Every prefetched message back to the stream, for anyone (held, draining, stopped)."""
+        parked, self._parked, self.parked = self._parked, deque(), 0
+        for d, reqs in parked:
+            del self._working[id(d)]
+            with contextlib.suppress(nats.errors.Error):  # else redelivered after ack_wait
+                await d.msg.nak(delay=0.5 if self.held else None)
+            for _ in reqs:
+                self._request_done()
+
     def _decode(self, msg: Msg) -> list[RolloutRequest]:
         if COUNT_HEADER in (msg.headers or {}):
             batch: RolloutRequests = self._batch_codec.decode(msg.data, msg.headers,
@@ -339,7 +401,10 @@ class RolloutServer:
                 continue
             wake = self._wake.event()
             try:
-                free = self.capacity - self.in_flight
+                # a request whose samples are all generated leaves the engine room while its
+                # results are stored: the next request is pulled meanwhile, so it is in hand
+                # when the store ends
+                free = self.capacity + self.prefetch - self.engaged
                 # credits are messages; a message brings `_per_msg` requests on average: ask
                 # for as many as fit (one, whatever its size, when idle). Until the first
                 # message tells how big they come, one: an idle worker of capacity 100 that
@@ -349,7 +414,7 @@ class RolloutServer:
                     want = 1
                 else:
                     fit = int(free // max(1.0, self._per_msg))
-                    want = max(fit, 1) if self.in_flight == 0 else fit
+                    want = max(fit, 1) if self.engaged == 0 else fit
                 await puller.want(want)
             except nats.errors.Error as exc:  # a reconnect: try again shortly
                 log.warning("%s: pull request failed (%s); retrying", self.worker_id, exc)
@@ -463,12 +528,19 @@ class RolloutServer:
         turn may come before the store's acknowledgement does)."""
         return self.in_flight - self.storing
 
+    def _generated(self) -> None:
+        """A request's every sample is generated: the engine has room for another."""
+        self.storing += 1
+        self._unpark()
+        self._wake.fire()
+
     def _request_done(self, generated: bool = False) -> None:
         """A request's capacity is free again (its results stored, or it was answered);
         `generated`: it was counted in `storing`."""
         self.in_flight -= 1
         if generated:
             self.storing -= 1
+        self._unpark()
         self._wake.fire()
         if self.in_flight == 0:
             self._idle.set()
@@ -542,7 +614,7 @@ class RolloutServer:
                     many.posted[req.request_id] += 1
                     if many.posted[req.request_id] == req.sampling.n:
                         many.generated.add(req.request_id)
-                        self.storing += 1
+                        self._generated()
                     try:
                         # past its deadline + a margin nobody waits for a result: stop
                         # retrying
@@ -622,7 +694,7 @@ class RolloutServer:
                         on_tokens=self._streamer({req.request_id: req}) if req.stream else None):
                     left -= 1
                     if left == 0:
-                        self.storing += 1
+                        self._generated()
                     res = msgspec.structs.replace(res, attempt=attempt,
                                                   submission_id=req.submission_id)
                     n = len(res.completion_token_ids)

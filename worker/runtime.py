@@ -72,7 +72,7 @@ CAPACITY = 32
 
 class Worker:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, capacity: int = CAPACITY,
-                 drain_grace: float = 120.0) -> None:
+                 prefetch: int = 0, drain_grace: float = 120.0) -> None:
         self.bus = bus
         self.engine = engine
         self.worker_id = check_token(worker_id, "worker id")
@@ -83,7 +83,8 @@ class Worker:
         self.reg = Registration(bus, new_worker_info(self.worker_id, engine=engine.name,
                                                      model=engine.model, capacity=capacity))
         self.reg.refresh = self._refresh_info
-        self.rollouts = RolloutServer(bus, engine, self.worker_id, self.reg, capacity=capacity)
+        self.rollouts = RolloutServer(bus, engine, self.worker_id, self.reg, capacity=capacity,
+                                      prefetch=prefetch)
         self._checksum_cache: tuple[int, str] | None = None
         self._drain = anyio.Event()
 
@@ -263,7 +264,8 @@ class Worker:
 
     def _describe(self) -> AckFields:
         d = self.engine.describe()
-        d.update(in_flight=str(self.rollouts.in_flight), served=str(self.rollouts.served),
+        d.update(in_flight=str(self.rollouts.in_flight), parked=str(self.rollouts.parked),
+                 served=str(self.rollouts.served),
                  paused=str(self.rollouts.held), applied_seq=str(self.receiver.applied_seq))
         return AckFields(detail=d)
 

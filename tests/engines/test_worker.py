@@ -331,3 +331,45 @@ async def test_with_no_trainer_the_first_checkpoint_is_version_0_and_another_is_
     notes = {m["worker_id"]: m["note"] for m in info["members"]}
     assert notes["c0"] == "" and "checkpoint differs" in notes["c1"]
     assert info["checkpoint_claim"]["worker_id"] == "c0"
+
+
+async def test_prefetched_requests_go_back_at_a_pause_and_after_a_kill(client, workers) -> None:
+    """A worker of capacity 2 with `--prefetch 4` takes requests beyond its capacity and holds
+    them (never more than 4); a pause hands them back to the stream (nothing stays with it);
+    SIGKILLed while holding some, they are served by another worker: every result once."""
+    (p0,) = workers(["p0"], "--capacity", "2", "--prefetch", "4", "--threads", "1")
+
+    async def detail(fabric) -> dict[str, str]:
+        return (await fabric.describe()).acks["p0"].detail
+
+    async def holding(fabric) -> dict[str, str]:
+        with anyio.fail_after(60):
+            while int((d := await detail(fabric))["parked"]) == 0:
+                await anyio.sleep(0.05)
+        return d
+
+    async with client(rollout_ack_wait=2.0) as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        reqs = [req(f"r{i:02d}", [256, i], max_tokens=300, seed=i) for i in range(12)]
+        out: list = []
+
+        async def consume() -> None:
+            out.extend([r async for r in fabric.generate(reqs, timeout=180)])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            held = await holding(fabric)
+            assert 0 < int(held["parked"]) <= 4
+            assert int(held["in_flight"]) - int(held["parked"]) <= 2  # the engine's share
+            assert (await fabric.pause(mode="wait")).ok == ("p0",)
+            after = await detail(fabric)
+            # the held ones went back to the stream (naked: nothing else takes them off)
+            assert (after["parked"], after["in_flight"]) == ("0", "0")
+            assert (await fabric.resume()).ok == ("p0",)
+            await holding(fabric)
+            p0.send_signal(signal.SIGKILL)
+            workers(["p1"], "--capacity", "4", "--threads", "1")
+    assert all(isinstance(r, RolloutResult) for r in out), [r for r in out
+                                                            if isinstance(r, RolloutError)]
+    assert sorted(r.request_id for r in out) == [r.request_id for r in reqs]  # each once
+    assert any(r.worker_id == "p1" and r.attempt > 1 for r in out)  # p0's, redelivered
