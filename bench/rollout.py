@@ -7,10 +7,12 @@ fleet size, the same requests go through
 - `http` (null, torch): N `aiohttp` servers, one engine each, a client round-robining JSON
   POSTs (token ids and logprobs as JSON lists, the way RL stacks call inference servers today);
 - `rlfabric`: N `rlfabric worker` processes on an embedded nats-server, `FabricClient.generate`;
-- `nats-py floor` (null only): the same message pattern with nats-py alone: requests queued by
-  the lanes go out together as one persisted message, N processes pull them from one durable
-  consumer, echo the prompt (what the null engine does) and persist each message's results as
-  one message before acking; the client reads them through an ordered consumer.
+- `nats-py floor` (null, torch): the same message pattern with nats-py alone: requests queued
+  by the lanes go out together as one persisted message, N processes pull them from one durable
+  consumer, answer them (null: echo the prompt, as the null engine does; torch: the same torch
+  engine in that process, a message's requests in one `generate_many` call) and persist each
+  message's results as one message before acking; the client reads them through an ordered
+  consumer. What rlfabric adds to a worker's turnaround is the gap between its row and this.
 With `--trace DIR`, `rlfabric traced` is the rlfabric row again with OpenTelemetry spans on in
 the client and every worker, written to a file (its `spans` column counts them). Every path
 runs `--concurrency` lanes, each sending one request at a time, so latency is one

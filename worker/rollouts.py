@@ -254,39 +254,6 @@ class RolloutServer:
         self.ack_wait = info.config.ack_wait or self.ack_wait  # as the job's creator set it
         # a message may hold several requests: the lanes' queue takes whatever came
         send, recv = anyio.create_memory_object_stream[_Work](math.inf)
-
-        async def on_message(msg: Msg) -> None:
-            if self.held or self.draining:
-                await msg.nak(delay=0.5)  # landed as a pause did: back to the stream
-                return
-            try:
-                reqs = self._decode(msg)
-            except SchemaError as exc:
-                await self._reply_error(msg, None, ErrorCode.MALFORMED, str(exc))
-                await msg.term()
-                self._wake.fire()  # its credit is spent and no lane will say so: pull again
-                return
-            per = self._per_msg
-            if per is None:  # the first message: now the pull loop knows what fits
-                self._per_msg = len(reqs)
-                self._wake.fire()
-            else:
-                self._per_msg = per + 0.2 * (len(reqs) - per)
-            park = self.parked > 0 or not self._fits(len(reqs))
-            if park and self.parked + len(reqs) > self.prefetch:
-                await msg.nak()  # more than we have room for: back, for anyone
-                return
-            d = _Delivery(msg, len(reqs), time.monotonic())
-            self._working[id(d)] = d
-            self.in_flight += len(reqs)
-            self._idle = anyio.Event()
-            self._load.fire()  # a message at a time: the fleet sees the load it took
-            if park:
-                self._parked.append((d, reqs))
-                self.parked += len(reqs)
-            else:
-                self._dispatch(d, reqs)
-
         self._send = send
         async with anyio.create_task_group() as tg:
             self._tg = tg
@@ -300,17 +267,50 @@ class RolloutServer:
             tg.start_soon(self._keep_alive)
             tg.start_soon(self._report_load)
             tg.start_soon(self._send_deltas)
-            puller = Puller(self.bus, s.rollout_stream, s.rollout_consumer, on_message,
+            puller = Puller(self.bus, s.rollout_stream, s.rollout_consumer, self._on_message,
                             kick=self._wake)
             await tg.start(puller.run)
             try:
-                async with self._offers(on_message):
+                async with self._offers(self._on_message):
                     task_status.started()
                     with send:  # closed once draining: lanes finish what they hold, then end
                         await self._pull(puller)
             finally:  # stopped: prefetched requests go back now, not at ack_wait
                 with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                     await self._nak_parked()
+
+    async def _on_message(self, msg: Msg) -> None:
+        """A pulled (or offered) message: its requests to the engine, held (prefetch), or back."""
+        if self.held or self.draining:
+            await msg.nak(delay=0.5)  # landed as a pause did: back to the stream
+            return
+        try:
+            reqs = self._decode(msg)
+        except SchemaError as exc:
+            await self._reply_error(msg, None, ErrorCode.MALFORMED, str(exc))
+            await msg.term()
+            self._wake.fire()  # its credit is spent and no lane will say so: pull again
+            return
+        per = self._per_msg
+        if per is None:  # the first message: now the pull loop knows what fits
+            self._per_msg = len(reqs)
+            self._wake.fire()
+        else:
+            self._per_msg = per + 0.2 * (len(reqs) - per)
+        park = self.parked > 0 or not self._fits(len(reqs))
+        if park and self.parked + len(reqs) > self.prefetch:
+            await msg.nak()  # more than we have room for: back, for anyone
+            return
+        d = _Delivery(msg, len(reqs), time.monotonic())
+        self._working[id(d)] = d
+        self.in_flight += len(reqs)
+        self._idle = anyio.Event()
+        self._load.fire()  # a message at a time: the fleet sees the load it took
+        if park:
+            self._parked.append((d, reqs))
+            self.parked += len(reqs)
+        else:
+            self._dispatch(d, reqs)
 
     @contextlib.asynccontextmanager
     async def _offers(self, take: Callable[[Msg], Awaitable[None]]) -> AsyncIterator[None]:

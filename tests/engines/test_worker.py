@@ -343,10 +343,12 @@ async def test_prefetched_requests_go_back_at_a_pause_and_after_a_kill(client, w
         return (await fabric.describe()).acks["p0"].detail
 
     async def holding(fabric) -> dict[str, str]:
-        with anyio.fail_after(60):
-            while int((d := await detail(fabric))["parked"]) == 0:
-                await anyio.sleep(0.05)
-        return d
+        # only `describe` tells what a worker holds beyond capacity: asked until it holds some
+        for _ in range(1200):
+            if int((d := await detail(fabric))["parked"]):
+                return d
+            await anyio.sleep(0.05)
+        raise AssertionError("p0 never held a request beyond its capacity")
 
     async with client(rollout_ack_wait=2.0) as fabric:
         await fabric.wait_for_workers(1, timeout=60)
