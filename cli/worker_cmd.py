@@ -53,6 +53,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default %(default)s: none). Worth it with one worker and a queue longer "
                    "than its capacity; in a fleet, held requests wait for this worker while "
                    "another may be free")
+    p.add_argument("--poll-max", type=float, default=8.0, metavar="S",
+                   help="longest wait between two reads of the control stream while no command "
+                   "comes (they double from 1 s up to this; default %(default)s). A command's "
+                   "live copy needs no poll: a larger value costs an idle server less in a "
+                   "fleet of tens of thousands (docs/scaling.md), and a command whose live copy "
+                   "was lost waits for the sender's ping or the next poll")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's own choice; set it when several "
                    "workers share a machine)")
@@ -95,7 +101,8 @@ async def _serve(args: argparse.Namespace, engine: Engine, worker_id: str) -> No
 
     async with Bus.connect(connect_options(args, f"rlfabric-worker-{worker_id}"),
                            prefix=args.prefix) as bus:
-        worker = Worker(bus, engine, worker_id, capacity=args.capacity, prefetch=args.prefetch)
+        worker = Worker(bus, engine, worker_id, capacity=args.capacity, prefetch=args.prefetch,
+                        poll_max=args.poll_max)
         # NOTE: signals are caught before the worker joins: a SIGTERM that lands while it
         # takes its first requests still drains it
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -114,8 +121,9 @@ async def _serve(args: argparse.Namespace, engine: Engine, worker_id: str) -> No
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.capacity < 1 or args.prefetch < 0:
-        print("rlfabric worker: --capacity must be >= 1 and --prefetch >= 0", file=sys.stderr)
+    if args.capacity < 1 or args.prefetch < 0 or not args.poll_max >= 1:
+        print("rlfabric worker: --capacity must be >= 1, --prefetch >= 0 and --poll-max >= 1 "
+              f"(got {args.capacity}, {args.prefetch}, {args.poll_max})", file=sys.stderr)
         return 2
     try:
         anyio.run(serve, args)

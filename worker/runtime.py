@@ -72,13 +72,14 @@ CAPACITY = 32
 
 class Worker:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, capacity: int = CAPACITY,
-                 prefetch: int = 0, drain_grace: float = 120.0) -> None:
+                 prefetch: int = 0, poll_max: float = 8.0, drain_grace: float = 120.0) -> None:
         self.bus = bus
         self.engine = engine
         self.worker_id = check_token(worker_id, "worker id")
         self.drain_grace = drain_grace
         self.weights = WeightSync(bus, engine, self.worker_id)
         self.receiver = CommandReceiver(bus, self.worker_id, self._handle_command,
+                                        poll_max=poll_max,
                                         state=lambda: (engine.version, self._checksum()))
         self.reg = Registration(bus, new_worker_info(self.worker_id, engine=engine.name,
                                                      model=engine.model, capacity=capacity))

@@ -101,6 +101,16 @@ def test_help_explains_each_command() -> None:
         assert bench in out.stdout
 
 
+def test_worker_refuses_out_of_range_flags_before_it_starts() -> None:
+    for flag, value in (("--capacity", "0"), ("--prefetch", "-1"), ("--poll-max", "0.5"),
+                        ("--poll-max", "nan")):
+        out = subprocess.run([rlfabric_exe(), "worker", "--nats", "nats://127.0.0.1:1",
+                              "--engine", "null", flag, value],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, (flag, value, out.stderr)
+        assert "--poll-max >= 1" in out.stderr and value in out.stderr
+
+
 def test_ctl_pause_describe_resume_report_every_worker(nats_url: str, prefix: str, spawn) -> None:
     spawn("--nats", nats_url, "--prefix", prefix, "--ids", "o1,o2").wait_for("ready")
     base = [rlfabric_exe(), "ctl", "--nats", nats_url, "--prefix", prefix, "--timeout", "10"]
