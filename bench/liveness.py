@@ -30,11 +30,11 @@ from rlfabric.bench._util import cpu_seconds, table
 from rlfabric.bus import EmbeddedNats, Limits
 from rlfabric.bus.membership import new_worker_info
 from rlfabric.bus.provision import provision
+from rlfabric.bus.receiver import POLL_MAX
 from rlfabric.bus.subjects import Subjects
 from rlfabric.schemas import Beats, encode
 
-POLL_MAX = 8.0  # CommandReceiver's default poll_max
-POLL_BEFORE = 1.0  # and its poll before it backed off
+POLL_BEFORE = 1.0  # a worker's command poll before polls backed off to `POLL_MAX`
 
 
 async def _paced(op: Callable[[int], Awaitable[None]], rate: float, seconds: float) -> int:

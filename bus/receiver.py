@@ -74,6 +74,9 @@ from rlfabric.schemas import (
 from rlfabric.telemetry import instruments, spans
 
 log = logging.getLogger("rlfabric.bus.receiver")
+#: seconds an idle worker's control-stream polls back off to, unless told
+#: (`rlfabric worker --poll-max`)
+POLL_MAX = 8.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,7 +124,7 @@ class CommandReceiver:
 
     def __init__(self, bus: Bus, worker_id: str, handler: Handler, *,
                  state: StateFn = lambda: (-1, ""), poll: float = 1.0,
-                 poll_max: float = 8.0, remember: int = 4096, buffer: int = 4096) -> None:
+                 poll_max: float = POLL_MAX, remember: int = 4096, buffer: int = 4096) -> None:
         self.bus = bus
         self.worker_id = check_token(worker_id, "worker id")
         self.handler = handler

@@ -171,7 +171,8 @@ class Subjects:
         return f"{self.prefix}.weights.>"
 
     def beat(self, worker_id: str) -> str:
-        """Core NATS, no payload: the worker is alive (every quarter of `member_ttl`)."""
+        """Core NATS, a `Beats` message: the workers of one connection are alive (every
+        quarter of `member_ttl`); named after the first of them."""
         return f"{self.prefix}.events.beat.{check_token(worker_id, 'worker id')}"
 
     @property

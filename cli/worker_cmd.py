@@ -14,6 +14,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.bus import Bus, NatsUnavailable
+from rlfabric.bus.receiver import POLL_MAX
 from rlfabric.cli._common import (
     add_bus_options,
     add_telemetry_options,
@@ -53,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default %(default)s: none). Worth it with one worker and a queue longer "
                    "than its capacity; in a fleet, held requests wait for this worker while "
                    "another may be free")
-    p.add_argument("--poll-max", type=float, default=8.0, metavar="S",
+    p.add_argument("--poll-max", type=float, default=POLL_MAX, metavar="S",
                    help="longest wait between two reads of the control stream while no command "
                    "comes (they double from 1 s up to this; default %(default)s). A command's "
                    "live copy needs no poll: a larger value costs an idle server less in a "

@@ -35,6 +35,7 @@ from rlfabric.bus import (
     Registration,
     new_worker_info,
 )
+from rlfabric.bus.receiver import POLL_MAX
 from rlfabric.bus.subjects import check_token
 from rlfabric.concurrency.sync import beside
 from rlfabric.engines.errors import EngineDied, EngineError
@@ -72,7 +73,8 @@ CAPACITY = 32
 
 class Worker:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, capacity: int = CAPACITY,
-                 prefetch: int = 0, poll_max: float = 8.0, drain_grace: float = 120.0) -> None:
+                 prefetch: int = 0, poll_max: float = POLL_MAX, drain_grace: float = 120.0
+                 ) -> None:
         self.bus = bus
         self.engine = engine
         self.worker_id = check_token(worker_id, "worker id")
