@@ -23,6 +23,7 @@ from rlfabric.bus.connect import ConnectOptions
 from rlfabric.bus.membership import Registration, new_worker_info
 from rlfabric.bus.receiver import AckFields, CommandContext, CommandReceiver
 from rlfabric.bus.session import Bus
+from rlfabric.cli._common import settle_heap
 from rlfabric.schemas import (
     Collective,
     Command,
@@ -76,6 +77,7 @@ async def serve(opts: ConnectOptions, prefix: str, ids: list[str],
     async with Bus.connect(opts, prefix=prefix) as bus, anyio.create_task_group() as tg:
         for wid in ids:
             await tg.start(SimWorker(bus, wid, delays).run)
+        settle_heap()  # as `rlfabric worker` does
         print(f"sim: {len(ids)} worker(s) ready", flush=True)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:

@@ -117,19 +117,20 @@ class Outbox:
         For hot paths that have something else to await anyway: no event, no task switch."""
         if self._tg is None:
             raise RuntimeError("Outbox.post before Outbox.run started")
-        encoded = [(msg, msg_id, encode(msg)) for msg, msg_id in items]
         limit = self.bus.nc.max_payload - HEADROOM
-        for msg, msg_id, data in encoded:
-            if len(data) > limit:
+        ticket = Ticket(left=len(items), until=until, on_done=on_done)
+        trace = spans.carrier() if spans.enabled() else None
+        queued = []
+        for msg, msg_id in items:
+            data = encode(msg)
+            if len(data) > limit:  # nothing of the call is queued
                 raise PayloadTooLarge(
                     f"{_name(msg, msg_id)} is {len(data):,} bytes, over the "
                     f"{limit:,} the NATS server takes in one message (its max_payload less "
                     f"headers): send a shorter prompt, ask for fewer tokens or logprobs, or "
                     "raise max_payload on the server", size=len(data), limit=limit)
-        ticket = Ticket(left=len(items), until=until, on_done=on_done)
-        trace = spans.carrier() if spans.enabled() else None
-        for msg, msg_id, data in encoded:
-            self._queue.append(_Item(subject, msg, msg_id, data, ticket, trace))
+            queued.append(_Item(subject, msg, msg_id, data, ticket, trace))
+        self._queue.extend(queued)
         self._queued.fire()
         return ticket
 

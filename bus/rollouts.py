@@ -222,36 +222,45 @@ class RolloutPlane:
             # a late duplicate of a finished request, or an earlier submission of a reused id
             self.duplicates_dropped += 1
             return
-        if isinstance(reply, RolloutError) and reply.sample_index is None:
-            # an error for the whole request: one per sample still missing
-            replies: list[RolloutReply] = [
-                msgspec.structs.replace(reply, sample_index=i)
-                for i in range(w.request.sampling.n) if i not in w.got]
-        else:
-            replies = [reply]
         got = w.got
-        fresh = [r for r in replies if (r.sample_index or 0) not in got]
-        if not fresh:
+        if isinstance(reply, RolloutResult):  # one sample's answer: the common case
+            if reply.sample_index in got:
+                self.duplicates_dropped += 1
+                return
+            got.add(reply.sample_index)
+            w.sink.send_nowait(reply)
+            instruments.current.results.add(1, _OK)
+        elif not self._take_errors(w, reply):
             self.duplicates_dropped += 1
             return
-        results = instruments.current.results
-        for r in fresh:
-            got.add(r.sample_index or 0)
-            w.sink.send_nowait(r)
-            results.add(1, {"outcome": r.code} if isinstance(r, RolloutError) else _OK)
         if len(got) >= w.request.sampling.n:
             del self._waiting[reply.request_id]
             if self.affinity is not None:
                 self.affinity.answered(reply.request_id)
             instruments.current.queue_depth.set(len(self._waiting), _TRAINER)
 
+    def _take_errors(self, w: _Waiting, reply: RolloutError) -> bool:
+        """Hand over an error (one per sample still missing if it is for the whole request);
+        False if every sample it answers was answered already."""
+        if reply.sample_index is None:
+            replies = [msgspec.structs.replace(reply, sample_index=i)
+                       for i in range(w.request.sampling.n) if i not in w.got]
+        else:
+            replies = [reply] if reply.sample_index not in w.got else []
+        results = instruments.current.results
+        for r in replies:
+            w.got.add(r.sample_index or 0)
+            w.sink.send_nowait(r)
+            results.add(1, {"outcome": r.code})
+        return bool(replies)
+
     def _prepare(self, req: RolloutRequest, timeout: float | None) -> RolloutRequest:
         check_request(req)
-        changes: dict[str, object] = {"client_id": self.client_id,
-                                      "submission_id": f"{self._session}.{next(self._counter)}"}
+        submission = f"{self._session}.{next(self._counter)}"
         if timeout is not None and not req.deadline:
-            changes["deadline"] = time.time() + timeout
-        return msgspec.structs.replace(req, **changes)
+            return msgspec.structs.replace(req, client_id=self.client_id, submission_id=submission,
+                                           deadline=time.time() + timeout)
+        return msgspec.structs.replace(req, client_id=self.client_id, submission_id=submission)
 
     async def submit(self, requests: Iterable[RolloutRequest],
                      sink: MemoryObjectSendStream[RolloutReply], *,
@@ -274,9 +283,14 @@ class RolloutPlane:
     def _register(self, requests: Iterable[RolloutRequest], sink: _Sink,
                   timeout: float | None, deltas: _Inbox | None) -> list[RolloutRequest]:
         prepared = [self._prepare(req, timeout) for req in requests]
-        ids = [r.request_id for r in prepared]
         waiting = self._waiting
-        if len(set(ids)) != len(ids) or any(rid in waiting for rid in ids):
+        if len(prepared) == 1:  # one call, one request: the agent lanes' case
+            clash = prepared[0].request_id in waiting
+        else:
+            ids = [r.request_id for r in prepared]
+            clash = len(set(ids)) != len(ids) or any(rid in waiting for rid in ids)
+        if clash:
+            ids = [r.request_id for r in prepared]
             twice = sorted({rid for rid in ids if ids.count(rid) > 1 or rid in waiting})
             raise InvalidRequest(f"request_id {', '.join(map(repr, twice[:5]))} is already in "
                                  "flight from this client: ids must be unique among the "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from typing import TYPE_CHECKING
 
@@ -69,3 +70,12 @@ def start_telemetry(args: argparse.Namespace, role: str, worker_id: str = "") ->
 
     return configure(role=role, worker_id=worker_id, trace_path=args.trace,
                      metrics_path=args.metrics)
+
+
+def settle_heap() -> None:
+    """Call once a long-lived process is up: what is alive then (modules, the engine and its
+    model, the tokenizer) lives as long as the process, so it leaves the collector's sight and
+    a full collection walks only what serving allocates (a pause of a millisecond, not one
+    over every object the startup made)."""
+    gc.collect()
+    gc.freeze()

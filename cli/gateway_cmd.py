@@ -13,6 +13,7 @@ from rlfabric.cli._common import (
     add_bus_options,
     add_telemetry_options,
     connect_options,
+    settle_heap,
     start_telemetry,
 )
 from rlfabric.gateway import config
@@ -129,6 +130,7 @@ async def _serve(args: argparse.Namespace) -> None:
         port = await tg.start(lambda task_status: serve(
             connect_options(args, "rlfabric-gateway"), config, opts, prefix=args.prefix,
             handle_signals=True, task_status=task_status))
+        settle_heap()
         keys = "bearer key required" if opts.api_keys else "no key required"
         print(f"rlfabric gateway: serving {config.name} at http://{args.host}:{port}/v1 "
               f"({keys}; job {args.prefix!r} on {args.nats})", flush=True)

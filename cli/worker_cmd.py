@@ -19,6 +19,7 @@ from rlfabric.cli._common import (
     add_bus_options,
     add_telemetry_options,
     connect_options,
+    settle_heap,
     start_telemetry,
 )
 from rlfabric.concurrency.sync import beside
@@ -114,6 +115,7 @@ async def _serve(args: argparse.Namespace, engine: Engine, worker_id: str) -> No
                     tg.cancel_scope.cancel()
 
                 await tg.start(serve_until_drained)
+                settle_heap()
                 print(f"rlfabric worker {worker_id}: ready ({engine.name} engine, model "
                       f"{engine.model}, capacity {args.capacity}) on {args.nats}", flush=True)
                 async for _ in signals:

@@ -29,6 +29,14 @@ class _Packed:
     _code: ClassVar[str]
 
     def __init__(self, values: Any = b"") -> None:
+        if type(values) is bytes:  # the common case: off the wire, or packed by an engine
+            if len(values) % self.dtype.itemsize:
+                raise ValueError(
+                    f"{type(self).__name__}: {len(values)} bytes is not a whole number of "
+                    f"{self.dtype.itemsize}-byte elements"
+                )
+            self._buf = values
+            return
         if isinstance(values, _Packed):
             if values.dtype != self.dtype:
                 raise TypeError(

@@ -58,7 +58,8 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     adapter_version: int = -1
 
     def __post_init__(self) -> None:
-        coerce_packed(self, prompt_token_ids=PackedI32)
+        if type(self.prompt_token_ids) is not PackedI32:  # a list, numpy or torch given
+            coerce_packed(self, prompt_token_ids=PackedI32)
 
 
 class VersionSpan(Message, frozen=True, kw_only=True):
@@ -110,7 +111,9 @@ class RolloutResult(Message, tag_field="kind", tag="result", frozen=True, kw_onl
     submission_id: str = ""
 
     def __post_init__(self) -> None:
-        coerce_packed(self, completion_token_ids=PackedI32, logprobs=PackedF32)
+        if type(self.completion_token_ids) is not PackedI32 or \
+                type(self.logprobs) is not PackedF32:  # a list, numpy or torch given
+            coerce_packed(self, completion_token_ids=PackedI32, logprobs=PackedF32)
 
 
 class RolloutError(Message, tag_field="kind", tag="error", frozen=True, kw_only=True):

@@ -35,6 +35,36 @@ class InvalidRequest(RLFabricError, ValueError):
 
 def check_request(req: RolloutRequest) -> None:
     """Raise `InvalidRequest` naming the first field out of range."""
+    if _plainly_valid(req):
+        return
+    _first_invalid(req)
+
+
+def _plainly_valid(req: RolloutRequest) -> bool:
+    """Every check of `_first_invalid` at once, on plain ints and floats (what a decoded
+    request holds); False sends the request through the field-by-field checks, which name the
+    field, or pass what these refused only for its types (a numpy int, a bool)."""
+    rid, sp, adapter = req.request_id, req.sampling, req.adapter
+    n_prompt = len(req.prompt_token_ids)
+    return bool(
+        0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable()
+        and 0 < n_prompt <= MAX_PROMPT_TOKENS
+        and req.prompt_token_ids.tobytes()[3::4].isascii()
+        and type(sp.n) is int and 1 <= sp.n <= MAX_SAMPLES
+        and type(sp.max_tokens) is int and 1 <= sp.max_tokens <= MAX_NEW_TOKENS
+        and type(sp.top_k) is int and 0 <= sp.top_k <= TOKEN_RANGE[1]
+        and type(sp.logprobs) is int and 0 <= sp.logprobs <= MAX_LOGPROBS
+        and (sp.seed is None or (type(sp.seed) is int
+                                 and SEED_RANGE[0] <= sp.seed <= SEED_RANGE[1]))
+        and 0.0 <= sp.temperature < math.inf and 0.0 < sp.top_p <= 1.0
+        and not sp.stop_token_ids
+        and type(req.min_weight_version) is int and -1 <= req.min_weight_version <= SEED_RANGE[1]
+        and 0.0 <= req.deadline < math.inf
+        and not adapter and req.adapter_version == -1
+        and not req.metadata)
+
+
+def _first_invalid(req: RolloutRequest) -> None:
     rid = req.request_id
     if not rid or len(rid) > MAX_REQUEST_ID or not rid.isprintable():
         raise InvalidRequest(f"request_id {_short(rid)}: needs 1 to {MAX_REQUEST_ID} printable "

@@ -46,3 +46,76 @@ def test_an_adapter_version_needs_an_adapter_and_a_name_is_bounded() -> None:
         check_request(msgspec.structs.replace(base, adapter_version=3))
     with pytest.raises(InvalidRequest, match=r"adapter 'x.*printable"):
         check_request(msgspec.structs.replace(base, adapter="x" * 300))
+
+
+
+FIELD_VALUES = {  # each field around its bounds, plain-typed as a decoded request holds it
+    "request_id": ["r", "", "x" * 256, "x" * 257, "a\nb"],
+    "ids": [[1], [], [0, 2**31 - 1], [3, -1]],
+    "n": [0, 1, 1024, 1025, True],
+    "max_tokens": [0, 1, 1 << 20, (1 << 20) + 1],
+    "top_k": [-1, 0, 2**31 - 1, 2**31],
+    "logprobs": [-1, 0, 20, 21],
+    "seed": [None, -1, 0, 2**63 - 1, 2**63],
+    "temperature": [0.0, 1.0, -0.5, float("nan"), float("inf")],
+    "top_p": [0.0, 0.5, 1.0, 1.5, float("nan")],
+    "stop_token_ids": [(), (5,), (-5,)],
+    "min_weight_version": [-2, -1, 0, 2**63],
+    "deadline": [0.0, 1e9, -1.0, float("inf")],
+    "adapter": ["", "qv"],
+    "adapter_version": [-1, 0, 3],
+    "metadata": [{}, {"k": "v"}],
+}
+VALID = {"request_id": "r", "ids": [1], "n": 1, "max_tokens": 1, "top_k": 0, "logprobs": 0,
+         "seed": None, "temperature": 1.0, "top_p": 1.0, "stop_token_ids": (),
+         "min_weight_version": 0, "deadline": 0.0, "adapter": "", "adapter_version": -1,
+         "metadata": {}}
+
+
+def _build(f: dict) -> RolloutRequest:
+    return RolloutRequest(
+        request_id=f["request_id"], prompt_token_ids=PackedI32(f["ids"]),
+        sampling=SamplingParams(n=f["n"], max_tokens=f["max_tokens"], top_k=f["top_k"],
+                                logprobs=f["logprobs"], seed=f["seed"],
+                                temperature=f["temperature"], top_p=f["top_p"],
+                                stop_token_ids=f["stop_token_ids"]),
+        min_weight_version=f["min_weight_version"], deadline=f["deadline"],
+        adapter=f["adapter"], adapter_version=f["adapter_version"], metadata=f["metadata"])
+
+
+def _agree(f: dict) -> None:
+    """`check_request` first tries every bound at once and only then names the failing field:
+    a request the one pass lets through must pass every field check, and plain values it
+    refuses must fail one (stop ids, an adapter and metadata it leaves to the field checks)."""
+    from rlfabric.schemas.validation import _first_invalid, _plainly_valid
+
+    req = _build(f)
+    try:
+        _first_invalid(req)
+        valid = True
+    except InvalidRequest:
+        valid = False
+    if _plainly_valid(req):
+        assert valid, f
+    elif not (f["stop_token_ids"] or f["adapter"] or f["metadata"]):
+        assert not valid, f
+    try:
+        check_request(req)
+        assert valid, f
+    except InvalidRequest:
+        assert not valid, f
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    (field, value) for field, values in FIELD_VALUES.items() for value in values])
+def test_the_one_pass_check_agrees_with_the_field_checks_on_each_bound(field: str,
+                                                                      value: object) -> None:
+    from rlfabric.schemas.validation import _plainly_valid
+
+    assert _plainly_valid(_build(VALID))
+    _agree(VALID | {field: value})
+
+
+@given(st.fixed_dictionaries({k: st.sampled_from(v) for k, v in FIELD_VALUES.items()}))
+def test_the_one_pass_check_agrees_with_the_field_checks_on_any_mix(f: dict) -> None:
+    _agree(f)
