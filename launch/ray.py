@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlfabric.bus import Bus, ConnectOptions
+from rlfabric.bus.receiver import POLL_MAX
 from rlfabric.errors import LaunchError
-from rlfabric.worker.runtime import CAPACITY
+from rlfabric.worker.runtime import CAPACITY, check_knobs
 
 if TYPE_CHECKING:
     from rlfabric.worker import Worker
@@ -47,16 +48,23 @@ class WorkerSpec:
 
     `engine_options` go to the engine's factory (`rlfabric.engines.registry`), e.g.
     `{"max_batch": 64}` for torch or `{"options": VllmOptions(...)}` for vLLM. `threads`: torch
-    CPU threads (0: torch's own choice). `trace` / `metrics`: the spans and metrics files of
-    `--trace` / `--metrics` (paths every node can write, e.g. a shared folder)."""
+    CPU threads (0: torch's own choice). `prefetch` / `poll_max`: as `--prefetch` /
+    `--poll-max`. `trace` / `metrics`: the spans and metrics files of `--trace` / `--metrics`
+    (paths every node can write, e.g. a shared folder). Out-of-range knobs raise ValueError
+    here, before any actor is placed."""
 
     engine: str = "torch"
     model: str = "tiny"
     capacity: int = CAPACITY
     threads: int = 1
+    prefetch: int = 0
+    poll_max: float = POLL_MAX
     engine_options: dict[str, Any] = field(default_factory=dict)
     trace: str | None = None
     metrics: str | None = None
+
+    def __post_init__(self) -> None:
+        check_knobs(capacity=self.capacity, prefetch=self.prefetch, poll_max=self.poll_max)
 
 
 class WorkerActor:
@@ -90,7 +98,8 @@ class WorkerActor:
         try:
             engine = registry.make_engine(spec.engine, spec.model, **spec.engine_options)
             async with Bus.connect(self.connect, prefix=self.prefix) as bus:
-                self.worker = Worker(bus, engine, self.worker_id, capacity=spec.capacity)
+                self.worker = Worker(bus, engine, self.worker_id, capacity=spec.capacity,
+                                     prefetch=spec.prefetch, poll_max=spec.poll_max)
                 if self.drain_asked:
                     self.worker.drain()
                 await self.worker.run()
@@ -112,6 +121,8 @@ class WorkerActor:
                 "pid": os.getpid(), "host": socket.gethostname(),
                 "weight_version": w.engine.version if w else None,
                 "in_flight": w.rollouts.in_flight if w else 0,
+                "prefetch": w.rollouts.prefetch if w else self.spec.prefetch,
+                "parked": w.rollouts.parked if w else 0,
                 "served": w.rollouts.served if w else 0}
 
     async def describe(self) -> dict[str, str]:

@@ -71,10 +71,18 @@ STATE_WRITE_S = 1.0  # how long a command waits for the worker's state to be wri
 CAPACITY = 32
 
 
+def check_knobs(*, capacity: int, prefetch: int, poll_max: float) -> None:
+    """Raise ValueError unless a worker's knobs are in range (before anything starts)."""
+    if capacity < 1 or prefetch < 0 or not poll_max >= 1:
+        raise ValueError(f"a worker needs capacity >= 1, prefetch >= 0 and poll_max >= 1 "
+                         f"(got {capacity}, {prefetch}, {poll_max})")
+
+
 class Worker:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, capacity: int = CAPACITY,
                  prefetch: int = 0, poll_max: float = POLL_MAX, drain_grace: float = 120.0
                  ) -> None:
+        check_knobs(capacity=capacity, prefetch=prefetch, poll_max=poll_max)
         self.bus = bus
         self.engine = engine
         self.worker_id = check_token(worker_id, "worker id")

@@ -44,7 +44,8 @@ def requests(prefix: str, n: int, max_tokens: int) -> list[RolloutRequest]:
 
 async def test_ray_actors_join_serve_update_and_a_killed_one_is_missing_within_2s(
         ray_runtime, nats_url, prefix, client) -> None:
-    spec = WorkerSpec(engine="torch", model="tiny", capacity=8, threads=1)
+    spec = WorkerSpec(engine="torch", model="tiny", capacity=8, threads=1, prefetch=4,
+                      poll_max=2.0)
     fleet = RayFleet(2, nats_url, prefix, spec, cpus_per_worker=1)
     await anyio.to_thread.run_sync(fleet.start)
     try:
@@ -59,6 +60,7 @@ async def test_ray_actors_join_serve_update_and_a_killed_one_is_missing_within_2
             assert [b for b in table["bundles"].values()] == [{"CPU": 1.0}, {"CPU": 1.0}]
             health = await anyio.to_thread.run_sync(fleet.health)
             assert [h["state"] for h in health] == ["ready", "ready"], health
+            assert [h["prefetch"] for h in health] == [4, 4], health
             pids = {h["pid"] for h in health}
             assert len(pids) == 2 and os.getpid() not in pids
 
@@ -119,3 +121,10 @@ def test_a_group_that_cannot_be_placed_says_what_the_cluster_has(ray_runtime) ->
     with pytest.raises(LaunchError, match=r"could not place 2 bundles of \{'CPU': 64\}.*free"):
         fleet.start(timeout=2)
     assert fleet.pg is None and fleet.actors == []
+
+
+@pytest.mark.parametrize("knob", [{"capacity": 0}, {"prefetch": -1}, {"poll_max": 0.5}])
+def test_a_spec_with_a_knob_out_of_range_is_refused_before_anything_is_placed(knob) -> None:
+    with pytest.raises(ValueError, match=r"capacity >= 1, prefetch >= 0 and poll_max >= 1"):
+        WorkerSpec(**knob)
+    assert WorkerSpec(prefetch=8, poll_max=1.0).prefetch == 8
