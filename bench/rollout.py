@@ -25,8 +25,15 @@ per-round ratios. One run of each path lasts a second or less on these shared ma
 a slow second is common: alternating rounds put it in one round of each path, not on one path.
 The traced row, and vLLM's direct row, run their rounds on their own (see `run`).
 
+With `--lanes` above a worker's `--capacity` the queue is deeper than the fleet takes at once
+(a GRPO step's prompts, say): `--lanes 128 --capacity 64` keeps a second batch of requests
+waiting for each engine batch of 64 (the torch engine's own batch size, so the direct path's
+batches are the same size), and `--prefetch N` has each worker hold up to N of them beside
+its engine. The request count grows with the lanes, so a run holds as many batches.
+
     rlfabric bench rollout [--workers 1,4] [--engines null,torch] [--rounds 5] [--trace DIR]
                            [--max-tokens N]
+    rlfabric bench rollout --engine torch --workers 1 --lanes 128 --capacity 64 [--prefetch 64]
     rlfabric bench rollout --engine vllm --workers 1,2
 """
 
@@ -143,9 +150,11 @@ async def http_path(engine_kind: str, workers: int, conc: int,
 
 @contextlib.asynccontextmanager
 async def fabric_path(engine_kind: str, workers: int, conc: int, torch_threads: int,
-                      trace: str | None = None) -> AsyncIterator[One]:
+                      trace: str | None = None, *, capacity: int = 0, prefetch: int = 0
+                      ) -> AsyncIterator[One]:
     """`trace`: the workers write their spans to that file (`--trace`; the client's are this
-    process's telemetry, configured by the caller)."""
+    process's telemetry, configured by the caller). `capacity` (0: `conc`) and `prefetch`:
+    each worker's `--capacity` and `--prefetch`."""
     async with EmbeddedNats() as nats:
         prefix = f"bench{engine_kind}{workers}{'t' if trace else ''}"
         model = registry.kind(engine_kind).default_model
@@ -153,7 +162,7 @@ async def fabric_path(engine_kind: str, workers: int, conc: int, torch_threads: 
                       else ["--threads-bind", "nobind"])
         cmds = [["rlfabric", "worker", "--nats", nats.url, "--prefix", prefix, "--engine",
                  engine_kind, "--model", model, "--worker-id", f"w{i}",
-                 "--capacity", str(conc), *per_engine,
+                 "--capacity", str(capacity or conc), "--prefetch", str(prefetch), *per_engine,
                  *(["--trace", trace] if trace else [])]
                 for i in range(workers)]
         async with children(cmds, ready="ready", timeout=300), \
@@ -314,6 +323,8 @@ class _Load:
     max_tokens: int
     rounds: int
     torch_threads: int  # 0: by fleet size (`threads`)
+    capacity: int = 0  # each worker's; 0: `conc`
+    prefetch: int = 0
 
     def threads(self, k: int) -> int:
         return self.torch_threads or threads(k)
@@ -321,19 +332,23 @@ class _Load:
 
 async def run(engines: list[str], sizes: list[int], scale: float, rounds: int = 1,
               trace_dir: str | None = None, torch_threads: int = 0,
-              completion: int = 0) -> list[dict[str, Any]]:
+              completion: int = 0, lanes: int = 0, capacity: int = 0, prefetch: int = 0
+              ) -> list[dict[str, Any]]:
     """Per engine and fleet size, every path's fleet is started and warmed once; then
     `rounds` rounds each run every path once, in an order that rotates from round to round,
     so every path meets the same host (these machines are shared: a slow second hits one
     round of each path, not one path). A row gives the median over its rounds; its ratios
     are the medians of the per-round ratios. `completion` (0: the workload's) is every
-    request's `max_tokens`."""
+    request's `max_tokens`. `lanes` (0: the workload's) is every path's; the request count
+    grows with it. `capacity` / `prefetch`: every rlfabric worker's (0 capacity: the lanes)."""
     rows = []
     for eng in engines:
-        n, conc, default_tokens = WORKLOAD[eng]
-        load = _Load(eng=eng, n=max(conc, int(n * scale)), conc=conc,
+        n, default_lanes, default_tokens = WORKLOAD[eng]
+        conc = lanes or default_lanes
+        n = int(n * scale * conc / default_lanes)
+        load = _Load(eng=eng, n=max(conc, n), conc=conc,
                      max_tokens=completion or default_tokens, rounds=rounds,
-                     torch_threads=torch_threads)
+                     torch_threads=torch_threads, capacity=capacity, prefetch=prefetch)
         direct, blocks = await _engine(load, sizes, trace_dir)
         rows += _rows(load, direct, blocks)
     return rows
@@ -356,9 +371,7 @@ async def _engine(load: _Load, sizes: list[int], trace_dir: str | None
         for k in sizes:
             runs = await _block(load, k, direct_one, direct)
             if trace_dir:  # the rlfabric row again, every span written to a file
-                runs["rlfabric traced"] = await _traced(
-                    load.eng, k, load.n, load.conc, load.max_tokens, load.rounds, trace_dir,
-                    load.threads(k))
+                runs["rlfabric traced"] = await _traced(load, k, trace_dir)
             blocks.append((k, runs))
     if not inline:
         async with direct_path(load.eng, load.threads(1)) as one:
@@ -380,7 +393,8 @@ async def _block(load: _Load, k: int, direct_one: One | None, direct: _Runs
             paths["http"] = await stack.enter_async_context(
                 http_path(load.eng, k, load.conc, load.threads(k)))
         paths["rlfabric"] = await stack.enter_async_context(
-            fabric_path(load.eng, k, load.conc, load.threads(k)))
+            fabric_path(load.eng, k, load.conc, load.threads(k), capacity=load.capacity,
+                        prefetch=load.prefetch))
         if load.eng != "vllm":  # the same messages with nats-py alone (and the same engine)
             paths["nats-py floor"] = await stack.enter_async_context(floor_path(
                 k, "" if load.eng == "null" else load.eng, load.threads(k)))
@@ -402,7 +416,8 @@ async def _block(load: _Load, k: int, direct_one: One | None, direct: _Runs
 def _rows(load: _Load, direct: _Runs, blocks: list[tuple[int, dict[str, _Runs]]]
           ) -> list[dict[str, Any]]:
     base = {"engine": load.eng, "requests": load.n, "concurrency": load.conc,
-            "max_tokens": load.max_tokens}
+            "max_tokens": load.max_tokens, "worker_capacity": load.capacity or load.conc,
+            "prefetch": load.prefetch}
     one_http = next((block.get("http") for size, block in blocks if size == 1), None)
     rows = [{**base, "path": "direct", "workers": 1, **direct.row(),
              "vs_http": paired(direct, one_http, "results_s"), "vs_direct": 1.0}]
@@ -416,21 +431,22 @@ def _rows(load: _Load, direct: _Runs, blocks: list[tuple[int, dict[str, _Runs]]]
     return rows
 
 
-async def _traced(eng: str, k: int, n: int, conc: int, max_tokens: int, rounds: int,
-                  trace_dir: str, torch_threads: int) -> _Runs:
+async def _traced(load: _Load, k: int, trace_dir: str) -> _Runs:
     """The rlfabric path with OpenTelemetry spans on in this client and every worker, on its
     own (tracing is this process's: it would trace the untraced rows too)."""
     from rlfabric.telemetry import configure
 
+    eng, n, conc, max_tokens = load.eng, load.n, load.conc, load.max_tokens
     path = os.path.join(trace_dir, f"spans-{eng}-{k}.jsonl")
     with open(path, "wb"):
         pass  # this run's spans only
     runs = _Runs()
     tel = configure(role="trainer", trace_path=path)
     try:
-        async with fabric_path(eng, k, conc, torch_threads, path) as one:
+        async with fabric_path(eng, k, conc, load.threads(k), path, capacity=load.capacity,
+                               prefetch=load.prefetch) as one:
             await measure(one, 50, conc, max_tokens, "w")
-            for r in range(rounds):
+            for r in range(load.rounds):
                 runs.by_round[(-1, r)] = await measure(one, n, conc, max_tokens, f"r{r}.")
     finally:
         tel.shutdown()
@@ -444,12 +460,13 @@ def main(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.workers.split(",") if x]
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
-    if args.rounds < 1 or args.threads < 0 or args.max_tokens < 0:
-        print("rlfabric bench rollout: --rounds must be >= 1, --threads and --max-tokens "
-              ">= 0", file=sys.stderr)
+    if args.rounds < 1 or min(args.threads, args.max_tokens, args.lanes, args.capacity,
+                              args.prefetch) < 0:
+        print("rlfabric bench rollout: --rounds must be >= 1; --threads, --max-tokens, --lanes, "
+              "--capacity and --prefetch >= 0", file=sys.stderr)
         return 2
     rows = anyio.run(run, engines, sizes, args.scale, args.rounds, args.trace, args.threads,
-                     args.max_tokens)
+                     args.max_tokens, args.lanes, args.capacity, args.prefetch)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -484,6 +501,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "Through a fleet every batch pays two hops (results "
                    "out, the next requests in) that the direct path does not: longer "
                    "completions spread them over more tokens")
+    p.add_argument("--lanes", type=int, default=0, metavar="N",
+                   help="requests in flight at once, every path (default: null 64, torch 32, "
+                   "vllm 32); the request count grows with it")
+    p.add_argument("--capacity", type=int, default=0, metavar="N",
+                   help="each rlfabric worker's --capacity (default: the lanes); below the "
+                   "lanes, requests queue for the fleet")
+    p.add_argument("--prefetch", type=int, default=0, metavar="N",
+                   help="each rlfabric worker's --prefetch (default %(default)s)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply the request counts (e.g. 0.1 for a quick look)")
     p.add_argument("--trace", metavar="DIR", default=None,

@@ -62,3 +62,18 @@ def test_every_path_serves_every_round_after_idling_between_them() -> None:
         assert r["max_tokens"] == 4 and r["tokens_s"] == pytest.approx(4 * r["results_s"]), r
     assert by_path["http"]["vs_http"] == 1.0 and by_path["direct"]["vs_direct"] == 1.0
     assert by_path["rlfabric"]["vs_http"] > 0 and by_path["rlfabric"]["vs_direct"] > 0
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_a_queue_deeper_than_the_workers_capacity_is_served_by_every_path() -> None:
+    # 128 lanes against one worker of capacity 64 holding up to 64 more (`--prefetch`): the
+    # worker parks and unparks requests the whole run, and the request count grows with the
+    # lanes (3000 * 0.05 * 128 / 64)
+    rows = anyio.run(functools.partial(run, ["null"], [1], 0.05, rounds=1, completion=4,
+                                       lanes=128, capacity=64, prefetch=64))
+    assert {r["path"] for r in rows} == {"direct", "http", "rlfabric", "nats-py floor"}
+    for r in rows:
+        assert (r["requests"], r["concurrency"]) == (300, 128), r
+        assert (r["worker_capacity"], r["prefetch"]) == (64, 64), r
+        assert r["results_s"] > 0 and r["tokens_s"] == pytest.approx(4 * r["results_s"]), r
