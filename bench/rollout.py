@@ -15,7 +15,7 @@ fleet size, the same requests go through
   consumer. What rlfabric adds to a worker's turnaround is the gap between its row and this.
 With `--trace DIR`, `rlfabric traced` is the rlfabric row again with OpenTelemetry spans on in
 the client and every worker, written to a file (its `spans` column counts them). Every path
-runs `--concurrency` lanes, each sending one request at a time, so latency is one
+runs `--lanes` lanes, each sending one request at a time, so latency is one
 request's round trip and throughput is what the fleet sustains.
 
 Every path's fleet (and the direct engine) is started and warmed once per fleet size; then
