@@ -42,8 +42,9 @@ def check_request(req: RolloutRequest) -> None:
 
 def _plainly_valid(req: RolloutRequest) -> bool:
     """Every check of `_first_invalid` at once, on plain ints and floats (what a decoded
-    request holds); False sends the request through the field-by-field checks, which name the
-    field, or pass what these refused only for its types (a numpy int, a bool)."""
+    request holds). False sends the request through the field-by-field checks, which name the
+    failing field, or pass what this pass leaves to them (stop ids, an adapter, metadata, a
+    numpy int)."""
     rid, sp, adapter = req.request_id, req.sampling, req.adapter
     n_prompt = len(req.prompt_token_ids)
     return bool(
