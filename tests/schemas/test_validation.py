@@ -1,5 +1,6 @@
 """`check_request` refuses a prompt holding a negative token id, whatever its length, and
-names the lowest; it passes every prompt of ids in range."""
+names the lowest; it passes every prompt of ids in range. Its one-pass check passes exactly
+what the field-by-field checks pass, bound by bound."""
 
 from __future__ import annotations
 
@@ -46,7 +47,6 @@ def test_an_adapter_version_needs_an_adapter_and_a_name_is_bounded() -> None:
         check_request(msgspec.structs.replace(base, adapter_version=3))
     with pytest.raises(InvalidRequest, match=r"adapter 'x.*printable"):
         check_request(msgspec.structs.replace(base, adapter="x" * 300))
-
 
 
 FIELD_VALUES = {  # each field around its bounds, plain-typed as a decoded request holds it
