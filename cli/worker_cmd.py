@@ -27,7 +27,7 @@ from rlfabric.engines import registry
 from rlfabric.engines.errors import EngineDied
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import RLFabricError
-from rlfabric.worker.runtime import CAPACITY
+from rlfabric.worker.runtime import CAPACITY, check_knobs
 
 log = logging.getLogger("rlfabric.worker")
 
@@ -124,7 +124,9 @@ async def _serve(args: argparse.Namespace, engine: Engine, worker_id: str) -> No
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.capacity < 1 or args.prefetch < 0 or not args.poll_max >= 1:
+    try:
+        check_knobs(capacity=args.capacity, prefetch=args.prefetch, poll_max=args.poll_max)
+    except ValueError:
         print("rlfabric worker: --capacity must be >= 1, --prefetch >= 0 and --poll-max >= 1 "
               f"(got {args.capacity}, {args.prefetch}, {args.poll_max})", file=sys.stderr)
         return 2

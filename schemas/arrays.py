@@ -29,6 +29,8 @@ class _Packed:
     _code: ClassVar[str]
 
     def __init__(self, values: Any = b"") -> None:
+        if type(values) is not bytes and isinstance(values, (bytes, bytearray, memoryview)):
+            values = bytes(values)
         if type(values) is bytes:  # the common case: off the wire, or packed by an engine
             if len(values) % self.dtype.itemsize:
                 raise ValueError(
@@ -43,15 +45,6 @@ class _Packed:
                     f"cannot reinterpret {type(values).__name__} as {type(self).__name__}"
                 )
             self._buf = values._buf
-            return
-        if isinstance(values, (bytes, bytearray, memoryview)):
-            buf = bytes(values)
-            if len(buf) % self.dtype.itemsize:
-                raise ValueError(
-                    f"{type(self).__name__}: {len(buf)} bytes is not a whole number of "
-                    f"{self.dtype.itemsize}-byte elements"
-                )
-            self._buf = buf
             return
         if isinstance(values, np.ndarray) and values.dtype == self.dtype and values.ndim == 1:
             self._buf = values.tobytes()  # the common case: already the wire type
