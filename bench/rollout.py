@@ -5,7 +5,9 @@ fleet size, the same requests go through
 - `direct`: `engine.generate()` in this process (one engine: there is no fleet to spread over;
   for vllm that is `AsyncLLM` in this process, no bus);
 - `http` (null, torch): N `aiohttp` servers, one engine each, a client round-robining JSON
-  POSTs (token ids and logprobs as JSON lists, the way RL stacks call inference servers today);
+  POSTs (token ids and logprobs as JSON lists, the way RL stacks call inference servers today;
+  the torch engine runs a batch to its end, so POSTs arriving one by one start small batches:
+  for torch, `x http` measures that batcher as much as HTTP);
 - `rlfabric`: N `rlfabric worker` processes on an embedded nats-server, `FabricClient.generate`;
 - `nats-py floor` (null, torch): the same message pattern with nats-py alone: requests queued
   by the lanes go out together as one persisted message, N processes pull them from one durable
