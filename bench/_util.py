@@ -93,14 +93,37 @@ def _drain(p: subprocess.Popen, log: collections.deque, ev: threading.Event,
                 ev.set()
 
 
-def cpu_seconds(pids: list[int]) -> float:
+def child_pids() -> set[int]:
+    """The pids of this process's children now (Linux /proc; none elsewhere)."""
+    me, found = os.getpid(), set()
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError), \
+                        open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) == me:
+                        found.add(int(entry))
+    return found
+
+
+def named(pid: int, name: str) -> bool:
+    """Whether process `pid` runs the executable `name` (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == name
+    except OSError:
+        return False
+
+
+def cpu_seconds(pids: list[int], *, thread: bool = False) -> float:
     """User + system CPU seconds the processes `pids` have used so far (Linux /proc; NaN
-    elsewhere, or when one is gone)."""
+    elsewhere, or when one is gone). `thread`: their main threads' only (a Python process's
+    event loop, not its engine's threads)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     total = 0.0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
+            with open(f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat") as f:
                 fields = f.read().rpartition(")")[2].split()
         except OSError:
             return float("nan")

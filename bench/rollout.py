@@ -15,6 +15,12 @@ fleet size, the same requests go through
   engine in that process, a message's requests in one `generate_many` call) and persist each
   message's results as one message before acking; the client reads them through an ordered
   consumer. What rlfabric adds to a worker's turnaround is the gap between its row and this.
+The CPU columns are microseconds per request, over all of a row's rounds: `client` the event
+loop of the bench's process (the lanes; for `direct` also the engine's intake, not its model
+threads), `workers` the main threads of the processes the path started (their event loops:
+not the engines' model threads, nor vLLM's EngineCore process), `nats` its nats-servers (Linux
+/proc; NaN where a path has none, for the traced row, or off Linux).
+
 With `--trace DIR`, `rlfabric traced` is the rlfabric row again with OpenTelemetry spans on in
 the client and every worker, written to a file (its `spans` column counts them). Every path
 runs `--lanes` lanes, each sending one request at a time, so latency is one
@@ -45,6 +51,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -56,7 +63,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from rlfabric.bench._util import children, pct, table
+from rlfabric.bench._util import child_pids, children, cpu_seconds, named, pct, table
 from rlfabric.bus import EmbeddedNats
 from rlfabric.bus.cluster import free_ports
 from rlfabric.engines import make_engine, registry, running
@@ -295,7 +302,37 @@ class _Runs:
                 "tokens_s": statistics.median(r["tokens_s"] for r in runs),
                 "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3,
                 "rounds": len(runs),
-                "results_s_rounds": [round(r["results_s"], 1) for r in runs]}
+                "results_s_rounds": [round(r["results_s"], 1) for r in runs],
+                **{f"{who}_cpu_us": 1e6 * sum(r.get("cpu", _NO_CPU)[i] for r in runs)
+                   / len(lat) for i, who in enumerate(_CPU)}}
+
+
+#: whose CPU a round measures (`_Procs.cpu`): the client's event loop, the fleet's workers'
+#: event loops (their main threads: not an engine's own threads), the fleet's nats-servers
+_CPU = ("client", "workers", "nats")
+_NO_CPU = (math.nan,) * len(_CPU)
+
+
+@dataclass(frozen=True)
+class _Procs:
+    """The processes a path started: its nats-servers, and the rest (workers, servers)."""
+
+    nats: list[int]
+    workers: list[int]
+
+    @classmethod
+    def started(cls, pids: set[int]) -> _Procs:
+        nats = sorted(p for p in pids if named(p, "nats-server"))
+        return cls(nats=nats, workers=sorted(pids - set(nats)))
+
+    def cpu(self) -> tuple[float, float, float]:
+        """CPU seconds so far, as `_CPU` names them (none: NaN)."""
+        return (time.thread_time(),
+                cpu_seconds(self.workers, thread=True) if self.workers else math.nan,
+                cpu_seconds(self.nats) if self.nats else math.nan)
+
+
+_IN_PROCESS = _Procs(nats=[], workers=[])
 
 
 def paired(a: _Runs, b: _Runs | None, key: str) -> float:
@@ -310,9 +347,15 @@ def paired(a: _Runs, b: _Runs | None, key: str) -> float:
             / statistics.median(r[key] for r in b.by_round.values()))
 
 
-async def measure(one: One, n: int, conc: int, max_tokens: int, tag: str) -> dict[str, Any]:
+async def measure(one: One, n: int, conc: int, max_tokens: int, tag: str,
+                  procs: _Procs | None = None) -> dict[str, Any]:
+    """One run of a path; with `procs`, what it cost each of them (`cpu`, as `_CPU`)."""
+    before = procs.cpu() if procs is not None else _NO_CPU
     with anyio.fail_after(MEASURE_TIMEOUT_S):
-        return await run_lanes(requests(n, max_tokens, tag), conc, one)
+        out = await run_lanes(requests(n, max_tokens, tag), conc, one)
+    if procs is not None:
+        out["cpu"] = tuple(b - a for a, b in zip(before, procs.cpu(), strict=True))
+    return out
 
 
 @dataclass(frozen=True)
@@ -380,7 +423,8 @@ async def _engine(load: _Load, sizes: list[int], trace_dir: str | None
             await measure(one, 50, load.conc, load.max_tokens, "w")
             for r in range(load.rounds):
                 direct.by_round[(0, r)] = await measure(one, load.n, load.conc,
-                                                        load.max_tokens, f"r{r}.")
+                                                        load.max_tokens, f"r{r}.",
+                                                        _IN_PROCESS)
     return direct, blocks
 
 
@@ -391,14 +435,19 @@ async def _block(load: _Load, k: int, direct_one: One | None, direct: _Runs
     runs: dict[str, _Runs] = {}
     async with contextlib.AsyncExitStack() as stack:
         paths: dict[str, One] = {}
+        procs: dict[str, _Procs] = {}  # what each path started
+
+        async def start(name: str, path: contextlib.AbstractAsyncContextManager[One]) -> None:
+            before = child_pids()
+            paths[name] = await stack.enter_async_context(path)
+            procs[name] = _Procs.started(child_pids() - before)
+
         if load.eng != "vllm":  # the HTTP server serves the engines rlfabric ships
-            paths["http"] = await stack.enter_async_context(
-                http_path(load.eng, k, load.conc, load.threads(k)))
-        paths["rlfabric"] = await stack.enter_async_context(
-            fabric_path(load.eng, k, load.conc, load.threads(k), capacity=load.capacity,
-                        prefetch=load.prefetch))
+            await start("http", http_path(load.eng, k, load.conc, load.threads(k)))
+        await start("rlfabric", fabric_path(load.eng, k, load.conc, load.threads(k),
+                                            capacity=load.capacity, prefetch=load.prefetch))
         if load.eng != "vllm":  # the same messages with nats-py alone (and the same engine)
-            paths["nats-py floor"] = await stack.enter_async_context(floor_path(
+            await start("nats-py floor", floor_path(
                 k, "" if load.eng == "null" else load.eng, load.threads(k)))
         for one in paths.values():
             await measure(one, 50, load.conc, load.max_tokens, "w")
@@ -409,7 +458,7 @@ async def _block(load: _Load, k: int, direct_one: One | None, direct: _Runs
             for i in range(len(names)):
                 name = names[(r + i) % len(names)]
                 measured = await measure(paths[name], load.n, load.conc, load.max_tokens,
-                                         f"r{r}.")
+                                         f"r{r}.", procs.get(name, _IN_PROCESS))
                 (direct if name == "direct" else
                  runs.setdefault(name, _Runs())).by_round[(k, r)] = measured
     return runs
@@ -477,7 +526,9 @@ def main(args: argparse.Namespace) -> int:
             ("max_tokens", "tokens/req", ""), ("rounds", "rounds", ""),
             ("results_s", "results/s", ".0f"), ("tokens_s", "tokens/s", ".0f"),
             ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
-            ("vs_http", "x http", ".2f"), ("vs_direct", "x direct tok/s", ".2f")]
+            ("vs_http", "x http", ".2f"), ("vs_direct", "x direct tok/s", ".2f"),
+            ("client_cpu_us", "client us/req", ".0f"),
+            ("workers_cpu_us", "workers us/req", ".0f"), ("nats_cpu_us", "nats us/req", ".0f")]
     if args.trace:
         for r in rows:
             r.setdefault("spans", "-")

@@ -47,6 +47,17 @@ def test_a_row_is_the_median_of_its_rounds_with_percentiles_over_all() -> None:
     assert row["p99_ms"] == pytest.approx(500.0)
 
 
+def test_cpu_per_request_is_over_every_round_and_nan_for_what_a_path_lacks() -> None:
+    r = runs(r0=10, r1=30)
+    r.by_round[(1, 0)].update(latencies=[0.1] * 100, cpu=(0.002, 0.004, math.nan))
+    r.by_round[(1, 1)].update(latencies=[0.1] * 300, cpu=(0.006, 0.004, math.nan))
+    row = r.row()  # 400 requests in all
+    assert row["client_cpu_us"] == pytest.approx(20.0)
+    assert row["workers_cpu_us"] == pytest.approx(20.0)
+    assert math.isnan(row["nats_cpu_us"])  # no nats-server (HTTP)
+    assert math.isnan(runs(r0=10).row()["client_cpu_us"])  # not measured (a traced row)
+
+
 @pytest.mark.nats
 @pytest.mark.slow
 def test_every_path_serves_every_round_after_idling_between_them() -> None:
@@ -62,6 +73,13 @@ def test_every_path_serves_every_round_after_idling_between_them() -> None:
         assert r["max_tokens"] == 4 and r["tokens_s"] == pytest.approx(4 * r["results_s"]), r
     assert by_path["http"]["vs_http"] == 1.0 and by_path["direct"]["vs_direct"] == 1.0
     assert by_path["rlfabric"]["vs_http"] > 0 and by_path["rlfabric"]["vs_direct"] > 0
+    # CPU: every path's client loop; workers' loops for a fleet; nats-servers for the buses
+    assert all(r["client_cpu_us"] > 0 for r in rows), rows
+    fleets = ("http", "rlfabric", "nats-py floor")
+    assert all(by_path[p]["workers_cpu_us"] >= 0 for p in fleets), rows
+    assert all(by_path[p]["nats_cpu_us"] >= 0 for p in ("rlfabric", "nats-py floor")), rows
+    assert math.isnan(by_path["direct"]["workers_cpu_us"]), rows
+    assert math.isnan(by_path["http"]["nats_cpu_us"]), rows
 
 
 @pytest.mark.nats
