@@ -315,7 +315,8 @@ _NO_CPU = (math.nan,) * len(_CPU)
 
 @dataclass(frozen=True)
 class _Procs:
-    """The processes a path started: its nats-servers, and the rest (workers, servers)."""
+    """The processes a path started: its nats-servers, and the rest (its workers, HTTP
+    servers or floor responders)."""
 
     nats: list[int]
     workers: list[int]
