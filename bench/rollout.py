@@ -15,6 +15,7 @@ fleet size, the same requests go through
   engine in that process, a message's requests in one `generate_many` call) and persist each
   message's results as one message before acking; the client reads them through an ordered
   consumer. What rlfabric adds to a worker's turnaround is the gap between its row and this.
+
 The CPU columns are microseconds per request, over all of a row's rounds: `client` the event
 loop of the bench's process (the lanes; for `direct` also the engine's intake, not its model
 threads), `workers` the main threads of the processes the path started (their event loops:
