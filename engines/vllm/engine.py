@@ -26,7 +26,7 @@ import functools
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
@@ -67,6 +67,8 @@ from rlfabric.schemas import (
 log = logging.getLogger("rlfabric.engines.vllm")
 GIB = 1024 ** 3
 
+#: seconds a stop waits for vLLM's output handler to end after the engine core did
+_HANDLER_END_S = 5.0
 #: vLLM's version name before any update_weight_version call
 _INITIAL = "default"
 
@@ -80,6 +82,29 @@ class _LogTail(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+
+class _DeadOnStop(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return record.exc_info is None or not isinstance(record.exc_info[1], EngineDeadError)
+
+
+@contextlib.contextmanager
+def stopping_quietly() -> Iterator[None]:
+    """While this engine stops vLLM: vLLM's shutdown ends its engine core before it cancels
+    its output handler, which may first see the core gone and log `EngineDeadError` as an
+    error, with its traceback. On a stop we asked for that record is dropped; any other
+    record passes, and a core that dies while serving is still reported."""
+    from vllm.v1.engine import async_llm
+
+    quiet = _DeadOnStop()
+    async_llm.logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        async_llm.logger.removeFilter(quiet)
 
 
 _NO_COLLECTIVE_CPU = (
@@ -208,8 +233,13 @@ class VllmEngine:
 
     async def _stop(self) -> None:
         llm, self._llm = self._llm, None
-        if llm is not None:
+        if llm is None:
+            return
+        with stopping_quietly():
             await anyio.to_thread.run_sync(llm.shutdown)
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:  # it may report the core's end after the shutdown
+                await asyncio.wait([handler], timeout=_HANDLER_END_S)
 
     @property
     def version(self) -> int:

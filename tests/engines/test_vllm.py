@@ -11,6 +11,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -208,6 +209,33 @@ async def test_load_failing_inside_vllm_restarts_the_engine_on_the_previous_weig
     assert all([s.version for s in r.version_spans] == [1] for r in got1)
     assert worst_gap(v1, after, got1) <= 1e-4  # the previous weights, whole
     assert rep.ok == ("fl0",) and worst_gap(v3, later, got3) <= 1e-4
+
+
+# importing vLLM's AsyncLLM in this process imports torch modules that warn of deprecations
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_stop_it_asked_for_is_not_logged_as_the_engine_dying(caplog) -> None:
+    """vLLM's shutdown may end its output handler with `EngineDeadError`, which vLLM logs as an
+    error: while the engine stops vLLM (`stopping_quietly`) that record is dropped on vLLM's
+    own logger; any other record passes, and outside a stop a dead engine is still logged."""
+    from vllm.v1.engine import async_llm
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from rlfabric.engines.vllm.engine import stopping_quietly
+
+    def fail(exc: Exception) -> None:
+        try:
+            raise exc
+        except Exception:
+            async_llm.logger.exception("AsyncLLM output_handler failed.")
+
+    caplog.set_level(logging.WARNING)
+    with stopping_quietly():
+        fail(EngineDeadError())
+        fail(RuntimeError("a real fault"))
+    fail(EngineDeadError())
+    assert [(r.exc_info[0].__name__, r.levelname) for r in caplog.records
+            if r.name == async_llm.logger.name] == [("RuntimeError", "ERROR"),
+                                                     ("EngineDeadError", "ERROR")]
 
 
 async def test_sleep_and_collective_are_refused_at_once_on_cpu(two_vllm: Fleet) -> None:
