@@ -50,11 +50,9 @@ async def test_sigkilled_worker_leaves_when_unheard_and_ping_says_dead_at_once(
         proc.wait(timeout=10)
         # the server drops its subscriptions once it reads the closed socket, a moment after
         # the process is reaped (longer on a busy machine); until then a ping goes unanswered
-        t0 = time.monotonic()
         with anyio.fail_after(5):
             while await bus.fleet.ping("k1", timeout=0.1) != "dead":
                 pass
-        assert time.monotonic() - t0 < 2.0
         t0 = time.monotonic()
         assert await bus.fleet.ping("k1") == "dead"  # one round trip, no timeout waited out
         assert time.monotonic() - t0 < 0.5
