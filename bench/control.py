@@ -8,6 +8,11 @@
 - `nats-py floor`: the same message pattern with nats-py alone, in the same process layout:
   one JetStream publish to a file stream, then one core publish that N subscribers receive,
   each answering to the address in a header; the caller counts N answers.
+- `nats-py floor, same work`: nats-py and msgspec alone doing the work rlfabric does a call
+  (`same_work_fleet`): the desired state written, the `Pause` / `Resume` persisted with its
+  headers, its live copy once stored, each responder ordering, decoding, remembering and
+  answering with an encoded `Ack`, the caller decoding and keeping every ack per worker. No
+  membership (beats, command polls, probes): what the guarantees cost at the least.
 Calls alternate pause and resume; latency is one call until all N answered. Per size, every
 fleet is up at once and each path's calls are split into `--blocks` blocks, run interleaved in
 an order that rotates from block to block: the host's speed swings within a minute, and this
@@ -44,15 +49,29 @@ import signal
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 
 from rlfabric.bench._util import children, cpu_seconds, pct, table
 from rlfabric.bus import EmbeddedCluster, EmbeddedNats, QuorumPolicy
 from rlfabric.bus.cluster import free_ports
+from rlfabric.schemas import (
+    CMD_ID_HEADER,
+    SCHEMA_HEADER,
+    SCHEMA_VERSION,
+    STATE_MARK_HEADER,
+    Ack,
+    Command,
+    DesiredState,
+    Pause,
+    Resume,
+    op_of,
+)
 from rlfabric.trainer import FabricClient
 
 PER_PROCESS = 250  # simulated workers per process, at most, unless --processes asks for fewer
@@ -267,6 +286,78 @@ async def floor_fleet(url: str, n: int, processes: int
         await nc.close()
 
 
+def same_work_command(tag: str, i: int) -> tuple[Command, DesiredState, dict[str, str]]:
+    """Call `i`'s command of the same-work floor (`Pause` on even calls, `Resume` on odd, with
+    a deadline, as `FabricClient` sends them), the desired state written with it, and the
+    headers rlfabric stores the command with."""
+    cmd_id, deadline = uuid.uuid4().hex, time.time() + 30
+    cmd: Command = (Pause(cmd_id=cmd_id, mode="wait", deadline=deadline) if i % 2 == 0
+                    else Resume(cmd_id=cmd_id, deadline=deadline))
+    state = DesiredState(paused=i % 2 == 0, pause_mode="wait" if i % 2 == 0 else "",
+                         updated_at=time.time(), writer=tag, serial=i)
+    return cmd, state, {SCHEMA_HEADER: SCHEMA_VERSION, CMD_ID_HEADER: cmd_id,
+                        "Nats-Msg-Id": cmd_id, STATE_MARK_HEADER: f"{tag}:{i}"}
+
+
+@contextlib.asynccontextmanager
+async def same_work_fleet(url: str, n: int, processes: int
+                          ) -> AsyncIterator[tuple[Callable[[int], Awaitable[None]], list[int]]]:
+    """The nats-py floor doing rlfabric's work a call (`floor.py control --same-work`): the
+    desired state written (its PubAck awaited after the acks), the command persisted, its live
+    copy sent once stored with the sequence in its subject, and every `Ack` decoded and kept
+    per worker; done when all N are in and ok. Yields its call and the responders' pids."""
+    import nats
+    from nats.aio.msg import Msg
+    from nats.js.api import StorageType, StreamConfig
+
+    tag = f"same{n}"
+    cmds = [["rlfabric.bench.floor", "control", "--nats", url, "--subject", f"{tag}.live",
+             "--count", str(len(part)), "--first", str(part[0]), "--same-work", f"{tag}.ack."]
+            for part in split(list(range(n)), processes)]
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Ack)
+    nc = await nats.connect(url, name="rlfabric-same-work-caller")
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=tag.upper(), subjects=[f"{tag}.ctl.>"],
+                                         storage=StorageType.FILE))
+        await js.add_stream(StreamConfig(name=f"{tag.upper()}_STATE", subjects=[f"{tag}.state"],
+                                         max_msgs_per_subject=1, storage=StorageType.FILE))
+        got: dict[str, dict[str, Ack]] = {}
+        done: dict[str, anyio.Event] = {}
+
+        async def on_ack(msg: Msg) -> None:
+            acks = got.get(msg.subject.rpartition(".")[2])
+            if acks is None:
+                return
+            ack = dec.decode(msg.data)
+            if ack.worker_id not in acks:
+                acks[ack.worker_id] = ack
+                if len(acks) == n:
+                    done[ack.cmd_id].set()
+
+        sub = await nc.subscribe(f"{tag}.ack.*", cb=on_ack)
+        async with children(cmds, ready="floor: control ready") as procs:
+            async def call(i: int) -> None:
+                cmd, state, hdrs = same_work_command(tag, i)
+                got[cmd.cmd_id], done[cmd.cmd_id] = {}, anyio.Event()
+                stored = await js.publish_async(f"{tag}.state", enc.encode(state))
+                data, op = enc.encode(cmd), op_of(cmd)
+                ack = await js.publish(f"{tag}.ctl.{op}", data, headers=hdrs)
+                await nc.publish(f"{tag}.live.{op}.{ack.seq}", data)
+                with anyio.fail_after(30):
+                    await done[cmd.cmd_id].wait()
+                    await stored
+                assert all(a.status == "ok" for a in got.pop(cmd.cmd_id).values())
+                del done[cmd.cmd_id]
+
+            yield call, [p.pid for p in procs]
+        await sub.unsubscribe()
+        for stream in (tag.upper(), f"{tag.upper()}_STATE"):
+            await js.delete_stream(stream)
+    finally:
+        await nc.close()
+
+
 @contextlib.asynccontextmanager
 async def fabric_fleet(url: str, n: int, processes: int, servers: list[int], prefix: str
                        ) -> AsyncIterator[tuple[Callable[[int], Awaitable[None]], list[int],
@@ -379,6 +470,9 @@ async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0,
                     floor_fleet(nats.url, n, procs))
                 floor = _Path("nats-py floor", r, call, single, pids)
                 paths.append(floor)
+                call, pids = await fleets.enter_async_context(
+                    same_work_fleet(nats.url, n, procs))
+                paths.append(_Path("nats-py floor, same work", r, call, single, pids))
                 clients = ["aiohttp", *(["httpx"] if n <= HTTPX_MAX else [])]
                 calls, pids = await fleets.enter_async_context(http_fleet(n, procs, clients))
                 paths.append(_Path("aiohttp", r, calls["aiohttp"], [], pids))

@@ -6,6 +6,16 @@ Responder processes (the trainer side of each pattern lives in its benchmark mod
     python -m rlfabric.bench.floor control --nats URL --subject S --count N
         N core subscriptions on S.>; each answers every message with a few bytes published
         to the subject in the message's `ack-to` header.
+    python -m rlfabric.bench.floor control --same-work ACKS --nats URL --subject S --count N
+                                           [--first K]
+        the same N subscriptions (worker ids s<K>, s<K+1>, ...) doing a command receiver's
+        work with nats-py and msgspec alone (rlfabric's message types, none of its code): each
+        takes the sequence from the subject's last token (`S.<op>.<seq>`) and ignores one it
+        applied already, decodes the `Command`, remembers its sequence and id, builds its `Ack`
+        (past its deadline an error), remembers it encoded (4,096 commands a responder, as
+        `CommandReceiver`), publishes it to `ACKS<cmd_id>`, and sends the remembered acks
+        again for a command id it saw before. No membership, catch-up or probes: a lower bound
+        of what rlfabric's guarantees cost.
     python -m rlfabric.bench.floor rollout --nats URL --subject S [--engine torch --threads N]
         pulls from the durable consumer `FLOOR` of the stream holding S (one standing pull
         request, renewed as it ends): every message is a batch of packed requests (msgspec);
@@ -26,6 +36,8 @@ import argparse
 import asyncio
 import json
 import signal
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,6 +52,7 @@ ACK_TO = "ack-to"
 PULL_BATCH = 1024  # messages one pull request of the rollout responder asks for
 PUBACK_WAIT_S = 10.0  # the rollout responder's wait for a result's PubAck
 READ_WAIT_S = 600.0  # the weights responder's wait for every chunk of one job
+REMEMBER = 4096  # commands a same-work control responder remembers (`CommandReceiver`'s)
 REPLY_TO = "reply-to"
 
 
@@ -87,12 +100,68 @@ async def _serve(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> None
 
 async def _control(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> list[Any]:
     """`count` responders that each answer every command on its ack subject."""
+    if args.same_work:
+        return await _control_same_work(args, nc)
     subs = []
     for i in range(args.count):
         me = f"f{i}".encode()
 
         async def answer(msg: Msg, me: bytes = me) -> None:
             await nc.publish((msg.headers or {})[ACK_TO], me)
+
+        subs.append(await nc.subscribe(f"{args.subject}.>", cb=answer))
+    return subs
+
+
+class _Remembered:
+    """What one same-work responder keeps: the sequence it applies next, and its last
+    `REMEMBER` commands (sequence -> id, id -> its encoded acks)."""
+
+    __slots__ = ("me", "next_seq", "sent", "seq_ids")
+
+    def __init__(self, me: str) -> None:
+        self.me = me
+        self.next_seq = 0
+        self.seq_ids: OrderedDict[int, str] = OrderedDict()
+        self.sent: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()
+
+
+async def _control_same_work(args: argparse.Namespace, nc: nats.NATS) -> list[Any]:
+    from rlfabric.schemas import Ack, Command, ErrorCode
+
+    dec = msgspec.msgpack.Decoder(Command)
+    enc = msgspec.msgpack.Encoder()
+    acks = args.same_work
+    subs = []
+    for i in range(args.count):
+        st = _Remembered(f"s{args.first + i:03d}")
+
+        async def answer(msg: Msg, st: _Remembered = st) -> None:
+            seq = int(msg.subject.rpartition(".")[2])
+            if seq < st.next_seq:
+                return
+            cmd = dec.decode(msg.data)
+            st.next_seq = seq + 1
+            cmd_id = cmd.cmd_id
+            st.seq_ids[seq] = cmd_id
+            if len(st.seq_ids) > REMEMBER:
+                st.seq_ids.popitem(last=False)
+            sent = st.sent.get(cmd_id)
+            if sent is not None:  # stored twice: answered as the first time
+                for data in sent:
+                    await nc.publish(acks + cmd_id, data)
+                return
+            t0 = time.monotonic()
+            late = cmd.deadline and time.time() > cmd.deadline
+            ack = Ack(cmd_id=cmd_id, worker_id=st.me, status="error" if late else "ok",
+                      error_code=ErrorCode.DEADLINE_EXCEEDED if late else "",
+                      weight_version=-1, weights_checksum="sim--1",
+                      elapsed_s=time.monotonic() - t0)
+            data = enc.encode(ack)
+            st.sent[cmd_id] = (data,)
+            if len(st.sent) > REMEMBER:
+                st.sent.popitem(last=False)
+            await nc.publish(acks + cmd_id, data)
 
         subs.append(await nc.subscribe(f"{args.subject}.>", cb=answer))
     return subs
@@ -224,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nats", required=True)
     p.add_argument("--subject", required=True)
     p.add_argument("--count", type=int, default=1, help="responders (control)")
+    p.add_argument("--first", type=int, default=0,
+                   help="control: the number of the first responder (their ids: s000, ...)")
+    p.add_argument("--same-work", default="", metavar="ACKS",
+                   help="control: do a command receiver's work (decode, order, remember, an "
+                   "encoded Ack) and answer on ACKS<cmd_id>, as rlfabric's workers do")
     p.add_argument("--engine", default="", help="rollout: results from this engine (e.g. "
                    "torch; one that serves many requests in one call), not echoed")
     p.add_argument("--threads", type=int, default=1, help="torch threads of --engine")

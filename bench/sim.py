@@ -34,6 +34,8 @@ from rlfabric.schemas import (
 )
 
 TWO_PHASE = (InitTransport,)
+#: the commands a simulated worker acts on (the others: no engine, nothing to do but ack)
+ACTING = (UpdateWeights, *TWO_PHASE)
 
 
 class SimWorker:
@@ -41,15 +43,20 @@ class SimWorker:
         self.bus = bus
         self.worker_id = worker_id
         self.delays = delays
-        self.version = -1
-        self.executed: list[str] = []
+        self._state = (-1, "sim--1")  # what acks report: (weight version, checksum)
         self.reg = Registration(bus, new_worker_info(worker_id, engine="sim", model="none"))
-        self.receiver = CommandReceiver(bus, worker_id, self.handle,
-                                        state=lambda: (self.version, f"sim-{self.version}"))
+        self.receiver = CommandReceiver(bus, worker_id, self.handle, state=self.state)
+
+    def state(self) -> tuple[int, str]:
+        return self._state
 
     async def handle(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
-        self.executed.append(cmd.cmd_id)
-        delay = self.delays.get(op_of(cmd)) if self.delays else None
+        if self.delays or isinstance(cmd, ACTING):
+            await self._handle(cmd, ctx)
+        return None  # the ack reports `state()`
+
+    async def _handle(self, cmd: Command, ctx: CommandContext) -> None:
+        delay = self.delays.get(op_of(cmd))
         if delay is not None:
             await self.bus.emit(StateEvent(source=self.worker_id,
                                            state=f"handling:{op_of(cmd)}", at=time.time()))
@@ -61,8 +68,7 @@ class SimWorker:
         if delay is not None:
             await anyio.sleep(delay)
         if isinstance(cmd, UpdateWeights):
-            self.version = cmd.version
-        return None  # the ack reports `state()`
+            self._state = (cmd.version, f"sim-{cmd.version}")
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self.reg.refuse_if_taken()  # before the receiver takes the id's ping subject

@@ -124,7 +124,7 @@ class Fanout:
                                      check_version=msg.headers is not None)
         except SchemaError:
             return  # not an ack of ours; the sender's log would only be noise here
-        got = self.acks.setdefault(ack.phase, {})
+        got = self.acks[ack.phase]  # "ready" or "done": the decoder checked
         if ack.worker_id in got:
             return
         got[ack.worker_id] = ack

@@ -51,7 +51,7 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import Span, StatusCode
 
 from rlfabric.bus.errors import READ_FAILED, TRANSIENT, CommandFailed
 from rlfabric.bus.session import Bus
@@ -60,6 +60,7 @@ from rlfabric.concurrency.ratelimit import RateLimited
 from rlfabric.concurrency.sync import Signal, wait_any
 from rlfabric.schemas import (
     CMD_ID_HEADER,
+    DECODE_ERRORS,
     SCHEMA_MAJOR,
     Ack,
     Command,
@@ -136,7 +137,9 @@ class CommandReceiver:
         self._remember = remember
         self._buffer = buffer
         self._codec = codec_for(Command)
+        self._decode_raw = self._codec.decode_raw
         self._ack_codec = codec_for(Ack)
+        self._encode_ack = self._ack_codec.encode_raw
         self._ack_prefix = bus.subjects.ack_prefix
         #: the control-stream sequence applied next
         self.next_seq = 0
@@ -170,6 +173,11 @@ class CommandReceiver:
                   fields: dict[str, Any] | AckFields | None, *, code: str = "",
                   message: str = "") -> Ack:
         version, checksum = self.state()
+        if fields is None:  # most commands: no details
+            return Ack(cmd_id=ctx.cmd.cmd_id, worker_id=self.worker_id, phase=phase,
+                       status=status, error_code=code, error_message=message,
+                       weight_version=version, weights_checksum=checksum,
+                       elapsed_s=time.monotonic() - ctx.t0)
         detail: dict[str, str] = {}
         if isinstance(fields, AckFields):
             version = version if fields.weight_version is None else fields.weight_version
@@ -185,20 +193,11 @@ class CommandReceiver:
                    elapsed_s=time.monotonic() - ctx.t0, detail=detail)
 
     async def _send_ack(self, cmd_id: str, ack: Ack, *, traced: bool) -> None:
-        """`cmd_id` is a command's that `_apply` took: it passed `is_token` there. The ack is
-        remembered encoded, and sent again as is when asked (`_resend`), not kept as `Ack`s
-        (which cost more a command). `traced`: as
+        """`cmd_id` is a command's that `_apply` took: it passed `is_token` there. `traced`: as
         `spans.enabled()` (asked once per command by the caller)."""
-        data = self._ack_codec.encode(ack)
-        sent = self._sent.get(cmd_id)
-        if sent is None:  # the first ack of a command: it is remembered from now on
-            self._sent[cmd_id] = (data,)
-            if len(self._sent) > self._remember:
-                self._sent.popitem(last=False)
-        else:
-            self._sent[cmd_id] = (*sent, data)
+        data = self._remembered(cmd_id, ack)
         subject = self._ack_prefix + cmd_id
-        if not traced:  # the common case: no span, no headers
+        if not traced:
             await self._publish_ack(subject, data, cmd_id)
             return
         with spans.producer_span(subject, message_id=cmd_id,
@@ -207,15 +206,32 @@ class CommandReceiver:
                                              "rlfabric.ack.status": ack.status}):
             await self._publish_ack(subject, data, cmd_id, self.bus.headers())
 
+    def _remembered(self, cmd_id: str, ack: Ack) -> bytes:
+        """`ack` encoded, and remembered so to be sent again as is when asked (`_resend`): not
+        kept as an `Ack`, which costs more a command."""
+        data = self._encode_ack(ack)
+        sent = self._sent.get(cmd_id)
+        if sent is None:  # the first ack of a command: it is remembered from now on
+            self._sent[cmd_id] = (data,)
+            if len(self._sent) > self._remember:
+                self._sent.popitem(last=False)
+        else:
+            self._sent[cmd_id] = (*sent, data)
+        return data
+
     async def _publish_ack(self, subject: str, data: bytes, cmd_id: str,
                            headers: dict[str, str] | None = None) -> None:
         """The ack of a command this worker decoded goes without headers unless tracing is on
         (see `rlfabric.schemas.codec`); a rejection carries them."""
         try:
             await self.bus.nc.publish(subject, data, headers=headers)
-        except nats.errors.Error as exc:  # the sender's probe asks again (see `_on_ping`)
-            log.warning("%s: ack of %s not sent (%s); sent again when asked", self.worker_id,
-                        cmd_id, exc)
+        except nats.errors.Error as exc:
+            self._not_sent(cmd_id, exc)
+
+    def _not_sent(self, cmd_id: str, exc: Exception) -> None:
+        # the sender's probe asks again (see `_on_ping`)
+        log.warning("%s: ack of %s not sent (%s); sent again when asked", self.worker_id,
+                    cmd_id, exc)
 
     async def _resend(self, cmd_id: str) -> None:
         subject = self.bus.subjects.ack(cmd_id)
@@ -375,15 +391,17 @@ class CommandReceiver:
 
     async def _apply(self, seq: int, subject: str, data: bytes,
                      headers: dict[str, str] | None, path: str) -> None:
-        try:  # a live copy's major was read from its subject
-            cmd = self._codec.decode(data, headers, subject=subject,
-                                     check_version=path != "live")
+        try:
+            if path == "live":  # its major was read from its subject: no header to check
+                cmd = self._decode_raw(data)
+            else:
+                cmd = self._codec.decode(data, headers, subject=subject)
             if not is_token(cmd.cmd_id):  # its acks could not be sent: not a command
                 raise MalformedMessage(
                     f"command cmd_id {cmd.cmd_id[:80]!r} on {subject!r} cannot name its ack "
                     "subject: 1-64 characters from A-Z a-z 0-9 _ -", subject=subject,
                     type_name="Command")
-        except SchemaError as exc:
+        except (SchemaError, *DECODE_ERRORS) as exc:
             if path == "live":  # the stored command's headers say what it is
                 await self._catch_up()
                 return
@@ -403,55 +421,63 @@ class CommandReceiver:
             await self._resend(cmd_id)
             return
         ctx = CommandContext(self, cmd)
-        if not spans.enabled():  # the common case: not even the span's attributes are built
-            ack = await self._outcome(cmd, ctx)
-            await self._send_ack(cmd_id, ack, traced=False)
-        else:  # `path`: how it came (its live copy, or read from the stream to fill a gap)
-            with spans.consumer_span(subject, headers, message_id=cmd_id, attributes={
-                    spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd_id,
-                    spans.CMD_OP: op_of(cmd), spans.CMD_SEQ: seq, "rlfabric.cmd.path": path},
-                    ) as span:
-                ack = await self._outcome(cmd, ctx)
-                if span.is_recording():
-                    span.set_attributes({spans.WEIGHT_VERSION: ack.weight_version,
-                                         "rlfabric.ack.status": ack.status})
-                    if ack.status != "ok":
-                        span.set_status(StatusCode.ERROR,
-                                        f"{ack.error_code}: {ack.error_message}")
-                await self._send_ack(cmd_id, ack, traced=True)
+        traced = spans.enabled()  # if not, not even the span's attributes are built
+        with (spans.consumer_span(subject, headers, message_id=cmd_id, attributes={
+                spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd_id, spans.CMD_OP: op_of(cmd),
+                spans.CMD_SEQ: seq, "rlfabric.cmd.path": path})  # how it came
+              if traced else spans.NOOP) as span:
+            # the handler and the `done` Ack in this one coroutine: each worker pays each layer
+            if cmd.deadline and time.time() > cmd.deadline:
+                ack = self._failed(ctx, None)
+            else:
+                try:
+                    fields = await self.handler(cmd, ctx)
+                except Exception as exc:
+                    ack = self._failed(ctx, exc)
+                else:
+                    ack = self._make_ack(ctx, "done", "ok", fields)
+            self.applied_seq = seq
+            self.handled += 1
+            if not traced:  # `_send_ack`'s untraced path, inline
+                data = self._remembered(cmd_id, ack)
+                try:
+                    await self.bus.nc.publish(self._ack_prefix + cmd_id, data)
+                except nats.errors.Error as exc:
+                    self._not_sent(cmd_id, exc)
+            else:
+                await self._send_traced(span, ack)
         if ctx._after_done:
             for fn in ctx._after_done:
                 fn()
 
-    async def _outcome(self, cmd: Command, ctx: CommandContext) -> Ack:
-        """Run the handler (unless past its deadline); its `done` Ack, counted."""
-        if cmd.deadline and time.time() > cmd.deadline:
-            ack = self._make_ack(ctx, "done", "error", None, code=ErrorCode.DEADLINE_EXCEEDED,
-                                 message=f"{op_of(cmd)} arrived "
-                                 f"{time.time() - cmd.deadline:.3f}s after its deadline; "
-                                 "not applied")
+    def _failed(self, ctx: CommandContext, exc: Exception | None) -> Ack:
+        """The error `done` Ack of a command past its deadline (`exc` None) or whose handler
+        raised `exc`, counted."""
+        cmd = ctx.cmd
+        code: str
+        if exc is None:
+            code, message = ErrorCode.DEADLINE_EXCEEDED, (
+                f"{op_of(cmd)} arrived {time.time() - cmd.deadline:.3f}s after its deadline; "
+                "not applied")
+        elif isinstance(exc, CommandFailed):
+            code, message = exc.code, str(exc)
         else:
-            try:
-                fields = await self.handler(cmd, ctx)
-            except CommandFailed as exc:
-                ack = self._make_ack(ctx, "done", "error", None, code=exc.code,
-                                     message=str(exc))
-            except Exception as exc:
-                log.exception("handler of %s %s failed on %s", op_of(cmd), cmd.cmd_id,
-                              self.worker_id)
-                ack = self._make_ack(ctx, "done", "error", None, code=ErrorCode.HANDLER_ERROR,
-                                     message=f"{type(exc).__name__}: {exc}")
-            else:
-                ack = self._make_ack(ctx, "done", "ok", fields)
-        self.applied_seq = cmd.seq
-        self.handled += 1
-        if ack.status != "ok":
-            instruments.current.errors.add(1, {"code": ack.error_code,
-                                               spans.WORKER_ID: self.worker_id})
-        return ack
+            log.error("handler of %s %s failed on %s", op_of(cmd), cmd.cmd_id, self.worker_id,
+                      exc_info=exc)
+            code, message = ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}"
+        instruments.current.errors.add(1, {"code": code, spans.WORKER_ID: self.worker_id})
+        return self._make_ack(ctx, "done", "error", None, code=code, message=message)
+
+    async def _send_traced(self, span: Span, ack: Ack) -> None:
+        if span.is_recording():
+            span.set_attributes({spans.WEIGHT_VERSION: ack.weight_version,
+                                 "rlfabric.ack.status": ack.status})
+            if ack.status != "ok":
+                span.set_status(StatusCode.ERROR, f"{ack.error_code}: {ack.error_message}")
+        await self._send_ack(ack.cmd_id, ack, traced=True)
 
     async def _reject(self, subject: str, headers: dict[str, str] | None,
-                      exc: SchemaError) -> None:
+                      exc: Exception) -> None:
         self.rejected += 1
         cmd_id = (headers or {}).get(CMD_ID_HEADER, "")
         code = (ErrorCode.UNKNOWN_SCHEMA_VERSION if isinstance(exc, UnknownSchemaVersion)

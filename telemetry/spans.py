@@ -42,6 +42,8 @@ CMD_SEQ = "rlfabric.cmd.seq"
 STEP = "rlfabric.step"
 
 _NOOP: contextlib.nullcontext[Span] = contextlib.nullcontext(trace.INVALID_SPAN)
+#: what every helper here returns while tracing is off (for a site that skips the helper)
+NOOP = _NOOP
 _configured: Tracer | None = None
 _global: Tracer | None = None  # the application's own, when it set a TracerProvider
 _global_checked = -math.inf
@@ -72,6 +74,10 @@ def tracer() -> Tracer | None:
 
 
 def enabled() -> bool:
+    if _configured is not None:
+        return True
+    if time.monotonic() - _global_checked <= GLOBAL_RECHECK_S:  # `tracer()`'s, asked per message
+        return _global is not None
     return tracer() is not None
 
 

@@ -97,7 +97,8 @@ def test_every_path_answers_in_every_block_with_every_fleet_up(monkeypatch) -> N
     monkeypatch.setattr(control, "IDLE_SETTLE_S", 0.0)
     rows = anyio.run(run, [2], 20, 2, 0, 4)
     by_path = {r["path"]: r for r in rows}
-    assert set(by_path) == {"rlfabric", "nats-py floor", "aiohttp", "httpx"}
+    assert set(by_path) == {"rlfabric", "nats-py floor", "nats-py floor, same work", "aiohttp",
+                            "httpx"}
     for r in rows:
         assert r["responders"] == 2 and r["blocks"] == 4, r
         assert r["rounds"] == 20, r

@@ -18,6 +18,7 @@ from rlfabric.schemas import (
     codec_for,
     encode,
     headers,
+    op_of,
 )
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
@@ -206,6 +207,27 @@ async def test_expired_command_is_refused_not_run(fabric) -> None:
         await acks.until(lambda: len(acks) == 1)
         assert acks[0].error_code == "deadline_exceeded"
         assert rec.ran == []
+
+
+async def test_a_handler_that_raises_is_answered_with_its_error_and_the_next_runs(
+        fabric) -> None:
+    async def flaky(cmd, ctx) -> None:
+        if isinstance(cmd, Pause):
+            raise RuntimeError("engine fell over")
+
+    async with fabric() as (bus, _watcher, _bc, tg):
+        r = CommandReceiver(bus, "w1", flaky)
+        await tg.start(r.run)
+        cmds = [Pause(cmd_id=new_cmd_id()), Resume(cmd_id=new_cmd_id())]
+        acks = await _collect(bus, bus.subjects.ack_all, Ack)
+        for cmd in cmds:
+            await bus.js.publish(bus.subjects.control(op_of(cmd)), encode(cmd),
+                                 headers=headers({CMD_ID_HEADER: cmd.cmd_id}))
+        await acks.until(lambda: len(acks) == 2)
+        assert [(a.cmd_id, a.status, a.error_code) for a in acks] == [
+            (cmds[0].cmd_id, "error", "handler_error"), (cmds[1].cmd_id, "ok", "")]
+        assert acks[0].error_message == "RuntimeError: engine fell over"
+        assert r.handled == 2 and r.applied_seq == r.next_seq - 1
 
 
 async def test_a_handler_running_from_its_live_copy_has_ended_when_the_receiver_stops(
