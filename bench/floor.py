@@ -115,7 +115,8 @@ async def _control(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> li
 
 class _Remembered:
     """What one same-work responder keeps: the sequence it applies next, and its last
-    `REMEMBER` commands (sequence -> id, id -> its encoded acks)."""
+    `REMEMBER` commands (sequence -> id, id -> its encoded acks). Nothing here reads
+    `seq_ids` (the floor answers no probes): it is kept for what keeping it costs a receiver."""
 
     __slots__ = ("me", "next_seq", "sent", "seq_ids")
 

@@ -41,9 +41,8 @@ CMD_OP = "rlfabric.cmd.op"
 CMD_SEQ = "rlfabric.cmd.seq"
 STEP = "rlfabric.step"
 
-_NOOP: contextlib.nullcontext[Span] = contextlib.nullcontext(trace.INVALID_SPAN)
 #: what every helper here returns while tracing is off (for a site that skips the helper)
-NOOP = _NOOP
+NOOP: contextlib.nullcontext[Span] = contextlib.nullcontext(trace.INVALID_SPAN)
 _configured: Tracer | None = None
 _global: Tracer | None = None  # the application's own, when it set a TracerProvider
 _global_checked = -math.inf
@@ -87,7 +86,7 @@ def span(name: str, *, attributes: Mapping[str, Any] | None = None,
     """A span, current inside the block; a child of `parent` or of the current span."""
     t = tracer()
     if t is None:
-        return _NOOP
+        return NOOP
     return t.start_as_current_span(name, context=parent, kind=kind, attributes=attributes)
 
 
@@ -97,7 +96,7 @@ def producer_span(subject: str, *, message_id: str = "",
     """`send <subject>`: putting a message on the bus (and, for a stored one, until stored)."""
     t = tracer()
     if t is None:
-        return _NOOP
+        return NOOP
     return t.start_as_current_span(f"send {subject}", kind=SpanKind.PRODUCER,
                                    attributes=_messaging(subject, "send", message_id, attributes))
 
@@ -127,7 +126,7 @@ def consumer_span(subject: str, headers: Mapping[str, str] | None, *, message_id
     (its `traceparent` header)."""
     t = tracer()
     if t is None:
-        return _NOOP
+        return NOOP
     return t.start_as_current_span(
         f"process {subject}", kind=SpanKind.CONSUMER, context=parent_of(headers),
         attributes=_messaging(subject, "process", message_id, attributes))
