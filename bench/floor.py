@@ -124,7 +124,7 @@ class _Remembered:
         self.me = me
         self.next_seq = 0
         self.seq_ids: OrderedDict[int, str] = OrderedDict()
-        self.sent: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()
+        self.sent: OrderedDict[str, bytes] = OrderedDict()  # as `CommandReceiver`: one ack
 
 
 async def _control_same_work(args: argparse.Namespace, nc: nats.NATS) -> list[Any]:
@@ -149,8 +149,7 @@ async def _control_same_work(args: argparse.Namespace, nc: nats.NATS) -> list[An
                 st.seq_ids.popitem(last=False)
             sent = st.sent.get(cmd_id)
             if sent is not None:  # stored twice: answered as the first time
-                for data in sent:
-                    await nc.publish(acks + cmd_id, data)
+                await nc.publish(acks + cmd_id, sent)
                 return
             t0 = time.monotonic()
             late = cmd.deadline and time.time() > cmd.deadline
@@ -159,7 +158,7 @@ async def _control_same_work(args: argparse.Namespace, nc: nats.NATS) -> list[An
                       weight_version=-1, weights_checksum="sim--1",
                       elapsed_s=time.monotonic() - t0)
             data = enc.encode(ack)
-            st.sent[cmd_id] = (data,)
+            st.sent[cmd_id] = data
             if len(st.sent) > REMEMBER:
                 st.sent.popitem(last=False)
             await nc.publish(acks + cmd_id, data)

@@ -232,11 +232,18 @@ class MembershipWatcher:
         self._codec = codec_for(WorkerInfo)
         self._beats_codec = codec_for(Beats)
         self._flood = RateLimited(log)
+        # the member ids in order and their fingerprint, kept from one join or leave to the
+        # next: a broadcast takes a snapshot, and sorting a large fleet's ids each time costs
+        self._order: tuple[tuple[str, ...], str] | None = None
 
     def snapshot(self) -> MembershipSnapshot:
-        members = tuple(self.members[k] for k in sorted(self.members))
-        return MembershipSnapshot(epoch=self.epoch, fingerprint=fingerprint(self.members),
-                                  members=members)
+        if self._order is None:
+            ids = tuple(sorted(self.members))
+            self._order = (ids, fingerprint(ids))
+        ids, digest = self._order
+        members = self.members
+        return MembershipSnapshot(epoch=self.epoch, fingerprint=digest,
+                                  members=tuple(members[k] for k in ids))
 
     def changed(self) -> anyio.Event:
         """An event set at the next join, leave or member update (take it before checking the
@@ -245,6 +252,7 @@ class MembershipWatcher:
 
     def _set_changed(self) -> None:
         self.epoch += 1
+        self._order = None
         self._changed.fire()
         for sig in tuple(self._joins_leaves):
             sig.fire()

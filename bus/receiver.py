@@ -51,11 +51,11 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
-from opentelemetry.trace import Span, StatusCode
+from opentelemetry.trace import StatusCode
 
 from rlfabric.bus.errors import READ_FAILED, TRANSIENT, CommandFailed
 from rlfabric.bus.session import Bus
-from rlfabric.bus.subjects import Subjects, check_token, is_token
+from rlfabric.bus.subjects import check_token, is_token
 from rlfabric.concurrency.ratelimit import RateLimited
 from rlfabric.concurrency.sync import Signal, wait_any
 from rlfabric.schemas import (
@@ -132,7 +132,10 @@ class CommandReceiver:
         self.state = state
         self.poll = poll
         self.poll_max = max(poll, poll_max)
-        self._sent: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()  # cmd_id -> its acks
+        # cmd_id -> its encoded acks: one (most commands) as is, two (two-phase) in a tuple.
+        # Not a tuple of one: the garbage collector tracks tuples, and one kept per command
+        # makes it run often on a busy worker.
+        self._sent: OrderedDict[str, bytes | tuple[bytes, ...]] = OrderedDict()
         self._seq_ids: OrderedDict[int, str] = OrderedDict()  # seq -> cmd_id, for re-sends
         self._remember = remember
         self._buffer = buffer
@@ -141,6 +144,8 @@ class CommandReceiver:
         self._ack_codec = codec_for(Ack)
         self._encode_ack = self._ack_codec.encode_raw
         self._ack_prefix = bus.subjects.ack_prefix
+        self._major = f".{SCHEMA_MAJOR}"  # a live copy's subject, less its seq, ends with it
+        self._cut = -len(self._major)
         #: the control-stream sequence applied next
         self.next_seq = 0
         #: the control stream's last sequence when `run` started (commands up to it are not
@@ -212,11 +217,11 @@ class CommandReceiver:
         data = self._encode_ack(ack)
         sent = self._sent.get(cmd_id)
         if sent is None:  # the first ack of a command: it is remembered from now on
-            self._sent[cmd_id] = (data,)
+            self._sent[cmd_id] = data
             if len(self._sent) > self._remember:
                 self._sent.popitem(last=False)
         else:
-            self._sent[cmd_id] = (*sent, data)
+            self._sent[cmd_id] = (sent, data) if isinstance(sent, bytes) else (*sent, data)
         return data
 
     async def _publish_ack(self, subject: str, data: bytes, cmd_id: str,
@@ -236,7 +241,8 @@ class CommandReceiver:
     async def _resend(self, cmd_id: str) -> None:
         subject = self.bus.subjects.ack(cmd_id)
         headers = self.bus.headers() if spans.enabled() else None
-        for data in self._sent.get(cmd_id, ()):
+        sent = self._sent.get(cmd_id, ())
+        for data in (sent,) if isinstance(sent, bytes) else sent:
             await self._publish_ack(subject, data, cmd_id, headers)
 
     # ---- the loop ----
@@ -299,27 +305,29 @@ class CommandReceiver:
             self._sync_queued = self._enqueue((0, "", None))
 
     async def _on_live(self, msg: Msg) -> None:
-        parts = Subjects.live_parts(msg.subject)
-        if parts is None or parts[1] != SCHEMA_MAJOR:
+        # `<prefix>.live.<op>.<major>.<seq>`, parsed here rather than by `Subjects.live_parts`:
+        # each worker parses each copy
+        head, _, seq_text = msg.subject.rpartition(".")
+        if not (head.endswith(self._major) and seq_text.isdecimal()):
             self._flood.warning("%s: a live command on %s is not a live copy of schema %d.x; "
                                 "reading the stream instead", self.worker_id, msg.subject,
                                 SCHEMA_MAJOR)
             self._sync()
             return
-        subject, _, seq = parts
+        seq = int(seq_text)
         queue = self._queue  # None: stopped
         if seq == self.next_seq and not self._busy and queue is not None and not queue:
             # in order, nothing before it waiting: applied here, in nats-py's task for this
             # subscription (its next live copy waits meanwhile; pings have their own)
             self._busy = True
             try:
-                await self._apply(seq, subject, msg.data, msg.headers, "live")
+                await self._apply(seq, head[:self._cut], msg.data, msg.headers, "live")
             finally:
                 self._busy = False
                 if self._queue is None or self._queue:  # stopping, or queued meanwhile
                     self._queued.fire()
             return
-        if seq >= self.next_seq and not self._enqueue((seq, subject, msg)):
+        if seq >= self.next_seq and not self._enqueue((seq, head[:self._cut], msg)):
             self._sync()  # we are slow (the queue is full): the stream has it
 
     async def _on_ping(self, msg: Msg) -> None:
@@ -396,9 +404,10 @@ class CommandReceiver:
                 cmd = self._decode_raw(data)
             else:
                 cmd = self._codec.decode(data, headers, subject=subject)
-            if not is_token(cmd.cmd_id):  # its acks could not be sent: not a command
+            cmd_id = cmd.cmd_id
+            if not is_token(cmd_id):  # its acks could not be sent: not a command
                 raise MalformedMessage(
-                    f"command cmd_id {cmd.cmd_id[:80]!r} on {subject!r} cannot name its ack "
+                    f"command cmd_id {cmd_id[:80]!r} on {subject!r} cannot name its ack "
                     "subject: 1-64 characters from A-Z a-z 0-9 _ -", subject=subject,
                     type_name="Command")
         except (SchemaError, *DECODE_ERRORS) as exc:
@@ -411,7 +420,6 @@ class CommandReceiver:
         self.next_seq = seq + 1
         if path == "live":
             self.applied_live += 1
-        cmd_id = cmd.cmd_id
         msgspec.structs.force_setattr(cmd, "seq", seq)  # decoded here: no one else holds it
         seq_ids = self._seq_ids
         seq_ids[seq] = cmd_id
@@ -421,34 +429,49 @@ class CommandReceiver:
             await self._resend(cmd_id)
             return
         ctx = CommandContext(self, cmd)
-        traced = spans.enabled()  # if not, not even the span's attributes are built
-        with (spans.consumer_span(subject, headers, message_id=cmd_id, attributes={
-                spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd_id, spans.CMD_OP: op_of(cmd),
-                spans.CMD_SEQ: seq, "rlfabric.cmd.path": path})  # how it came
-              if traced else spans.NOOP) as span:
-            # the handler and the `done` Ack in this one coroutine: each worker pays each layer
-            if cmd.deadline and time.time() > cmd.deadline:
-                ack = self._failed(ctx, None)
-            else:
-                try:
-                    fields = await self.handler(cmd, ctx)
-                except Exception as exc:
-                    ack = self._failed(ctx, exc)
-                else:
-                    ack = self._make_ack(ctx, "done", "ok", fields)
+        if spans.enabled():
+            await self._apply_traced(ctx, subject, headers, path)
+        else:  # no span: `_send_ack`'s untraced path, inline (each worker pays each layer)
+            ack = await self._outcome(ctx)
             self.applied_seq = seq
             self.handled += 1
-            if not traced:  # `_send_ack`'s untraced path, inline
-                data = self._remembered(cmd_id, ack)
-                try:
-                    await self.bus.nc.publish(self._ack_prefix + cmd_id, data)
-                except nats.errors.Error as exc:
-                    self._not_sent(cmd_id, exc)
-            else:
-                await self._send_traced(span, ack)
+            data = self._remembered(cmd_id, ack)
+            try:
+                await self.bus.nc.publish(self._ack_prefix + cmd_id, data)
+            except nats.errors.Error as exc:
+                self._not_sent(cmd_id, exc)
         if ctx._after_done:
             for fn in ctx._after_done:
                 fn()
+
+    async def _apply_traced(self, ctx: CommandContext, subject: str,
+                            headers: dict[str, str] | None, path: str) -> None:
+        """`_apply`'s handler and `done` Ack inside the command's `process` span."""
+        cmd = ctx.cmd
+        with spans.consumer_span(subject, headers, message_id=cmd.cmd_id, attributes={
+                spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd.cmd_id,
+                spans.CMD_OP: op_of(cmd), spans.CMD_SEQ: cmd.seq,
+                "rlfabric.cmd.path": path}) as span:  # how it came
+            ack = await self._outcome(ctx)
+            self.applied_seq = cmd.seq
+            self.handled += 1
+            if span.is_recording():
+                span.set_attributes({spans.WEIGHT_VERSION: ack.weight_version,
+                                     "rlfabric.ack.status": ack.status})
+                if ack.status != "ok":
+                    span.set_status(StatusCode.ERROR, f"{ack.error_code}: {ack.error_message}")
+            await self._send_ack(cmd.cmd_id, ack, traced=True)
+
+    async def _outcome(self, ctx: CommandContext) -> Ack:
+        """The `done` Ack of a command: the handler's, or an error one (late, or it raised)."""
+        cmd = ctx.cmd
+        if cmd.deadline and time.time() > cmd.deadline:
+            return self._failed(ctx, None)
+        try:
+            fields = await self.handler(cmd, ctx)
+        except Exception as exc:
+            return self._failed(ctx, exc)
+        return self._make_ack(ctx, "done", "ok", fields)
 
     def _failed(self, ctx: CommandContext, exc: Exception | None) -> Ack:
         """The error `done` Ack of a command past its deadline (`exc` None) or whose handler
@@ -467,14 +490,6 @@ class CommandReceiver:
             code, message = ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}"
         instruments.current.errors.add(1, {"code": code, spans.WORKER_ID: self.worker_id})
         return self._make_ack(ctx, "done", "error", None, code=code, message=message)
-
-    async def _send_traced(self, span: Span, ack: Ack) -> None:
-        if span.is_recording():
-            span.set_attributes({spans.WEIGHT_VERSION: ack.weight_version,
-                                 "rlfabric.ack.status": ack.status})
-            if ack.status != "ok":
-                span.set_status(StatusCode.ERROR, f"{ack.error_code}: {ack.error_message}")
-        await self._send_ack(ack.cmd_id, ack, traced=True)
 
     async def _reject(self, subject: str, headers: dict[str, str] | None,
                       exc: Exception) -> None:

@@ -224,11 +224,12 @@ def _tag_of(kind: type[_Command]) -> str:
 # ---- acknowledgements -----------------------------------------------------------------------
 
 
-class Ack(Message, frozen=True, kw_only=True):
+class Ack(Message, frozen=True, kw_only=True, gc=False):
     """A worker's answer to one command. Two-phase commands (collective updates, transport
     init) send `phase="ready"` once posted, then `phase="done"`. `weight_version` and
     `weights_checksum` are what the worker serves after applying the command; `detail` carries
-    op-specific results (e.g. `describe`)."""
+    op-specific results (e.g. `describe`). Not tracked by the garbage collector (it holds no
+    reference back to anything): a sender keeps one per worker until its quorum is in."""
 
     cmd_id: str
     worker_id: str
