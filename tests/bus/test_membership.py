@@ -27,13 +27,16 @@ async def test_join_heartbeat_update_and_clean_leave(fabric) -> None:
             await reg.flush()
             info = (await bus.fleet.members())["w1"]
             assert info.state == "ready" and info.weight_version == 3
+            # an update is no join: the same order and fingerprint, the member's new info
+            snap = await watcher.wait_until(lambda s: s.members[0].state == "ready", timeout=5)
+            assert (snap.epoch, snap.fingerprint) == (e0 + 1, fingerprint(["w1"]))
             assert await bus.fleet.ping("w1") == "alive"
             epoch_before_beats = watcher.snapshot().epoch
             await anyio.sleep(reg.heartbeat * 2.5)  # heartbeats land; they are not joins
             assert watcher.snapshot().epoch == epoch_before_beats
             tg.cancel_scope.cancel()  # a clean exit deletes the key
         snap = await watcher.wait_until(lambda s: s.worker_ids == (), timeout=5)
-        assert snap.epoch == e0 + 2
+        assert (snap.epoch, snap.fingerprint) == (e0 + 2, fingerprint([]))
         assert await bus.fleet.members() == {}
         assert await bus.fleet.ping("w1") == "dead"
 
