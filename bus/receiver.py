@@ -55,7 +55,7 @@ from opentelemetry.trace import StatusCode
 
 from rlfabric.bus.errors import READ_FAILED, TRANSIENT, CommandFailed
 from rlfabric.bus.session import Bus
-from rlfabric.bus.subjects import check_token, is_token
+from rlfabric.bus.subjects import Subjects, check_token, is_token
 from rlfabric.concurrency.ratelimit import RateLimited
 from rlfabric.concurrency.sync import Signal, wait_any
 from rlfabric.schemas import (
@@ -144,8 +144,6 @@ class CommandReceiver:
         self._ack_codec = codec_for(Ack)
         self._encode_ack = self._ack_codec.encode_raw
         self._ack_prefix = bus.subjects.ack_prefix
-        self._major = f".{SCHEMA_MAJOR}"  # a live copy's subject, less its seq, ends with it
-        self._cut = -len(self._major)
         #: the control-stream sequence applied next
         self.next_seq = 0
         #: the control stream's last sequence when `run` started (commands up to it are not
@@ -305,29 +303,27 @@ class CommandReceiver:
             self._sync_queued = self._enqueue((0, "", None))
 
     async def _on_live(self, msg: Msg) -> None:
-        # `<prefix>.live.<op>.<major>.<seq>`, parsed here rather than by `Subjects.live_parts`:
-        # each worker parses each copy
-        head, _, seq_text = msg.subject.rpartition(".")
-        if not (head.endswith(self._major) and seq_text.isdecimal()):
+        parts = Subjects.live_parts(msg.subject)
+        if parts is None or parts[1] != SCHEMA_MAJOR:
             self._flood.warning("%s: a live command on %s is not a live copy of schema %d.x; "
                                 "reading the stream instead", self.worker_id, msg.subject,
                                 SCHEMA_MAJOR)
             self._sync()
             return
-        seq = int(seq_text)
+        subject, _, seq = parts
         queue = self._queue  # None: stopped
         if seq == self.next_seq and not self._busy and queue is not None and not queue:
             # in order, nothing before it waiting: applied here, in nats-py's task for this
             # subscription (its next live copy waits meanwhile; pings have their own)
             self._busy = True
             try:
-                await self._apply(seq, head[:self._cut], msg.data, msg.headers, "live")
+                await self._apply(seq, subject, msg.data, msg.headers, "live")
             finally:
                 self._busy = False
                 if self._queue is None or self._queue:  # stopping, or queued meanwhile
                     self._queued.fire()
             return
-        if seq >= self.next_seq and not self._enqueue((seq, head[:self._cut], msg)):
+        if seq >= self.next_seq and not self._enqueue((seq, subject, msg)):
             self._sync()  # we are slow (the queue is full): the stream has it
 
     async def _on_ping(self, msg: Msg) -> None:
