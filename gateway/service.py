@@ -1,8 +1,7 @@
 """The gateway's work, apart from HTTP: a chat or completion request becomes a rollout request
 on the bus (its prompt from the session's exact tokens, `splice.plan`), its results become
 OpenAI's response shapes (or a stream of chunks while the worker samples), and the turn's
-record is sent to the session's log before the response ends (stored meanwhile:
-`SessionStore.record`)."""
+record is stored in the session's log before the response ends (`SessionStore.record`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Sessions as one gateway holds them: a cache of folded session logs over the bus.
 
-- A turn's record is sent before its response and stored meanwhile (`record`); the session's
-  next turn here waits for that write. A write that fails is logged and counted, and the
-  session is read back from the bus at its next turn.
+- A turn's record is stored before its response goes out (`record`), so a gateway killed
+  after answering has lost no turn. A write that fails is logged and counted, and the session
+  is read back from the bus at its next turn.
 - Every gateway hears the records others append (core NATS, the writer in a header, no payload
   decoded) and marks its copy stale; a stale or unknown session is read from the bus before it
   is planned (`open`). So consecutive turns of a session on one gateway cost no read, and turns
@@ -196,8 +196,8 @@ class SessionStore:
         with anyio.move_on_after(self.wait_timeout):
             await s.written.wait()
             return
-        raise APIError(503, f"session {s.session_id!r}: its previous turn is not stored yet "
-                       f"after {self.wait_timeout:g} s (the bus is not answering); retry",
+        raise APIError(503, f"session {s.session_id!r}: its last turn is not stored after "
+                       f"{self.wait_timeout:g} s (the bus is not answering); retry",
                        code=ErrorCode.BUS_UNAVAILABLE)
 
     async def refresh(self, s: Session) -> bool:
@@ -220,10 +220,11 @@ class SessionStore:
 
     async def record(self, s: Session, record: SessionRecord, *, planned_on: int,
                      prompt_text: str | None = None) -> None:
-        """Send `record` as the session's next one and apply it; it is stored meanwhile (the
-        next turn here waits for that). `planned_on`: `s.changes` when the turn was planned;
-        `SessionConflict` if the session moved since (another turn of it came first, or the
-        write of the turn it extends failed)."""
+        """Apply `record` as the session's next one and store it; returns once it is stored,
+        or its write failed (logged and counted; the session is read back at its next turn).
+        `planned_on`: `s.changes` when the turn was planned; `SessionConflict` if the session
+        moved since (another turn of it came first, or the write of the turn it extends
+        failed)."""
         await self._stored(s)
         if s.changes != planned_on:
             raise SessionConflict(f"session {s.session_id!r} had another turn while this one "
@@ -235,7 +236,10 @@ class SessionStore:
         self.resize(s)
         written = s.written = anyio.Event()
         assert self._tg is not None, "SessionStore.run is not running"
+        # settled apart from the request (its client may go away), and waited for: a gateway
+        # killed after its response has lost no turn
         self._tg.start_soon(self._settle, s, stored, written, record)
+        await self._stored(s)
 
     async def _settle(self, s: Session, stored: Callable[[], Awaitable[int]],
                       written: anyio.Event, record: SessionRecord) -> None:
