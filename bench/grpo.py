@@ -35,12 +35,12 @@ def main(args: argparse.Namespace) -> int:
             s = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append({"mode": mode, "workers": args.workers, "steps": args.steps,
                      "steps_s": s["steps_per_s"], "tokens_s": s["tokens_per_s"],
-                     "reward_last": s["reward_last"], "mismatch_mean": s["mismatch_mean"]})
+                     "reward_final": s["reward_final"], "mismatch_mean": s["mismatch_mean"]})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(table(rows, [("mode", "mode", ""), ("workers", "workers", ""), ("steps", "steps", ""),
                        ("steps_s", "steps/s", ".2f"), ("tokens_s", "tokens/s", ".0f"),
-                       ("reward_last", "final reward", ".3f"),
+                       ("reward_final", "final reward", ".3f"),
                        ("mismatch_mean", "mismatch", ".1e")]))
     return 0

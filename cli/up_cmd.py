@@ -1,7 +1,8 @@
 """`rlfabric up`: the whole loop on one machine. An embedded NATS server, N worker processes
 serving the tiny model, and the reference GRPO loop training it on a toy task, with a live
-view, a summary table and a plot. Exit 0 only if the reward rose past the threshold and every
-worker ended on the final weight version.
+view, a summary table and a plot. Exit 0 only if the final reward (the mean of the last few
+steps: `trainer.config.FINAL_STEPS`) rose past the threshold and every worker ended on the
+final weight version.
 
 `--nats URL --workers-external` runs the same loop on a server and workers that already run
 (compose.yaml's trainer does); `--launcher ray` starts the workers as Ray actors in a placement
@@ -119,7 +120,8 @@ def _grpo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=d["lr"],
                    help="Adam learning rate (default %(default)s)")
     p.add_argument("--threshold", type=float, default=None,
-                   help=f"final reward needed for exit 0 (default {d['reward_threshold']}; "
+                   help=f"final reward (the mean of the last {config.FINAL_STEPS} steps) "
+                   f"needed for exit 0 (default {d['reward_threshold']}; "
                    f"{config.TOOLS_THRESHOLD} with --task tools)")
     p.add_argument("--lora", type=int, default=d["lora_rank"], metavar="RANK",
                    help="train a LoRA adapter of this rank instead of every weight, and push "
@@ -307,6 +309,7 @@ def _summary(run: _Run) -> dict[str, Any]:
     all_final = len(run.on_final) == args.workers and all(
         v == run.final for v in run.on_final.values())
     first, last = h[0].reward, h[-1].reward
+    final = sum(x.reward for x in h[-config.FINAL_STEPS:]) / len(h[-config.FINAL_STEPS:])
     plot_path = run.run_dir / "rlfabric-up.png"
     up_view.plot(h, str(plot_path),
                  f"rlfabric up: {args.workers} workers, {run.mode}, {cfg.transport} weights")
@@ -315,13 +318,14 @@ def _summary(run: _Run) -> dict[str, Any]:
     return up_view.summary_json(
         h, workers=args.workers, mode=run.mode, transport=cfg.transport,
         final_version=run.final, workers_on_final=run.on_final, all_workers_on_final=all_final,
-        reward_first=first, reward_last=last, threshold=cfg.reward_threshold,
+        reward_first=first, reward_last=last, reward_final=final,
+        threshold=cfg.reward_threshold,
         mismatch_mean=sum(mismatches) / len(mismatches) if mismatches else None,
         mismatch_max=max(mismatches) if mismatches else None,
         wall_s=run.wall, steps_per_s=len(h) / busy, tokens_per_s=sum(x.tokens for x in h) / busy,
         lora_rank=cfg.lora_rank, update_bytes=h[-1].update_bytes, full_model_bytes=run.full_bytes,
         task=args.task, **_episodes(h) if args.task == "tools" else {},
-        passed=last >= cfg.reward_threshold and last > first and all_final,
+        passed=final >= cfg.reward_threshold and final > first and all_final,
         plot=str(plot_path))
 
 
@@ -349,10 +353,10 @@ def _report(run: _Run) -> int:
     elif args.trace:
         console.print(f"no step spans in {args.trace}")
     console.print(
-        f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} (threshold "
-        f"{run.cfg.reward_threshold}); mismatch mean {summary['mismatch_mean']:.1e}, max "
-        f"{summary['mismatch_max']:.1e}; workers on final version {run.final}: "
-        f"{run.on_final}; {summary['steps_per_s']:.2f} steps/s, "
+        f"reward {summary['reward_first']:.3f} -> {summary['reward_final']:.3f} (the last "
+        f"{config.FINAL_STEPS} steps' mean; threshold {run.cfg.reward_threshold}); mismatch "
+        f"mean {summary['mismatch_mean']:.1e}, max {summary['mismatch_max']:.1e}; workers on "
+        f"final version {run.final}: {run.on_final}; {summary['steps_per_s']:.2f} steps/s, "
         f"{summary['tokens_per_s']:.0f} tokens/s; {run.wall:.1f}s in all; each update pushed "
         f"{summary['update_bytes']:,} bytes (the whole model: {run.full_bytes:,})")
     console.print(f"plot: {summary['plot']}\nsummary: {run.run_dir / 'summary.json'}")

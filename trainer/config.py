@@ -14,6 +14,9 @@ ASYNC_STEPS = 30
 #: right one, 0.4, come later and when varies from run to run: `rlfabric.trainer.tools`)
 TOOLS_STEPS = 30
 TOOLS_THRESHOLD = 0.35
+#: `rlfabric up` judges the mean reward of its last this many steps against the threshold: one
+#: step's reward moves by 0.1-0.25 between neighbouring steps of a run that has learned
+FINAL_STEPS = 3
 
 
 @dataclass(kw_only=True, slots=True)
