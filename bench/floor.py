@@ -60,6 +60,7 @@ class FloorRequest(msgspec.Struct, array_like=True):
     request_id: str
     prompt: bytes  # int32 token ids
     max_tokens: int
+    seed: int = 0  # the bench request's: the same tokens as every other row samples
 
 
 class FloorResult(msgspec.Struct, array_like=True):
@@ -224,7 +225,7 @@ async def _rollout(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> li
 async def _engine_server(args: argparse.Namespace, tg: TaskGroup
                          ) -> Callable[[list[FloorRequest]], Awaitable[list[FloorResult]]]:
     """`args.engine` running in this process; returns what serves one message's requests
-    through one `generate_many` call (seeded by their position, as the bench's requests are)."""
+    through one `generate_many` call (each with its bench request's seed)."""
     from rlfabric.engines import make_engine, registry
     from rlfabric.engines.protocol import ServesMany
     from rlfabric.schemas import PackedI32, RolloutRequest, SamplingParams
@@ -242,8 +243,8 @@ async def _engine_server(args: argparse.Namespace, tg: TaskGroup
     async def serve(reqs: list[FloorRequest]) -> list[FloorResult]:
         todo = [RolloutRequest(request_id=r.request_id, min_weight_version=-1,
                                prompt_token_ids=PackedI32(r.prompt),
-                               sampling=SamplingParams(max_tokens=r.max_tokens, seed=i))
-                for i, r in enumerate(reqs)]
+                               sampling=SamplingParams(max_tokens=r.max_tokens, seed=r.seed))
+                for r in reqs]
         out = []
         async for res in engine.generate_many(todo, worker_id="floor"):
             out.append(FloorResult(request_id=res.request_id,

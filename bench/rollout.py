@@ -281,7 +281,8 @@ class _FloorClient:
         self.waiting[req.request_id] = ev
         self.queue.append(FloorRequest(request_id=req.request_id,
                                        prompt=req.prompt_token_ids.tobytes(),
-                                       max_tokens=req.sampling.max_tokens))
+                                       max_tokens=req.sampling.max_tokens,
+                                       seed=req.sampling.seed or 0))
         self.queued.set()
         await ev.wait()
         return self.tokens.pop(req.request_id)

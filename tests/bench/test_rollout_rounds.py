@@ -95,3 +95,18 @@ def test_a_queue_deeper_than_the_workers_capacity_is_served_by_every_path() -> N
         assert (r["requests"], r["concurrency"]) == (300, 128), r
         assert (r["worker_capacity"], r["prefetch"]) == (64, 64), r
         assert r["results_s"] > 0 and r["tokens_s"] == pytest.approx(4 * r["results_s"]), r
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_every_path_samples_the_same_tokens_with_the_torch_engine() -> None:
+    # the same workload for each row: each request's seed reaches its engine on every path,
+    # so requests end (at EOS or the limit) alike and tokens per request are equal
+    rows = anyio.run(functools.partial(run, ["torch"], [1], 0.25, rounds=1))
+    per_request = {r["path"]: r["tokens_s"] / r["results_s"] for r in rows}
+    assert set(per_request) == {"direct", "http", "rlfabric", "nats-py floor"}
+    assert all(r["requests"] == 96 for r in rows), rows
+    # some requests end early at EOS: a path whose seeds differed would differ here
+    assert per_request["direct"] < 16
+    assert all(v == pytest.approx(per_request["direct"], abs=1e-9)
+               for v in per_request.values()), per_request
