@@ -54,10 +54,11 @@ def test_tools_task_trains_an_agent_through_the_gateway_on_its_trajectories(
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    first, last = summary["steps"][0], summary["steps"][-1]
     assert summary["reward_first"] < 0.2 <= summary["threshold"] == 0.35 <= summary["reward_final"]
     assert summary["mismatch_max"] is not None and summary["mismatch_max"] <= 1e-4
-    assert first["tool_calls_per_episode"] < 0.5 <= last["tool_calls_per_episode"]
+    # the last steps' mean, as the reward is judged: one step's 128 episodes move a lot
+    calls = [s["tool_calls_per_episode"] for s in summary["steps"]]
+    assert calls[0] < 0.5 <= sum(calls[-3:]) / 3
     assert 1.0 <= summary["turns_per_episode"] <= 2.0
     assert 1.0 <= summary["segments_per_episode"] < 1.1  # exact tokens: one segment, mostly
     assert set(summary["workers_on_final"].values()) == {summary["final_version"]}
