@@ -27,6 +27,10 @@ from rlfabric.bus.server import DEFAULT_MAX_PAYLOAD, EmbeddedNats
 #: metadata leader", logged when a node's leader is gone: it stepped down, or lost quorum)
 _META_LEADER = "metadata leader"
 _NO_META_LEADER = "no metadata leader"
+#: what a node logs when a port chosen for it was taken before it bound it
+_PORT_TAKEN = "address already in use"
+#: fresh starts on newly chosen ports before giving up
+_START_TRIES = 3
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -63,13 +67,22 @@ class EmbeddedCluster:
         self.host = host
         self.name = name
         self.ready_timeout = ready_timeout
-        client = [port + i for i in range(n)] if port else free_ports(n, host)
+        self._port = port
+        self._max_payload = max_payload
+        self._store_dir = store_dir
+        self._extra_config = extra_config
+        self.nodes = self._make_nodes()
+
+    def _make_nodes(self) -> list[EmbeddedNats]:
+        """The nodes, on the given client ports or on free ones, and on free route ports."""
+        n, host, store = self.n, self.host, self._store_dir
+        client = [self._port + i for i in range(n)] if self._port else free_ports(n, host)
         routes = free_ports(n, host)
-        self.nodes = [
-            EmbeddedNats(port=client[i], host=host, max_payload=max_payload,
-                         store_dir=os.path.join(store_dir, f"n{i}") if store_dir else None,
-                         extra_config=self._config(i, routes) + extra_config,
-                         ready_timeout=ready_timeout)
+        return [
+            EmbeddedNats(port=client[i], host=host, max_payload=self._max_payload,
+                         store_dir=os.path.join(store, f"n{i}") if store else None,
+                         extra_config=self._config(i, routes) + self._extra_config,
+                         ready_timeout=self.ready_timeout)
             for i in range(n)
         ]
 
@@ -90,14 +103,25 @@ class EmbeddedCluster:
         return ",".join(self.urls)
 
     def start(self) -> EmbeddedCluster:
-        try:
-            for node in self.nodes:
-                node.start()
-            self.wait_for_jetstream()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        """Start every node. A port chosen at random can be taken (by any process's connection)
+        before its node binds it: the cluster then starts again on newly chosen ports."""
+        tries = 1
+        while True:
+            try:
+                for node in self.nodes:
+                    node.start()
+                self.wait_for_jetstream()
+                return self
+            except NatsServerError as exc:
+                self.stop()
+                taken = any(_PORT_TAKEN in line for line in exc.fatal_lines)
+                if not taken or self._port or tries == _START_TRIES:
+                    raise
+                tries += 1
+                self.nodes = self._make_nodes()
+            except BaseException:
+                self.stop()
+                raise
 
     def wait_for_jetstream(self, timeout: float | None = None) -> None:
         """Block until every node knows the cluster's JetStream metadata leader and

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -137,3 +138,17 @@ async def test_provisioning_waits_for_a_node_still_joining_and_says_when_one_is_
             assert buckets.member_ttl == limits.member_ttl
     finally:
         await anyio.to_thread.run_sync(cluster.stop)
+
+
+def test_a_port_taken_before_its_node_binds_it_starts_the_cluster_on_new_ports() -> None:
+    # a chosen port can be taken by any process's connection before the node binds it
+    cluster = EmbeddedCluster(3)
+    taken = cluster.nodes[1].requested_port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with cluster:
+            ports = [node.requested_port for node in cluster.nodes]
+            assert taken not in ports and len(set(ports)) == 3
+            assert all(knows_meta_leader(node.log_lines) for node in cluster.nodes)
+    assert all(node.port is None for node in cluster.nodes)  # stopped
