@@ -15,7 +15,7 @@ ASYNC_STEPS = 30
 TOOLS_STEPS = 30
 TOOLS_THRESHOLD = 0.35
 #: `rlfabric up` judges the mean reward of its last this many steps against the threshold: one
-#: step's reward moves by 0.1-0.25 between neighbouring steps of a run that has learned
+#: step's reward is too noisy to judge a run on
 FINAL_STEPS = 3
 
 
