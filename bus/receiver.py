@@ -123,6 +123,13 @@ class CommandReceiver:
     """Run with `await tg.start(receiver.run)`: started means the live subscription is bound
     and `next_seq` read, so any command persisted afterwards reaches this worker."""
 
+    # slots: a process can hold many receivers (simulated fleets), each read every command
+    __slots__ = ("_ack_codec", "_ack_prefix", "_buffer", "_busy", "_codec", "_decode_raw",
+                 "_encode_ack", "_flood", "_major_tail", "_queue", "_queued", "_remember",
+                 "_sent", "_seq_ids", "_sync_queued", "applied_live", "applied_seq", "bus",
+                 "caught_up", "handled", "handler", "live_sub", "next_seq", "poll", "poll_max",
+                 "rejected", "start_end", "state", "stream_reads", "worker_id")
+
     def __init__(self, bus: Bus, worker_id: str, handler: Handler, *,
                  state: StateFn = lambda: (-1, ""), poll: float = 1.0,
                  poll_max: float = POLL_MAX, remember: int = 4096, buffer: int = 4096) -> None:
@@ -144,6 +151,7 @@ class CommandReceiver:
         self._ack_codec = codec_for(Ack)
         self._encode_ack = self._ack_codec.encode_raw
         self._ack_prefix = bus.subjects.ack_prefix
+        self._major_tail = f".{SCHEMA_MAJOR}"
         #: the control-stream sequence applied next
         self.next_seq = 0
         #: the control stream's last sequence when `run` started (commands up to it are not
@@ -303,14 +311,19 @@ class CommandReceiver:
             self._sync_queued = self._enqueue((0, "", None))
 
     async def _on_live(self, msg: Msg) -> None:
-        parts = Subjects.live_parts(msg.subject)
-        if parts is None or parts[1] != SCHEMA_MAJOR:
+        # `Subjects.live_parts`, inline for the common case: every worker parses every copy
+        subject = msg.subject
+        head, _, tail = subject.rpartition(".")
+        if head.endswith(self._major_tail) and tail.isdecimal():
+            subject, seq = head[:-len(self._major_tail)], int(tail)
+        elif (parts := Subjects.live_parts(subject)) is not None and parts[1] == SCHEMA_MAJOR:
+            subject, _, seq = parts
+        else:
             self._flood.warning("%s: a live command on %s is not a live copy of schema %d.x; "
                                 "reading the stream instead", self.worker_id, msg.subject,
                                 SCHEMA_MAJOR)
             self._sync()
             return
-        subject, _, seq = parts
         queue = self._queue  # None: stopped
         if seq == self.next_seq and not self._busy and queue is not None and not queue:
             # in order, nothing before it waiting: applied here, in nats-py's task for this
@@ -393,19 +406,23 @@ class CommandReceiver:
             headers = {str(k): str(v) for k, v in raw.headers.items()} if raw.headers else None
             await self._apply(raw.seq, raw.subject or "", raw.data or b"", headers, "stream")
 
+    def _decoded(self, subject: str, data: bytes, headers: dict[str, str] | None,
+                 path: str) -> Command:
+        if path == "live":  # its major was read from its subject: no header to check
+            cmd: Command = self._decode_raw(data)
+        else:
+            cmd = self._codec.decode(data, headers, subject=subject)
+        if not is_token(cmd.cmd_id):  # its acks could not be sent: not a command
+            raise MalformedMessage(
+                f"command cmd_id {cmd.cmd_id[:80]!r} on {subject!r} cannot name its ack "
+                "subject: 1-64 characters from A-Z a-z 0-9 _ -", subject=subject,
+                type_name="Command")
+        return cmd
+
     async def _apply(self, seq: int, subject: str, data: bytes,
                      headers: dict[str, str] | None, path: str) -> None:
         try:
-            if path == "live":  # its major was read from its subject: no header to check
-                cmd = self._decode_raw(data)
-            else:
-                cmd = self._codec.decode(data, headers, subject=subject)
-            cmd_id = cmd.cmd_id
-            if not is_token(cmd_id):  # its acks could not be sent: not a command
-                raise MalformedMessage(
-                    f"command cmd_id {cmd_id[:80]!r} on {subject!r} cannot name its ack "
-                    "subject: 1-64 characters from A-Z a-z 0-9 _ -", subject=subject,
-                    type_name="Command")
+            cmd = self._decoded(subject, data, headers, path)
         except (SchemaError, *DECODE_ERRORS) as exc:
             if path == "live":  # the stored command's headers say what it is
                 await self._catch_up()
@@ -414,6 +431,7 @@ class CommandReceiver:
             await self._reject(subject, headers, exc)
             return
         self.next_seq = seq + 1
+        cmd_id = cmd.cmd_id
         if path == "live":
             self.applied_live += 1
         msgspec.structs.force_setattr(cmd, "seq", seq)  # decoded here: no one else holds it
@@ -427,8 +445,25 @@ class CommandReceiver:
         ctx = CommandContext(self, cmd)
         if spans.enabled():
             await self._apply_traced(ctx, subject, headers, path)
-        else:  # no span: `_send_ack`'s untraced path, inline (each worker pays each layer)
-            ack = await self._outcome(ctx)
+        else:
+            # no span: `_outcome`, `_make_ack` and `_send_ack`'s untraced path, inline (every
+            # worker pays every layer, every command)
+            deadline = cmd.deadline
+            if deadline and time.time() > deadline:
+                ack = self._failed(ctx, None)
+            else:
+                try:
+                    fields = await self.handler(cmd, ctx)
+                except Exception as exc:
+                    ack = self._failed(ctx, exc)
+                else:
+                    if fields is None:
+                        version, checksum = self.state()
+                        ack = Ack(cmd_id=cmd_id, worker_id=self.worker_id,
+                                  weight_version=version, weights_checksum=checksum,
+                                  elapsed_s=time.monotonic() - ctx.t0)
+                    else:
+                        ack = self._make_ack(ctx, "done", "ok", fields)
             self.applied_seq = seq
             self.handled += 1
             data = self._remembered(cmd_id, ack)
