@@ -154,12 +154,12 @@ class Registration:
         server may have lost or expired it)."""
         link, nc, every = self.bus.link, self.bus.nc, self.heartbeat
         while True:
-            reconnected = link.reconnected.event()
-            await wait_any(reconnected, timeout=every - time.monotonic() % every)
+            reconnects = link.reconnects
+            await link.reconnected.wait(every - time.monotonic() % every)
             if not nc.is_connected:
                 continue  # nothing to send to; the reconnect wakes us
             await self._beater.beat(self.worker_id)
-            if (not reconnected.is_set() and time.monotonic() < self._write_at
+            if (link.reconnects == reconnects and time.monotonic() < self._write_at
                     and not self._changed()):
                 continue
             try:

@@ -34,6 +34,7 @@ Per command, in stream order:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import random
@@ -57,7 +58,7 @@ from rlfabric.bus.errors import READ_FAILED, TRANSIENT, CommandFailed
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import Subjects, check_token, is_token
 from rlfabric.concurrency.ratelimit import RateLimited
-from rlfabric.concurrency.sync import Signal, wait_any
+from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     DECODE_ERRORS,
@@ -359,18 +360,35 @@ class CommandReceiver:
         a command stored without one is a jump in the next copy's seq. Once they stop, the
         next quiet poll reads it (within two polls). A poll costs a stream read, of the worker's
         CPU and the server's: skipping them while commands flow takes them off the calls, and
-        the wait doubling while nothing comes takes them off an idle fleet."""
-        link = self.bus.link
+        the wait doubling while nothing comes takes them off an idle fleet. The poll's clock is
+        a loop timer, not a task's timed wait: a process can hold many receivers (simulated
+        fleets), and a timed wait costs several times as much CPU each time it runs out."""
+        loop = asyncio.get_running_loop()
         live, seq, wait = self.applied_live, self.next_seq, self.poll
-        while True:
-            reconnected = link.reconnected.event()
-            await wait_any(reconnected, timeout=wait * random.uniform(0.5, 1.5))
+        timer: asyncio.TimerHandle
+
+        def arm() -> asyncio.TimerHandle:
+            return loop.call_later(wait * random.uniform(0.5, 1.5), tick)
+
+        def tick() -> None:
+            nonlocal live, seq, wait, timer
             before, live = live, self.applied_live
-            if reconnected.is_set() or live == before:  # else: in step with the live copies
+            if live == before:  # else: in step with the live copies
                 self._sync()
             moved, seq = self.next_seq != seq, self.next_seq
-            wait = (self.poll if reconnected.is_set() or moved
-                    else min(2 * wait, self.poll_max))
+            wait = self.poll if moved else min(2 * wait, self.poll_max)
+            timer = arm()
+
+        timer = arm()
+        try:
+            while True:
+                await self.bus.link.reconnected.event().wait()
+                timer.cancel()
+                self._sync()
+                live, seq, wait = self.applied_live, self.next_seq, self.poll
+                timer = arm()
+        finally:
+            timer.cancel()
 
     async def _stream_end(self) -> int:
         delay = 0.05

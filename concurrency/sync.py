@@ -3,6 +3,7 @@ a task group that raises its first real error as itself."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from collections.abc import AsyncIterator
@@ -12,11 +13,13 @@ from anyio.abc import TaskGroup
 
 
 class Signal:
-    """A re-armable event: `fire()` wakes everyone waiting on the event taken before it."""
+    """A re-armable event: `fire()` wakes everyone waiting on the event taken before it, and
+    every `wait()` in progress."""
 
     def __init__(self) -> None:
         self._ev: anyio.Event | None = None  # made when first asked for: a fire nobody
         # waits on costs nothing (hot paths fire per message)
+        self._timed: set[asyncio.Future[bool]] = set()
 
     def event(self) -> anyio.Event:
         if self._ev is None:
@@ -27,6 +30,28 @@ class Signal:
         if self._ev is not None:
             self._ev.set()
             self._ev = None
+        for fut in self._timed:
+            if not fut.done():
+                fut.set_result(True)
+
+    async def wait(self, timeout: float) -> bool:
+        """Until the next `fire()` (True) or for `timeout` seconds (False). A loop timer and a
+        future, not a cancel scope: periodic loops (beats, polls) of many workers in one
+        process wait this way, and a scope that runs out costs several times as much."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bool] = loop.create_future()
+        timer = loop.call_later(timeout, _resolve, fut)
+        self._timed.add(fut)
+        try:
+            return await fut
+        finally:
+            timer.cancel()
+            self._timed.discard(fut)
+
+
+def _resolve(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(False)
 
 
 async def wait_any(*events: anyio.Event, timeout: float = math.inf) -> None:
