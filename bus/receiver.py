@@ -79,6 +79,8 @@ log = logging.getLogger("rlfabric.bus.receiver")
 #: seconds an idle worker's control-stream polls back off to, unless told
 #: (`rlfabric worker --poll-max`)
 POLL_MAX = 8.0
+#: how a live copy's subject ends before its seq: `.<schema major>`
+_MAJOR_TAIL = f".{SCHEMA_MAJOR}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -126,7 +128,7 @@ class CommandReceiver:
 
     # slots: a process can hold many receivers (simulated fleets), each read every command
     __slots__ = ("_ack_codec", "_ack_prefix", "_buffer", "_busy", "_codec", "_decode_raw",
-                 "_encode_ack", "_flood", "_major_tail", "_queue", "_queued", "_remember",
+                 "_encode_ack", "_flood", "_queue", "_queued", "_remember",
                  "_sent", "_seq_ids", "_sync_queued", "applied_live", "applied_seq", "bus",
                  "caught_up", "handled", "handler", "live_sub", "next_seq", "poll", "poll_max",
                  "rejected", "start_end", "state", "stream_reads", "worker_id")
@@ -152,7 +154,6 @@ class CommandReceiver:
         self._ack_codec = codec_for(Ack)
         self._encode_ack = self._ack_codec.encode_raw
         self._ack_prefix = bus.subjects.ack_prefix
-        self._major_tail = f".{SCHEMA_MAJOR}"
         #: the control-stream sequence applied next
         self.next_seq = 0
         #: the control stream's last sequence when `run` started (commands up to it are not
@@ -315,8 +316,8 @@ class CommandReceiver:
         # `Subjects.live_parts`, inline for the common case: every worker parses every copy
         subject = msg.subject
         head, _, tail = subject.rpartition(".")
-        if head.endswith(self._major_tail) and tail.isdecimal():
-            subject, seq = head[:-len(self._major_tail)], int(tail)
+        if head.endswith(_MAJOR_TAIL) and tail.isdecimal():
+            subject, seq = head[:-len(_MAJOR_TAIL)], int(tail)
         elif (parts := Subjects.live_parts(subject)) is not None and parts[1] == SCHEMA_MAJOR:
             subject, _, seq = parts
         else:
