@@ -36,6 +36,7 @@ from rlfabric.schemas import (
 TWO_PHASE = (InitTransport,)
 #: the commands a simulated worker acts on (the others: no engine, nothing to do but ack)
 ACTING = (UpdateWeights, *TWO_PHASE)
+_ACTING_TYPES = frozenset(ACTING)  # a set lookup per command, not an isinstance over a tuple
 
 
 class SimWorker:
@@ -51,7 +52,7 @@ class SimWorker:
         return self._state
 
     async def handle(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
-        if self.delays or isinstance(cmd, ACTING):
+        if self.delays or type(cmd) in _ACTING_TYPES:
             await self._handle(cmd, ctx)
         return None  # the ack reports `state()`
 

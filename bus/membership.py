@@ -243,7 +243,7 @@ class MembershipWatcher:
         ids, digest = self._order
         members = self.members
         return MembershipSnapshot(epoch=self.epoch, fingerprint=digest,
-                                  members=tuple(members[k] for k in ids))
+                                  members=tuple(map(members.__getitem__, ids)))
 
     def changed(self) -> anyio.Event:
         """An event set at the next join, leave or member update (take it before checking the

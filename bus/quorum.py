@@ -40,6 +40,7 @@ from rlfabric.bus.session import Bus
 from rlfabric.concurrency.sync import Signal, beside
 from rlfabric.schemas import (
     CMD_ID_HEADER,
+    DECODE_ERRORS,
     STATE_MARK_HEADER,
     Ack,
     Command,
@@ -108,30 +109,41 @@ class Fanout:
         self.b = broadcaster
         self.cmd = cmd
         self.before = before
+        #: the members it was sent to (every ack, count and report checks against them)
+        self.before_ids = frozenset(before.worker_ids)
         self.acks: dict[str, dict[str, Ack]] = {"ready": {}, "done": {}}
+        #: acks of any phase that are not ok (while none came, counts are set operations)
+        self.errors = 0
         self.dead: set[str] = set()
         self.t0 = time.monotonic()
         self._news = Signal()
         self._wake_at = 0
         self._codec = codec_for(Ack)
+        self._decode_raw = self._codec.decode_raw
+        self._record = instruments.current.ack_duration.record
         self._ok = {spans.CMD_OP: op_of(cmd), "status": "ok"}  # an ok ack's metric attributes
         self.span: Span = INVALID_SPAN  # the broadcast's `send` span, while open
+        self._recording = False  # whether `span` records (asked once, not per ack)
 
     def _on_ack(self, msg: Msg) -> None:
         try:
-            # an ack without headers answers a command its worker decoded: of our major
-            ack = self._codec.decode(msg.data, msg.headers, subject=msg.subject,
-                                     check_version=msg.headers is not None)
-        except SchemaError:
+            if msg.headers is None:  # an ack of a command its worker decoded: of our major
+                ack = self._decode_raw(msg.data)
+            else:
+                ack = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
+        except (SchemaError, *DECODE_ERRORS):
             return  # not an ack of ours; the sender's log would only be noise here
         got = self.acks[ack.phase]  # "ready" or "done": the decoder checked
         if ack.worker_id in got:
             return
         got[ack.worker_id] = ack
         elapsed = time.monotonic() - self.t0
-        instruments.current.ack_duration.record(elapsed, self._ok if ack.status == "ok" else
-                                                {**self._ok, "status": ack.status})
-        if self.span.is_recording():
+        if ack.status == "ok":
+            self._record(elapsed, self._ok)
+        else:
+            self.errors += 1
+            self._record(elapsed, {**self._ok, "status": ack.status})
+        if self._recording:
             self.span.add_event("ack", {spans.WORKER_ID: ack.worker_id, "phase": ack.phase,
                                         "status": ack.status, "elapsed_s": elapsed})
         # the waiter re-counts only when the count could meet its quorum, or on an error
@@ -161,12 +173,15 @@ class Fanout:
         """Acks of `phase` so far; `missing` is every member of the snapshot the command was
         sent to that has not answered (found dead or not)."""
         got = self._got(phase)
-        ok = sorted(w for w, a in got.items() if a.status == "ok")
-        failed = sorted(w for w, a in got.items() if a.status != "ok")
-        missing = sorted(set(self.before.worker_ids) - set(got))
+        if self.errors:
+            ok = sorted(w for w, a in got.items() if a.status == "ok")
+            failed = sorted(w for w, a in got.items() if a.status != "ok")
+        else:
+            ok, failed = sorted(got), []
+        missing = self.before_ids.difference(got)
         return FanoutReport(
             cmd_id=self.cmd.cmd_id, op=op_of(self.cmd), ok=tuple(ok), failed=tuple(failed),
-            missing=tuple(missing), dead=tuple(sorted(self.dead & set(missing))), acks=dict(got),
+            missing=tuple(sorted(missing)), dead=tuple(sorted(self.dead & missing)), acks=got,
             epoch=self.before.epoch, elapsed_s=time.monotonic() - self.t0, phase=phase,
         )
 
@@ -212,7 +227,7 @@ class Fanout:
         """Wait until `policy` is met for acks of `phase`; return the report or raise
         `QuorumNotReached` / `MembershipChanged`."""
         policy = policy or QuorumPolicy()
-        required = set(self.before.worker_ids)
+        required = set(self.before_ids)
         op = op_of(self.cmd)
         deadline = self.t0 + policy.timeout
         with self.b.watcher.firing_on_join_or_leave(self._news):
@@ -239,7 +254,7 @@ class Fanout:
                 now = self._current(self.b.watcher)
                 # a member that answered this phase and then left (a `Shutdown`) is no change
                 kept = set(now.worker_ids) | (required & set(self._got(phase)))
-                if kept != set(self.before.worker_ids):
+                if kept != self.before_ids:
                     if policy.on_membership_change == "fail":
                         rep = self.report(phase)
                         exc = MembershipChanged("", before=self.before, after=now, report=rep)
@@ -251,9 +266,7 @@ class Fanout:
                         )
                         raise exc
                     required &= kept
-            got = self._got(phase)
-            ok = sum(1 for w in required if w in got and got[w].status == "ok")
-            failed = sum(1 for w in required if w in got and got[w].status != "ok")
+            ok, failed = self._count(phase, required)
             needed = self.policy_needed(policy, len(required))
             if not self.before.members and policy.required != 0:
                 rep = self.report(phase)
@@ -264,7 +277,7 @@ class Fanout:
             if lost:
                 # lost already; still hear out the rest (up to the timeout) so the report says
                 # what happened on every worker, not just on the first that failed
-                unheard = required - set(got) - self.dead
+                unheard = required - self._got(phase).keys() - self.dead
                 if not unheard or time.monotonic() >= deadline:
                     rep = self.report(phase)
                     raise QuorumNotReached(self._why(op, phase, rep, needed, "cannot be met"),
@@ -287,6 +300,14 @@ class Fanout:
                 await news.wait()
             finally:
                 alarm.cancel()
+
+    def _count(self, phase: str, required: set[str]) -> tuple[int, int]:
+        """How many of `required` answered `phase` ok, and how many with an error."""
+        if not self.errors:  # every ack ok: a count in C, not a loop over the fleet
+            return len(required.intersection(self.acks[phase])), 0
+        got = self._got(phase)
+        ok = sum(1 for w in required if w in got and got[w].status == "ok")
+        return ok, sum(1 for w in required if w in got) - ok
 
     @staticmethod
     def policy_needed(policy: QuorumPolicy, n: int) -> int:
@@ -382,7 +403,7 @@ class Broadcaster:
                                      attributes={spans.CMD_ID: cmd.cmd_id, spans.CMD_OP: op,
                                                  "rlfabric.members": len(before.members)}
                                      ) as span:
-                fo.span = span
+                fo.span, fo._recording = span, span.is_recording()
                 fo.cmd = await self._publish(cmd)
                 span.set_attribute(spans.CMD_SEQ, fo.cmd.seq)
                 yield fo

@@ -9,10 +9,13 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Literal
 
 from rlfabric.schemas._base import Message
 from rlfabric.schemas.control import Ack, UpdateWeights
+
+_WORKER_ID = operator.attrgetter("worker_id")
 
 WorkerState = Literal["starting", "ready", "paused", "updating", "sleeping", "draining"]
 
@@ -69,7 +72,7 @@ class MembershipSnapshot(Message, frozen=True, kw_only=True):
 
     @property
     def worker_ids(self) -> tuple[str, ...]:
-        return tuple(m.worker_id for m in self.members)
+        return tuple(map(_WORKER_ID, self.members))
 
 
 class DesiredState(Message, frozen=True, kw_only=True):

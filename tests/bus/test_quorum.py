@@ -144,6 +144,13 @@ async def test_count_and_fraction_policies(fabric, sims) -> None:
             await bc.broadcast(Describe(cmd_id=new_cmd_id()), QuorumPolicy(timeout=0.8))
         assert 0.7 < time.monotonic() - t0 < 5
         assert ei.value.report.missing == ("s0",) and ei.value.report.dead == ()
+        # more than there are members: lost from the start, said at the timeout with what each
+        # member did (s0 is still busy)
+        with pytest.raises(QuorumNotReached, match=r"quorum of 5 done acks cannot be met: "
+                                                   r"3 ok; missing: s0") as ei:
+            await bc.broadcast(Describe(cmd_id=new_cmd_id()),
+                               QuorumPolicy(required=5, timeout=1.0))
+        assert ei.value.report.ok == ("f0", "f1", "f2") and ei.value.report.failed == ()
 
 
 async def test_no_members_raises(fabric) -> None:
