@@ -140,7 +140,7 @@ class Registration:
         self._written = self.info
         self._write_at = time.monotonic() + self.key_refresh
 
-    def _changed(self) -> bool:
+    def changed(self) -> bool:
         """Whether the info differs from what the key holds (a write that failed or timed
         out, a change no one flushed)."""
         info = self.refresh(self.info) if self.refresh else self.info
@@ -160,7 +160,7 @@ class Registration:
                 continue  # nothing to send to; the reconnect wakes us
             await self._beater.beat(self.worker_id)
             if (link.reconnects == reconnects and time.monotonic() < self._write_at
-                    and not self._changed()):
+                    and not self.changed()):
                 continue
             try:
                 with anyio.fail_after(max(1.0, 2 * self.heartbeat)):

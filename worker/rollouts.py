@@ -91,7 +91,10 @@ from rlfabric.telemetry import instruments, spans
 log = logging.getLogger("rlfabric.worker.rollouts")
 #: failures that are not the request's: it goes back to the stream for another try
 _HAND_BACK: tuple[type[Exception], ...] = (EngineDied, *TRANSIENT)
-#: the in-flight count reaches the membership bucket at most this often (and this late)
+#: the in-flight count reaches the membership bucket once it held this long (shorter than a
+#: batch, longer than the hand-over between two), or this long after a change when it keeps
+#: changing; and at most this often
+LOAD_SETTLE_S = 0.02
 LOAD_REPORT_S = 0.1
 
 
@@ -185,6 +188,9 @@ class RolloutServer:
         self._send: MemoryObjectSendStream[_Work] | None = None  # the lanes' queue, running
         self.ack_wait = bus.limits.rollout_ack_wait
         self.in_flight = 0
+        #: the in-flight count as the fleet is told it (`_report_load`): the live count once
+        #: it held for `LOAD_SETTLE_S`
+        self.load = 0
         #: requests in flight whose every sample is generated (their results being stored):
         #: the engine has room for another while they are
         self.storing = 0
@@ -424,17 +430,28 @@ class RolloutServer:
 
     async def _report_load(self) -> None:
         """Tell the fleet soon that we took work or went idle (heartbeats carry it later
-        anyway): at once, then at most every `LOAD_REPORT_S` (a membership write per message
-        taken cost as much as serving a null request)."""
+        anyway): once the in-flight count held for `LOAD_SETTLE_S`, or `LOAD_REPORT_S` after
+        a change if it keeps changing, and at most every `LOAD_REPORT_S`. What the members
+        key already holds is not written again: a worker busy batch after batch (idle only
+        while one batch's results go out and the next requests come in) writes nothing."""
         news = self._load.event()
         while True:
             await news.wait()
+            until = time.monotonic() + LOAD_REPORT_S
+            # changed again within LOAD_SETTLE_S (a dip undone by the next message): not
+            # settled yet
+            while self.in_flight != self.load and (left := until - time.monotonic()) > 0 \
+                    and await self._load.wait(min(LOAD_SETTLE_S, left)):
+                pass
             news = self._load.event()  # taken before the write: a change during it counts
+            self.load = self.in_flight
+            instruments.current.queue_depth.set(self.load, {spans.WORKER_ID: self.worker_id})
+            if not self.reg.changed():  # the key holds it (heartbeats retry a failed write)
+                continue
             try:
                 await self.reg.flush()
             except Exception as exc:
                 log.debug("in-flight count not published: %s", exc)
-            instruments.current.queue_depth.set(self.in_flight, {spans.WORKER_ID: self.worker_id})
             await anyio.sleep(LOAD_REPORT_S)
 
     def _streamer(self, reqs: dict[str, RolloutRequest]) -> TokenSink | None:

@@ -193,7 +193,7 @@ class Worker:
                       STATE_WRITE_S)
 
     def _refresh_info(self, info: WorkerInfo) -> WorkerInfo:
-        in_flight = self.rollouts.in_flight
+        in_flight = self.rollouts.load
         if info.in_flight == in_flight and info.weight_version == self.engine.version:
             return info
         return msgspec.structs.replace(info, in_flight=in_flight,

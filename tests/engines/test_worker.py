@@ -151,6 +151,43 @@ async def test_a_busy_client_queues_its_fair_share_per_worker_as_one_message(
     assert all(isinstance(r, RolloutResult) for r in out)
 
 
+async def test_a_load_that_flips_between_messages_is_not_written(client, workers) -> None:
+    """The in-flight count reaches the members bucket once it held (`LOAD_SETTLE_S`): a
+    worker serving a closed loop, idle only between one message's results and the next,
+    writes nothing while the loop runs (a write every `LOAD_REPORT_S` would be 15 in 1.5 s),
+    and the fleet still sees it idle after."""
+    workers(["c0"], "--capacity", "8", engine="null")
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        members = f"KV_{fabric.bus.subjects.members_bucket}"
+        served = 0
+
+        async def closed_loop(seconds: float) -> None:
+            until = time.monotonic() + seconds
+
+            async def lane(i: int) -> None:
+                nonlocal served
+                while time.monotonic() < until:
+                    out = [r async for r in fabric.generate([req(f"c{i}-{served}", [256, 1],
+                                                                 max_tokens=2)])]
+                    assert [type(r) for r in out] == [RolloutResult]
+                    served += 1
+
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(lane, i)
+
+        await closed_loop(0.5)
+        before = (await fabric.bus.js.stream_info(members)).state.last_seq
+        await closed_loop(1.5)
+        writes = (await fabric.bus.js.stream_info(members)).state.last_seq - before
+        # at most a key refresh (every member_key_ttl / 3) falls in the window
+        assert served > 200 and writes <= 1, (served, writes)
+        snap = await fabric.watcher.wait_until(lambda s: s.members[0].in_flight == 0,
+                                               timeout=5)
+    assert [m.worker_id for m in snap.members] == ["c0"]
+
+
 async def test_a_busy_clients_message_is_no_larger_than_a_worker_has_room_for(
         client, workers) -> None:
     """The fair share is bounded by the room a worker last reported: 2 workers of capacity
