@@ -168,8 +168,8 @@ async def test_a_load_that_flips_between_messages_is_not_written(client, workers
             async def lane(i: int) -> None:
                 nonlocal served
                 while time.monotonic() < until:
-                    out = [r async for r in fabric.generate([req(f"c{i}-{served}", [256, 1],
-                                                                 max_tokens=2)])]
+                    out = [r async for r in fabric.generate(
+                        [req(f"c{i}-{served}", [256, 1], max_tokens=2)], timeout=30)]
                     assert [type(r) for r in out] == [RolloutResult]
                     served += 1
 
