@@ -374,15 +374,36 @@ class RolloutPlane:
                  deltas: Literal[True], session: str | None = None,
                  ) -> AsyncIterator[RolloutReply | TokenDelta]: ...
 
-    async def generate(self, requests: Iterable[RolloutRequest], *,
-                       timeout: float | None = None, deltas: bool = False,
-                       session: str | None = None,
-                       ) -> AsyncIterator[RolloutReply | TokenDelta]:
+    def generate(self, requests: Iterable[RolloutRequest], *, timeout: float | None = None,
+                 deltas: bool = False, session: str | None = None,
+                 ) -> AsyncIterator[RolloutReply | TokenDelta]:
         """Submit `requests`, yield each sample's result (or error) once, as it comes; with
         `deltas`, also the `TokenDelta`s of those submitted with `stream` set, as they come.
         `session`: the requests are a turn of this session, routed to the worker that served
         its last turn (`Affinity`; without one, to the shared queue like the rest)."""
         reqs = list(requests)
+        if (len(reqs) == 1 and timeout is None and not deltas and not session
+                and not reqs[0].deadline and reqs[0].sampling.n == 1 and not spans.enabled()):
+            return self._generate_one(reqs[0])
+        return self._generate(reqs, timeout, deltas, session)
+
+    async def _generate_one(self, req: RolloutRequest
+                            ) -> AsyncIterator[RolloutReply | TokenDelta]:
+        """`generate` of one untimed, untraced, unrouted request of one sample (an agent
+        lane's turn): its one answer, without the steps for many, deadlines and spans."""
+        inbox = _Inbox()
+        (sent,), ticket = self._post((req,), inbox, None, inbox.stored, None)
+        try:
+            yield await inbox.get()  # no deltas were asked for: the one reply
+        finally:
+            if ticket is not None and not ticket.finished:
+                self.outbox.withdraw(ticket)  # given up before it went out: not sent
+            self._waiting.pop(sent.request_id, None)
+            if self.affinity is not None:
+                self.affinity.answered(sent.request_id)
+
+    async def _generate(self, reqs: list[RolloutRequest], timeout: float | None, deltas: bool,
+                        session: str | None) -> AsyncIterator[RolloutReply | TokenDelta]:
         total = sum(r.sampling.n for r in reqs)
         inbox = _Inbox()
         # NOTE: started, not current: an async generator's body runs in its consumer's

@@ -188,6 +188,30 @@ async def test_a_load_that_flips_between_messages_is_not_written(client, workers
     assert [m.worker_id for m in snap.members] == ["c0"]
 
 
+async def test_one_untimed_request_is_answered_once_and_forgotten_when_given_up(
+        client, workers) -> None:
+    """`generate` of one request without a deadline (an agent lane's turn): its result once,
+    nothing left awaited after; one given up on before its result leaves nothing awaited
+    either, and the next call of the same id gets its own result."""
+    workers(["g0"], engine="null")
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=60)
+        plane = fabric.rollouts
+        out = [r async for r in fabric.generate([req("one", [256, 1], max_tokens=2)])]
+        assert [(type(r), r.request_id) for r in out] == [(RolloutResult, "one")]
+        assert plane.outstanding == 0
+        assert (await fabric.pause()).ok == ("g0",)
+        with anyio.move_on_after(0.5):  # paused: no result can come; given up
+            async for r in fabric.generate([req("one", [256, 2, 2], max_tokens=2)]):
+                raise AssertionError(f"a result while paused: {r}")
+        assert plane.outstanding == 0
+        assert (await fabric.resume()).ok == ("g0",)
+        again = [r async for r in fabric.generate([req("one", [256, 3, 3, 3], max_tokens=2)])]
+        # its own prompt's result, not the given-up one's (served after the resume)
+        assert [(type(r), r.prompt_len) for r in again] == [(RolloutResult, 4)]
+        assert plane.outstanding == 0
+
+
 async def test_a_busy_clients_message_is_no_larger_than_a_worker_has_room_for(
         client, workers) -> None:
     """The fair share is bounded by the room a worker last reported: 2 workers of capacity
