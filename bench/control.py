@@ -20,15 +20,15 @@ way a slow stretch costs every path a block rather than one path its whole row. 
 starts with `SETTLE_CALLS` calls that are not measured. A row's latencies and CPU are over all
 its measured calls; `p50 / rlfabric p50` is the median over the blocks of the path's block p50
 over rlfabric's in the same block, and `p50 / floor p50` (`x_floor`) the same over the
-nats-py floor's. CPU time per call, in
-microseconds: `caller` is the calling process's (the trainer's cost), `server` the
-nats-server's (all nodes of a cluster; none for HTTP), `responders` all responder processes'
-together (Linux /proc). While another path runs, the rlfabric fleet's simulated workers are
-stopped (SIGSTOP, at most `FREEZE_MAX_S` a block; a block starts once they read as stopped,
-or `STOP_WAIT_S` after the signal), so their heartbeats and stream polls load no other row; a
-second table gives that idle cost (no calls: heartbeats, command polls, the trainer's
-membership watch), measured `IDLE_SETTLE_S` after each rlfabric fleet has joined, before any
-call and before the floor's and HTTP fleets start.
+nats-py floor's. CPU time per call, in microseconds: `caller` is the calling process's (the
+trainer's cost), `server` the nats-server's (all nodes of a cluster; none for HTTP),
+`responders` all responder processes' together (Linux: their CPU clocks). While another path
+runs, the rlfabric fleet's simulated workers are stopped (SIGSTOP, at most `FREEZE_MAX_S` a
+block; a block starts once they read as stopped, or `STOP_WAIT_S` after the signal), so their
+heartbeats and stream polls load no other row; a second table gives that idle cost (no
+calls: heartbeats, command polls, the trainer's membership watch), measured `IDLE_SETTLE_S`
+after each rlfabric fleet has joined, before any call and before the floor's and HTTP fleets
+start.
 
 With `--cluster 3`, `rlfabric` runs again on a 3-node loopback cluster (streams and buckets
 R3), in the same run. Above 250 responders the simulated workers spread over one process per

@@ -1,6 +1,6 @@
 """What an idle fleet costs the server, per worker, and what that makes at 10,000 and 100,000.
 
-Measures the nats-server's CPU (Linux /proc) per operation an idle worker sends, each at a
+Measures the nats-server's CPU (Linux: its CPU clock) per operation an idle worker sends, each at a
 steady rate from its own connection, as a fleet of single-worker processes would send them:
 - `beat`: a core-NATS `Beats` message of one worker id, delivered to one watcher;
 - `key write`: a members-bucket `put` of a `WorkerInfo` (what every worker sends every

@@ -19,8 +19,9 @@ fleet size, the same requests go through
 The CPU columns are microseconds per request, over all of a row's rounds: `client` the event
 loop of the bench's process (the lanes; for `direct` also the engine's intake, not its model
 threads), `workers` the main threads of the processes the path started (their event loops:
-not the engines' model threads, nor vLLM's EngineCore process), `nats` its nats-servers (Linux
-/proc; NaN where a path has none, for the traced row, or off Linux).
+not the engines' model threads, nor vLLM's EngineCore process), `nats` its nats-servers (Linux:
+the processes' CPU clocks and the threads' scheduler counts, to the nanosecond; NaN where a
+path has none, for the traced row, or off Linux).
 
 With `--trace DIR`, `rlfabric traced` is the rlfabric row again with OpenTelemetry spans on in
 the client and every worker, written to a file (its `spans` column counts them). Every path
