@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 JS_STREAM_NAME_IN_USE = 10058  # a stream of this name exists with another config
 JS_CONSUMER_NAME_IN_USE = 10013  # a consumer of this name exists with another config
 JS_CONSUMER_ALREADY_EXISTS = 10148  # a create-only call found the consumer already there
-JS_WRONG_LAST_SEQUENCE = 10071  # Nats-Expected-Last-Sequence did not hold
+#: Nats-Expected-Last-(Subject-)Sequence did not hold: 10071 on a stream of one copy, 10164 on a
+#: replicated one (a NATS cluster), which names no sequence
+JS_WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
 JS_NO_SUITABLE_PEERS = 10005  # fewer JetStream peers known than a stream's replicas
 
 #: what a publish or request raises while the connection or the server is coming back (a

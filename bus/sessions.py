@@ -130,7 +130,8 @@ class SessionLog:
         subject = self.bus.subjects.session(key)
         n = record.turn if isinstance(record, SessionTurn) else "end"
         hdrs = self.bus.headers({"Nats-Expected-Last-Subject-Sequence": str(expect_last),
-                                 "Nats-Msg-Id": f"{self._stream}/{key}/{expect_last}/{n}",
+                                 "Nats-Msg-Id": f"{self._stream}/{key}/{expect_last}/{n}/"
+                                                f"{self.writer}",
                                  WRITER_HEADER: self.writer})
         stored = await self.bus.stored_later(subject, encode(record), hdrs,
                                              cleared_as=self.bus.subjects.sessions_all)
@@ -139,7 +140,7 @@ class SessionLog:
             try:
                 ack = await stored()
             except APIError as exc:
-                if exc.err_code == JS_WRONG_LAST_SEQUENCE:
+                if exc.err_code in JS_WRONG_LAST_SEQUENCE:
                     raise SessionConflict(
                         f"session {record.session_id!r} has a turn this gateway did not see "
                         f"(stored after sequence {expect_last}); send the turns of one session "

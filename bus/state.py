@@ -188,7 +188,7 @@ class StateStore:
                                    until=time.time() + STATE_WRITE_WITHIN)
             return claim
         except nats.js.errors.APIError as exc:
-            if exc.err_code != JS_WRONG_LAST_SEQUENCE:
+            if exc.err_code not in JS_WRONG_LAST_SEQUENCE:
                 raise
         held = await self.checkpoint_claim()
         return held if held is not None else claim

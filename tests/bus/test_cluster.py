@@ -1,9 +1,11 @@
 """A NATS cluster on loopback: `rlfabric nats --cluster 3` starts and stops every node, a
 job provisioned on it keeps three copies of every stream and bucket (one on a single
-server), and provisioning waits for a node still joining."""
+server), provisioning waits for a node still joining, and a lost compare-and-swap reads as
+one on three copies as on one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +22,8 @@ from rlfabric.bus import Bus, EmbeddedCluster
 from rlfabric.bus.cluster import knows_meta_leader
 from rlfabric.bus.errors import TRANSIENT, ProvisioningError
 from rlfabric.bus.provision import Limits, provision
+from rlfabric.bus.sessions import SessionConflict, SessionLog
+from rlfabric.schemas import CheckpointClaim, PackedI32, SessionTurn
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -85,6 +89,50 @@ async def test_nats_cluster_cli_starts_three_nodes_and_a_job_on_them_keeps_three
     # the same job on one server: one copy
     async with Bus.connect(nats_url, prefix=prefix + "s") as bus:
         assert set((await replicas_of(bus)).values()) == {1}
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+async def test_racing_checkpoint_claims_and_session_turns_lose_as_such_on_any_copies(
+        nodes: int, nats_url: str, tmp_path: Path, prefix: str) -> None:
+    # a conditional write that loses is 10071 on one copy; on three, one sent while the
+    # winner is still being replicated is 10164: both a lost race, neither a crash
+    cluster = EmbeddedCluster(3, store_dir=str(tmp_path / "store")) if nodes == 3 else None
+    try:
+        if cluster is not None:
+            await anyio.to_thread.run_sync(cluster.start)
+        async with Bus.connect(cluster.url if cluster else nats_url, prefix=prefix) as bus:
+            assert set((await replicas_of(bus)).values()) == {nodes}
+            claims = [CheckpointClaim(model="tiny", checksum=f"c{i}", worker_id=f"w{i}")
+                      for i in range(4)]
+            held: list[CheckpointClaim] = []
+
+            async def claim(c: CheckpointClaim) -> None:
+                held.append(await bus.state.claim_checkpoint(c))
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    for c in claims:
+                        tg.start_soon(claim, c)
+            winner = await bus.state.checkpoint_claim()
+            assert winner in claims and held == [winner] * 4
+
+            # four gateways append turn 0 of one session at once: one is stored, and the
+            # others hear of it (on three copies, a record alike in all but its writer once
+            # passed as a duplicate of the first)
+            logs = [SessionLog(bus, writer=f"g{i}") for i in range(4)]
+            turns = [SessionTurn(session_id="s0", turn=0, added=PackedI32([i]))
+                     for i in range(4)]
+            sent = [await log.send(t, expect_last=0) for log, t in zip(logs, turns, strict=True)]
+            stored: dict[int, int] = {}
+            for i, stored_at in enumerate(sent):
+                with contextlib.suppress(SessionConflict):
+                    stored[i] = await stored_at()
+            assert len(stored) == 1, stored
+            [(i, seq)] = stored.items()
+            assert [(s, list(r.added)) for s, r in await logs[0].read("s0")] == [(seq, [i])]
+    finally:
+        if cluster is not None:
+            await anyio.to_thread.run_sync(cluster.stop)
 
 
 def test_a_node_knows_its_metadata_leader_from_its_last_word_on_it() -> None:
