@@ -213,7 +213,9 @@ class Registration:
                     with anyio.fail_after(5):
                         await self.bus.buckets.members.delete(self.worker_id)
                 except Exception as exc:
-                    log.warning("could not delete membership key of %s: %s", self.worker_id, exc)
+                    log.warning("could not delete membership key of %s (%s: %s); watchers see "
+                                "it leave once it is unheard for member_ttl", self.worker_id,
+                                type(exc).__name__, exc)
 
 
 class MembershipWatcher:
@@ -294,7 +296,9 @@ class MembershipWatcher:
         try:
             await self.bus.buckets.members.delete(worker_id)
         except Exception as exc:
-            log.warning("could not delete membership key of dead %s: %s", worker_id, exc)
+            log.warning("could not delete membership key of dead %s (%s: %s); other watchers "
+                        "see it leave once it is unheard for member_ttl", worker_id,
+                        type(exc).__name__, exc)
 
     def _apply(self, key: str, op: str | None, value: bytes | None) -> None:
         if op is None and value:
