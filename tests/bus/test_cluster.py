@@ -116,9 +116,9 @@ async def test_racing_checkpoint_claims_and_session_turns_lose_as_such_on_any_co
             winner = await bus.state.checkpoint_claim()
             assert winner in claims and held == [winner] * 4
 
-            # four gateways append turn 0 of one session at once: one is stored, and the
-            # others hear of it (on three copies, a record alike in all but its writer once
-            # passed as a duplicate of the first)
+            # four gateways append turn 0 of one session at once: one is stored and the others
+            # are refused (on three copies a record alike in all but its writer must not pass
+            # as a duplicate of the first)
             logs = [SessionLog(bus, writer=f"g{i}") for i in range(4)]
             turns = [SessionTurn(session_id="s0", turn=0, added=PackedI32([i]))
                      for i in range(4)]
