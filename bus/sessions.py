@@ -9,8 +9,9 @@ stream `<PREFIX>_SESSIONS` (one subject per session), and the trajectories folde
 
 Appends are conditional on the session's last sequence (`Nats-Expected-Last-Subject-Sequence`),
 so two gateways serving one session never interleave turns unseen: the second raises
-`SessionConflict`. A trainer reads trajectories straight off the bus (`read_trajectory`), no
-gateway needed.
+`SessionConflict`. An append sent again after its PubAck was lost (a broker restart) returns
+the copy its first try stored. A trainer reads trajectories straight off the bus
+(`read_trajectory`), no gateway needed.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class SessionLog:
 
     async def append(self, record: SessionRecord, *, expect_last: int) -> int:
         """Store `record` as the session's next one, if its last sequence is still
-        `expect_last` (0: none yet); returns its sequence. `SessionConflict` otherwise."""
+        `expect_last` (0: none yet), or find it stored there already (this append, sent again
+        by this writer); returns its sequence. `SessionConflict` otherwise."""
         stored = await self.send(record, expect_last=expect_last)
         return await stored()
 
@@ -129,25 +131,39 @@ class SessionLog:
         key = session_key(record.session_id)
         subject = self.bus.subjects.session(key)
         n = record.turn if isinstance(record, SessionTurn) else "end"
+        msg_id = f"{self._stream}/{key}/{expect_last}/{n}/{self.writer}"
         hdrs = self.bus.headers({"Nats-Expected-Last-Subject-Sequence": str(expect_last),
-                                 "Nats-Msg-Id": f"{self._stream}/{key}/{expect_last}/{n}/"
-                                                f"{self.writer}",
-                                 WRITER_HEADER: self.writer})
-        stored = await self.bus.stored_later(subject, encode(record), hdrs,
+                                 "Nats-Msg-Id": msg_id, WRITER_HEADER: self.writer})
+        data = encode(record)
+        stored = await self.bus.stored_later(subject, data, hdrs,
                                              cleared_as=self.bus.subjects.sessions_all)
 
         async def seq() -> int:
             try:
                 ack = await stored()
             except APIError as exc:
-                if exc.err_code in JS_WRONG_LAST_SEQUENCE:
-                    raise SessionConflict(
-                        f"session {record.session_id!r} has a turn this gateway did not see "
-                        f"(stored after sequence {expect_last}); send the turns of one session "
-                        "one at a time") from None
-                raise
+                if exc.err_code not in JS_WRONG_LAST_SEQUENCE:
+                    raise
+                # a send again after a lost PubAck meets its own first copy: the stream checks
+                # the expected sequence before its duplicate window
+                if (mine := await self._stored_as(subject, expect_last, msg_id, data)) is not None:
+                    return mine
+                raise SessionConflict(
+                    f"session {record.session_id!r} has a turn this gateway did not see "
+                    f"(stored after sequence {expect_last}); send the turns of one session "
+                    "one at a time") from None
             return int(ack.seq)
         return seq
+
+    async def _stored_as(self, subject: str, after: int, msg_id: str, data: bytes) -> int | None:
+        """The sequence of the first record on `subject` after `after` if it is `msg_id` with
+        `data` (this very append, stored by an earlier try); None if another or none."""
+        req = json.dumps({"seq": after + 1, "next_by_subj": subject}).encode()
+        msg = await self.bus.nc.request(self._api, req, timeout=5.0)
+        hdrs = msg.headers or {}
+        if _STATUS in hdrs or hdrs.get("Nats-Msg-Id") != msg_id or msg.data != data:
+            return None
+        return int(hdrs["Nats-Sequence"])
 
 
 async def read_trajectory(bus: Bus, session_id: str) -> Trajectory | None:
