@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 import nats.errors
+from nats.aio.msg import Msg
 from nats.js.errors import APIError
 
 from rlfabric.bus.errors import JS_WRONG_LAST_SEQUENCE, BusError
@@ -72,14 +73,22 @@ class SessionLog:
     async def last(self, key: str) -> tuple[int, SessionRecord | None]:
         """The session's last stored sequence and record; (0, None) if it has none."""
         subject = self.bus.subjects.session(key)
-        msg = await self.bus.nc.request(f"{self._api}.{subject}", b"", timeout=5.0)
+        msg = await self._get_one(f"{self._api}.{subject}", b"", f"session {key}")
+        if msg is None:
+            return 0, None
         hdrs = msg.headers or {}
-        if _STATUS in hdrs:
-            if hdrs[_STATUS] == "404":
-                return 0, None
-            raise BusError(f"reading session {key} failed: status {hdrs[_STATUS]} "
-                           f"({hdrs.get('Description', '')})")
         return int(hdrs["Nats-Sequence"]), self._decode(msg.data, hdrs, subject)
+
+    async def _get_one(self, api: str, req: bytes, what: str) -> Msg | None:
+        """One direct get of `what`; None if the stream has no such record."""
+        msg = await self.bus.nc.request(api, req, timeout=5.0)
+        hdrs = msg.headers or {}
+        if _STATUS not in hdrs:
+            return msg
+        if hdrs[_STATUS] == "404":
+            return None
+        raise BusError(f"reading {what} failed: status {hdrs[_STATUS]} "
+                       f"({hdrs.get('Description', '')})")
 
     async def read(self, key: str, *, after: int = 0
                    ) -> list[tuple[int, SessionRecord]]:
@@ -159,11 +168,11 @@ class SessionLog:
         """The sequence of the first record on `subject` after `after` if it is `msg_id` with
         `data` (this very append, stored by an earlier try); None if another or none."""
         req = json.dumps({"seq": after + 1, "next_by_subj": subject}).encode()
-        msg = await self.bus.nc.request(self._api, req, timeout=5.0)
-        hdrs = msg.headers or {}
-        if _STATUS in hdrs or hdrs.get("Nats-Msg-Id") != msg_id or msg.data != data:
+        msg = await self._get_one(self._api, req, f"the record after {after} on {subject}")
+        if msg is None or msg.data != data:
             return None
-        return int(hdrs["Nats-Sequence"])
+        hdrs = msg.headers or {}
+        return int(hdrs["Nats-Sequence"]) if hdrs.get("Nats-Msg-Id") == msg_id else None
 
 
 async def read_trajectory(bus: Bus, session_id: str) -> Trajectory | None:
