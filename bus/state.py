@@ -180,15 +180,54 @@ class StateStore:
 
     async def claim_checkpoint(self, claim: CheckpointClaim) -> CheckpointClaim:
         """Make `claim` the job's version-0 checkpoint unless one is already claimed; returns
-        the claim that holds (this one, or the first)."""
+        the claim that holds (this one, or the first). A claim cleared (`rlfabric ctl
+        reset-state`) or unreadable is claimed over."""
         subject = f"$KV.{self.subjects.state_bucket}.{CHECKPOINT_KEY}"
+        until = time.time() + STATE_WRITE_WITHIN
+        expect, delay = 0, 0.005
+        while True:
+            try:
+                await self.pub.persist(subject, encode(claim),
+                                       {"Nats-Expected-Last-Subject-Sequence": str(expect)},
+                                       until=until)
+                return claim
+            except nats.js.errors.APIError as exc:
+                if exc.err_code not in JS_WRONG_LAST_SEQUENCE:
+                    raise
+            held, last = await self._claim_entry()
+            if held is not None:
+                return held
+            if last != expect:  # a delete marker or garbage to write over
+                expect = last
+                continue
+            # on a cluster (10164) the winner may not be applied yet, so nothing was read; or
+            # its write failed after all: the claim is tried again
+            if time.time() >= until:
+                raise BusError(
+                    f"the version-0 checkpoint claim (bucket {self.subjects.state_bucket}) "
+                    f"was lost to another writer whose claim could not be read within "
+                    f"{STATE_WRITE_WITHIN:g}s; retry, or clear it with `rlfabric ctl "
+                    "reset-state`")
+            await anyio.sleep(delay)  # no event says that the winner's write was applied
+            delay = min(2 * delay, 0.1)
+
+    async def _claim_entry(self) -> tuple[CheckpointClaim | None, int]:
+        """The checkpoint claim held (None if none, cleared or unreadable) and the sequence of
+        the key's last entry (0 if none)."""
+        if self._buckets is None:
+            return None, 0
         try:
-            await self.pub.persist(subject, encode(claim),
-                                   {"Nats-Expected-Last-Subject-Sequence": "0"},
-                                   until=time.time() + STATE_WRITE_WITHIN)
-            return claim
-        except nats.js.errors.APIError as exc:
-            if exc.err_code not in JS_WRONG_LAST_SEQUENCE:
-                raise
-        held = await self.checkpoint_claim()
-        return held if held is not None else claim
+            entry = await self._buckets.state.get(CHECKPOINT_KEY)
+        except nats.js.errors.KeyNotFoundError as exc:  # none, or a delete marker
+            return None, (exc.entry.revision or 0) if exc.entry is not None else 0
+        last = entry.revision or 0
+        if not entry.value:
+            return None, last
+        try:
+            claim: CheckpointClaim = codec_for(CheckpointClaim).decode(entry.value,
+                                                                       check_version=False)
+        except SchemaError as exc:
+            _garbage.warning("the checkpoint claim (%s bucket) is unreadable, claimed over "
+                             "(%s)", self.subjects.state_bucket, exc)
+            return None, last
+        return claim, last

@@ -23,6 +23,7 @@ from rlfabric.bus.cluster import knows_meta_leader
 from rlfabric.bus.errors import TRANSIENT, ProvisioningError
 from rlfabric.bus.provision import Limits, provision
 from rlfabric.bus.sessions import SessionConflict, SessionLog
+from rlfabric.bus.subjects import CHECKPOINT_KEY
 from rlfabric.schemas import CheckpointClaim, PackedI32, SessionTurn
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
@@ -103,18 +104,26 @@ async def test_racing_checkpoint_claims_and_session_turns_lose_as_such_on_any_co
         async with Bus.connect(cluster.url if cluster else nats_url, prefix=prefix) as bus:
             assert set((await replicas_of(bus)).values()) == {nodes}
             claims = [CheckpointClaim(model="tiny", checksum=f"c{i}", worker_id=f"w{i}")
-                      for i in range(4)]
-            held: list[CheckpointClaim] = []
+                      for i in range(6)]
+            # claimers on every node; a loser may read nothing yet (the winner not applied),
+            # and rounds after a clear (`rlfabric ctl reset-state`) race over its delete marker
+            async with contextlib.AsyncExitStack() as stack:
+                states = [(await stack.enter_async_context(
+                    Bus.connect(url, prefix=prefix, provision_streams=False))).state
+                    for url in (cluster.urls if cluster else [nats_url])]
 
-            async def claim(c: CheckpointClaim) -> None:
-                held.append(await bus.state.claim_checkpoint(c))
+                async def claim(held: list[CheckpointClaim], i: int, c: CheckpointClaim) -> None:
+                    held.append(await states[i % len(states)].claim_checkpoint(c))
 
-            with anyio.fail_after(30):
-                async with anyio.create_task_group() as tg:
-                    for c in claims:
-                        tg.start_soon(claim, c)
-            winner = await bus.state.checkpoint_claim()
-            assert winner in claims and held == [winner] * 4
+                for _ in range(4):
+                    held: list[CheckpointClaim] = []
+                    with anyio.fail_after(30):
+                        async with anyio.create_task_group() as tg:
+                            for i, c in enumerate(claims):
+                                tg.start_soon(claim, held, i, c)
+                    winner = await bus.state.checkpoint_claim()
+                    assert winner in claims and held == [winner] * len(claims)
+                    await bus.buckets.state.delete(CHECKPOINT_KEY)
 
             # four gateways append turn 0 of one session at once: one is stored and the others
             # are refused (on three copies a record alike in all but its writer must not pass

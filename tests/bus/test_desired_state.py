@@ -10,7 +10,15 @@ import anyio
 import pytest
 
 from rlfabric.bus import Bus, QuorumPolicy, new_cmd_id
-from rlfabric.schemas import CMD_ID_HEADER, STATE_MARK_HEADER, DesiredState, Pause, encode
+from rlfabric.bus.subjects import CHECKPOINT_KEY
+from rlfabric.schemas import (
+    CMD_ID_HEADER,
+    STATE_MARK_HEADER,
+    CheckpointClaim,
+    DesiredState,
+    Pause,
+    encode,
+)
 from rlfabric.trainer import FabricClient
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
@@ -100,3 +108,21 @@ async def test_a_joiner_waits_for_a_state_write_stored_after_its_command(nats_ur
         t0 = time.monotonic()
         state = await joiner.state.after(ack.seq, wait=0.3)
         assert state.serial == 2 and time.monotonic() - t0 >= 0.3
+
+
+async def test_a_checkpoint_claim_holds_until_cleared_and_a_cleared_or_unreadable_one_is_taken(
+        nats_url, prefix):
+    first, second, third = (CheckpointClaim(model="tiny", checksum=c, worker_id=c)
+                            for c in ("c0", "c1", "c2"))
+    async with Bus.connect(nats_url, prefix=prefix) as bus:
+        assert await bus.state.claim_checkpoint(first) == first
+        assert await bus.state.claim_checkpoint(second) == first
+        # what `rlfabric ctl reset-state` does: a delete marker, not an empty key
+        await bus.buckets.state.delete(CHECKPOINT_KEY)
+        assert await bus.state.checkpoint_claim() is None
+        assert await bus.state.claim_checkpoint(second) == second
+        assert await bus.state.claim_checkpoint(first) == second
+        await bus.buckets.state.put(CHECKPOINT_KEY, b"\xc1 garbage")
+        assert await bus.state.claim_checkpoint(third) == third
+        assert await bus.state.checkpoint_claim() == third
+        assert await bus.state.claim_checkpoint(first) == third
