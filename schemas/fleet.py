@@ -52,7 +52,8 @@ class Beats(Message, frozen=True, kw_only=True):
 
 class CheckpointClaim(Message, frozen=True, kw_only=True):
     """Version 0 of a job that no trainer pushed weights to: the checkpoint the first worker
-    to join loaded (key `checkpoint` of `<prefix>_state`, written once). A worker whose own
+    to join loaded (key `checkpoint` of `<prefix>_state`, written once; once cleared by
+    `rlfabric ctl reset-state`, the next worker to join claims again). A worker whose own
     checkpoint has another checksum does not serve it as version 0: mixing two models under
     one version is refused, and `rlfabric status` names the worker."""
 
