@@ -60,14 +60,20 @@ class StateStore:
         self.mark: str | None = None
 
     async def _get(self, key: str, kind: type[S], what: str) -> S | None:
+        return (await self._entry(key, kind, what))[0]
+
+    async def _entry(self, key: str, kind: type[S], what: str) -> tuple[S | None, int]:
+        """What `key` holds (None if nothing, a delete marker or unreadable) and the sequence
+        of its last entry (0 if none)."""
         if self._buckets is None:
-            return None
+            return None, 0
         try:
             entry = await self._buckets.state.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            return None
+        except nats.js.errors.KeyNotFoundError as exc:  # none, or a delete marker
+            return None, (exc.entry.revision or 0) if exc.entry is not None else 0
+        last = entry.revision or 0
         if not entry.value:
-            return None
+            return None, last
         try:
             out: S = codec_for(kind).decode(entry.value, check_version=False)
         except SchemaError as exc:
@@ -76,8 +82,8 @@ class StateStore:
             _garbage.warning("the %s (%s bucket) is unreadable, read as empty (%s); repair it "
                              "with `rlfabric ctl reset-state`", what,
                              self.subjects.state_bucket, exc)
-            return None
-        return out
+            return None, last
+        return out, last
 
     async def read(self) -> DesiredState:
         return await self._get(STATE_KEY, DesiredState, "desired state") or DesiredState()
@@ -194,7 +200,7 @@ class StateStore:
             except nats.js.errors.APIError as exc:
                 if exc.err_code not in JS_WRONG_LAST_SEQUENCE:
                     raise
-            held, last = await self._claim_entry()
+            held, last = await self._entry(CHECKPOINT_KEY, CheckpointClaim, "checkpoint claim")
             if held is not None:
                 return held
             if last != expect:  # a delete marker or garbage to write over
@@ -210,24 +216,3 @@ class StateStore:
                     "reset-state`")
             await anyio.sleep(delay)  # no event says that the winner's write was applied
             delay = min(2 * delay, 0.1)
-
-    async def _claim_entry(self) -> tuple[CheckpointClaim | None, int]:
-        """The checkpoint claim held (None if none, cleared or unreadable) and the sequence of
-        the key's last entry (0 if none)."""
-        if self._buckets is None:
-            return None, 0
-        try:
-            entry = await self._buckets.state.get(CHECKPOINT_KEY)
-        except nats.js.errors.KeyNotFoundError as exc:  # none, or a delete marker
-            return None, (exc.entry.revision or 0) if exc.entry is not None else 0
-        last = entry.revision or 0
-        if not entry.value:
-            return None, last
-        try:
-            claim: CheckpointClaim = codec_for(CheckpointClaim).decode(entry.value,
-                                                                       check_version=False)
-        except SchemaError as exc:
-            _garbage.warning("the checkpoint claim (%s bucket) is unreadable, claimed over "
-                             "(%s)", self.subjects.state_bucket, exc)
-            return None, last
-        return claim, last
