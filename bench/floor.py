@@ -230,10 +230,7 @@ async def _engine_server(args: argparse.Namespace, tg: TaskGroup
     from rlfabric.engines.protocol import ServesMany
     from rlfabric.schemas import PackedI32, RolloutRequest, SamplingParams
 
-    if registry.kind(args.engine).torch_threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    registry.prepare_process(args.engine, args.threads)
     engine = make_engine(args.engine, registry.kind(args.engine).default_model)
     if not isinstance(engine, ServesMany):
         raise SystemExit(f"floor: engine {args.engine!r} does not serve many requests in one "

@@ -13,7 +13,7 @@ import json
 import anyio
 from aiohttp import web
 
-from rlfabric.engines import make_engine, running
+from rlfabric.engines import make_engine, registry, running
 from rlfabric.schemas import RolloutRequest, SamplingParams
 
 
@@ -55,10 +55,7 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--threads", type=int, default=0)
     a = p.parse_args()
-    if a.threads:
-        import torch
-
-        torch.set_num_threads(a.threads)
+    registry.prepare_process(a.engine, a.threads)
     try:
         anyio.run(serve, a.engine, a.model, a.port)
     except KeyboardInterrupt:

@@ -120,10 +120,8 @@ async def run_lanes(reqs: list[RolloutRequest], concurrency: int, one: One) -> d
 
 @contextlib.asynccontextmanager
 async def direct_path(engine_kind: str, torch_threads: int) -> AsyncIterator[One]:
-    if registry.kind(engine_kind).torch_threads:  # as the workers' and HTTP servers' `--threads`
-        import torch
-
-        torch.set_num_threads(torch_threads)
+    # as the workers and HTTP servers run theirs (`--threads`)
+    registry.prepare_process(engine_kind, torch_threads)
     model = registry.kind(engine_kind).default_model
     async with running(make_engine(engine_kind, model)) as engine:
         async def one(req: RolloutRequest) -> int:

@@ -24,6 +24,7 @@ from rlfabric.cli._common import (
 )
 from rlfabric.concurrency.sync import beside
 from rlfabric.engines import registry
+from rlfabric.engines.kinds import OPENMP_SPIN
 from rlfabric.engines.errors import EngineDied
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import RLFabricError
@@ -63,7 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "was lost waits for the sender's ping or the next poll")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's own choice; set it when several "
-                   "workers share a machine)")
+                   "workers share a machine). A torch worker's idle OpenMP threads spin "
+                   f"GOMP_SPINCOUNT={OPENMP_SPIN} rounds before they sleep, not libgomp's "
+                   "300,000 (milliseconds of a core after every batch), unless "
+                   "GOMP_SPINCOUNT or OMP_WAIT_POLICY is set")
     p.add_argument("--max-batch", type=int, default=registry.MAX_BATCH,
                    help="sequences decoded together (torch engine; vLLM's max_num_seqs) "
                    "(default %(default)s)")
@@ -85,10 +89,7 @@ def default_worker_id() -> str:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    registry.prepare_process(args.engine, args.threads)
     engine = registry.make_engine(args.engine, args.model, **registry.options_from(args))
     worker_id = args.worker_id or default_worker_id()
     telemetry = start_telemetry(args, "worker", worker_id)

@@ -5,6 +5,7 @@ its engine only when called, so the CLI's help starts without torch or vLLM."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -44,6 +45,19 @@ def _torch(model: str, **options: Any) -> Engine:
     from rlfabric.engines.torch import TorchEngine
 
     return TorchEngine(model, **options)
+
+
+#: iterations an idle OpenMP thread spins before it sleeps (libgomp's `GOMP_SPINCOUNT`)
+OPENMP_SPIN = "20000"
+
+
+def _torch_prepare() -> None:
+    # NOTE: libgomp's default spin keeps each idle OpenMP thread on a core for milliseconds
+    # after every batch, while the worker's loop and the broker need that core to hand the
+    # results over and take the next requests; this spin still spans the gaps inside a batch
+    # (docs/benchmarks.md). An OpenMP wait setting of the user's own wins.
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN)
 
 
 def _torch_options(p: argparse.ArgumentParser) -> None:
@@ -100,7 +114,7 @@ TORCH = register(EngineKind(
     options=lambda a: {"device": a.device, "max_batch": a.max_batch,
                        "max_adapters": _or(a.max_adapters, MAX_ADAPTERS),
                        "adapter_versions": a.adapter_versions}, torch_threads=True,
-    up_worker_args=("--threads", "1")))
+    up_worker_args=("--threads", "1"), prepare=_torch_prepare))
 VLLM = register(EngineKind(
     name="vllm", help="vLLM's AsyncLLM (needs vLLM, see the README)", factory=_vllm,
     add_options=_vllm_options,

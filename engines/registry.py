@@ -46,6 +46,9 @@ class EngineKind:
     torch_threads: bool = False
     #: flags `rlfabric up` gives each of its workers of this kind
     up_worker_args: tuple[str, ...] = ()
+    #: readies the process before the engine's libraries load (what they read once, as they
+    #: load: environment defaults); run by `prepare_process`
+    prepare: Callable[[], None] | None = None
 
 
 _KINDS: dict[str, EngineKind] = {}
@@ -76,6 +79,20 @@ def kind(name: str) -> EngineKind:
 def make_engine(name: str, model: str, **options: Any) -> Engine:
     """An engine by name; `options` go to its factory."""
     return kind(name).factory(model, **options)
+
+
+def prepare_process(name: str, threads: int = 0) -> None:
+    """Ready this process for engine `name`, before anything in it imports torch: the kind's
+    `prepare`, then `threads` torch CPU threads if it computes on them (0: torch's choice).
+    Every process that runs an engine calls it (the worker, the Ray actor, the benches'
+    servers), so each runs its engine alike."""
+    k = kind(name)
+    if k.prepare is not None:
+        k.prepare()
+    if threads and k.torch_threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def options_from(args: argparse.Namespace) -> dict[str, Any]:

@@ -89,10 +89,7 @@ class WorkerActor:
 
         self.loop = asyncio.get_running_loop()
         spec = self.spec
-        if spec.threads and registry.kind(spec.engine).torch_threads:
-            import torch
-
-            torch.set_num_threads(spec.threads)
+        registry.prepare_process(spec.engine, spec.threads)
         telemetry = configure(role="worker", worker_id=self.worker_id, trace_path=spec.trace,
                               metrics_path=spec.metrics)
         try:

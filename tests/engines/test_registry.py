@@ -1,11 +1,15 @@
 """A new engine is one registration: registered from this test (no other module touched), it is
 an `--engine` choice with its own flags in `rlfabric worker --help`, those flags reach its
-factory, and a worker serving it answers requests on the bus."""
+factory, and a worker serving it answers requests on the bus. A process is readied for its
+engine before the engine's libraries load."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import subprocess
+import sys
 
 import anyio
 import pytest
@@ -13,6 +17,7 @@ import pytest
 from rlfabric.bus import Bus
 from rlfabric.cli import build_parser, main
 from rlfabric.engines import registry
+from rlfabric.engines.kinds import OPENMP_SPIN
 from rlfabric.engines.null import NullEngine
 from rlfabric.engines.registry import EngineKind
 from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams
@@ -77,3 +82,29 @@ async def test_a_registered_engine_serves_requests_on_the_bus(echo_kind, nats_ur
 def test_an_unknown_engine_names_the_registered_ones() -> None:
     with pytest.raises(ValueError, match="unknown engine 'nope': use one of torch, vllm, null"):
         registry.make_engine("nope", "tiny")
+
+
+def test_a_torch_process_is_readied_before_torch_loads() -> None:
+    """`prepare_process` gives a fresh process the torch kind's OpenMP spin before anything
+    imports torch (libgomp reads it once, as it loads), then its threads."""
+    code = ("import os, sys\n"
+            "from rlfabric.engines import registry\n"
+            "assert 'torch' not in sys.modules\n"
+            "registry.prepare_process('torch', 1)\n"
+            "import torch\n"
+            "print(os.environ.get('GOMP_SPINCOUNT'), torch.get_num_threads())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == [OPENMP_SPIN, "1"]
+
+
+@pytest.mark.parametrize("user", [{"GOMP_SPINCOUNT": "7"}, {"OMP_WAIT_POLICY": "ACTIVE"}])
+def test_an_openmp_wait_setting_of_the_users_wins(monkeypatch, user) -> None:
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in user.items():
+        monkeypatch.setenv(name, value)
+    registry.prepare_process("torch")
+    assert os.environ.get("GOMP_SPINCOUNT") == user.get("GOMP_SPINCOUNT")
+    assert os.environ.get("OMP_WAIT_POLICY") == user.get("OMP_WAIT_POLICY")
