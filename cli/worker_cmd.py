@@ -24,8 +24,8 @@ from rlfabric.cli._common import (
 )
 from rlfabric.concurrency.sync import beside
 from rlfabric.engines import registry
-from rlfabric.engines.kinds import OPENMP_SPIN
 from rlfabric.engines.errors import EngineDied
+from rlfabric.engines.kinds import OPENMP_SPIN
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import RLFabricError
 from rlfabric.worker.runtime import CAPACITY, check_knobs
