@@ -242,11 +242,11 @@ async def _engine_server(args: argparse.Namespace, tg: TaskGroup
                                prompt_token_ids=PackedI32(r.prompt),
                                sampling=SamplingParams(max_tokens=r.max_tokens, seed=r.seed))
                 for r in reqs]
-        out = []
-        async for res in engine.generate_many(todo, worker_id="floor"):
-            out.append(FloorResult(request_id=res.request_id,
+        out: list[FloorResult] = []
+        async for burst in engine.generate_many(todo, worker_id="floor"):
+            out.extend(FloorResult(request_id=res.request_id,
                                    tokens=res.completion_token_ids.tobytes(),
-                                   logprobs=res.logprobs.tobytes()))
+                                   logprobs=res.logprobs.tobytes()) for res in burst)
         return out
     return serve
 

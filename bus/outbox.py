@@ -4,6 +4,7 @@
     await tg.start(outbox.run)
     await outbox.send(subject, [(msg, msg_id)], until=deadline)   # returns once stored
     outbox.post(subject, [(msg, msg_id)], on_done=callback)       # returns at once
+    await outbox.post_now(subject, burst, on_done=callback)       # sent by the caller, now
 
 Whatever is queued while earlier messages are on their way goes out as one message (up to
 `max_items`, a number or a function of how many items are queued and the first of them, asked
@@ -134,6 +135,32 @@ class Outbox:
         self._queued.fire()
         return ticket
 
+    async def post_now(self, subject: str, items: list[tuple[Any, str]], *,
+                       until: float | None = None,
+                       on_done: Callable[[BaseException | None], None] | None = None) -> Ticket:
+        """`post` for a burst the caller holds whole (a decode batch's results): sent from the
+        caller's task, now, as one message encoded once, not at the outbox task's next turn
+        item by item. While something is queued, or past `max_items` or `max_bytes`, it is
+        `post` (what is queued goes first)."""
+        limit = self.max_items(len(items), items[0][0]) if callable(self.max_items) \
+            else self.max_items
+        if self._queue or self._tg is None or len(items) > limit:
+            return self.post(subject, items, until=until, on_done=on_done)
+        body = items[0][0] if len(items) == 1 else self.combine([msg for msg, _ in items])
+        data = encode(body)
+        if len(data) > self.max_bytes:
+            return self.post(subject, items, until=until, on_done=on_done)
+        ticket = Ticket(left=len(items), until=until, on_done=on_done)
+        trace = spans.carrier() if spans.enabled() else None
+        # what `_store` settles; the message's body is `data`
+        batch = [_Item(subject, msg, msg_id, b"", ticket, trace) for msg, msg_id in items]
+        msg_id = items[0][1] if len(items) == 1 else batch_id([i for _, i in items])
+        hdrs = self._headers(batch, msg_id)
+        sent = await self._send_now(subject, data, hdrs)
+        if self._tg is not None:
+            self._tg.start_soon(self._store, batch, subject, data, hdrs, sent)
+        return ticket
+
     def withdraw(self, ticket: Ticket) -> None:
         """Drop the items of `ticket` not yet taken into a message (their sender gave up);
         its `on_done` is then never called."""
@@ -186,10 +213,13 @@ class Outbox:
             # the items as `post` encoded them, not encoded again (msgspec writes a Raw as is)
             data = encode(self.combine([msgspec.Raw(i.data) for i in batch]))
             msg_id = batch_id([i.msg_id for i in batch])
+        return batch[0].subject, data, self._headers(batch, msg_id)
+
+    def _headers(self, batch: list[_Item], msg_id: str) -> dict[str, str]:
         extra = self.extra_headers([i.msg for i in batch]) if self.extra_headers else {}
         hdrs = self.bus.headers({**extra, "Nats-Msg-Id": msg_id})
         _trace_headers(hdrs, batch)
-        return batch[0].subject, data, hdrs
+        return hdrs
 
     async def _send_now(self, subject: str, data: bytes, hdrs: dict[str, str]
                         ) -> asyncio.Future[PubAck] | None:

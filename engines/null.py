@@ -69,12 +69,10 @@ class NullEngine(RuntimeCollective):
 
     async def generate_many(self, requests: list[RolloutRequest], *, worker_id: str = "",
                             on_tokens: TokenSink | None = None,
-                            ) -> AsyncGenerator[RolloutResult, None]:
+                            ) -> AsyncGenerator[list[RolloutResult], None]:
         if not self._resumed.is_set():
             await self._resumed.wait()
-        for request in requests:
-            for res in self._echo(request, worker_id, on_tokens):
-                yield res
+        yield [res for request in requests for res in self._echo(request, worker_id, on_tokens)]
 
     def _echo(self, request: RolloutRequest, worker_id: str,
               on_tokens: TokenSink | None) -> list[RolloutResult]:

@@ -206,12 +206,14 @@ class ServesMany(Protocol):
     request keeps its own span on a lane). Optional: `VllmEngine` has no such call."""
 
     def generate_many(self, requests: list[RolloutRequest], *, worker_id: str,
-                      on_tokens: TokenSink | None = None) -> AsyncGenerator[RolloutResult, None]:
+                      on_tokens: TokenSink | None = None
+                      ) -> AsyncGenerator[list[RolloutResult], None]:
         """`generate` for several requests at once, each of which passed `check` and has its
-        own `request_id`: yield every sample's result as it finishes, in any order across
-        requests (`request_id` and `sample_index` say whose). Pausing, aborting and
-        `version_spans` work as in `generate`, and `on_tokens` too, for the requests with
-        `stream` set."""
+        own `request_id`: yield every sample's result once, as it finishes, the samples that
+        finished together in one list (a decode batch's: the worker sends them as one
+        message), in any order across requests (`request_id` and `sample_index` say whose).
+        Pausing, aborting and `version_spans` work as in `generate`, and `on_tokens` too, for
+        the requests with `stream` set."""
         ...
 
 

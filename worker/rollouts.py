@@ -79,6 +79,7 @@ from rlfabric.schemas import (
     RolloutReplies,
     RolloutRequest,
     RolloutRequests,
+    RolloutResult,
     SchemaError,
     TokenDelta,
     TokenDeltas,
@@ -623,23 +624,20 @@ class RolloutServer:
                 [req for req, _ in todo.values()], worker_id=self.worker_id,
                 on_tokens=self._streamer({rid: req for rid, (req, _) in todo.items()}))
             async with contextlib.aclosing(results):
-                async for res in results:
-                    req, subject = todo[res.request_id]
-                    res = msgspec.structs.replace(res, attempt=attempt,
-                                                  submission_id=req.submission_id)
-                    tokens.add(len(res.completion_token_ids), who)
-                    many.posted[req.request_id] += 1
-                    if many.posted[req.request_id] == req.sampling.n:
-                        many.generated.add(req.request_id)
-                        self._generated()
-                    try:
-                        # past its deadline + a margin nobody waits for a result: stop
-                        # retrying
-                        self.outbox.post(subject, [(res, _result_id(req, res.sample_index))],
-                                         until=req.deadline + 10.0 if req.deadline else None,
-                                         on_done=many.stored(req.request_id))
-                    except PayloadTooLarge as exc:  # this sample only: answered, not sent
-                        many.stored(req.request_id)(exc)
+                async for burst in results:
+                    by_subject: dict[str, list[tuple[RolloutResult, RolloutRequest]]] = {}
+                    for res in burst:
+                        req, subject = todo[res.request_id]
+                        res = msgspec.structs.replace(res, attempt=attempt,
+                                                      submission_id=req.submission_id)
+                        tokens.add(len(res.completion_token_ids), who)
+                        many.posted[req.request_id] += 1
+                        if many.posted[req.request_id] == req.sampling.n:
+                            many.generated.add(req.request_id)
+                            self._generated()
+                        by_subject.setdefault(subject, []).append((res, req))
+                    for subject, done in by_subject.items():
+                        await self._store_burst(subject, done, many)
         except _HAND_BACK as exc:  # not the requests' fault: the message goes back
             log.debug("%d requests handed back: %r", len(todo), exc)
             d.back = max(d.back or 0.0, 0.25)
@@ -647,6 +645,31 @@ class RolloutServer:
             log.exception("requests %s failed", ", ".join(todo))
             return exc
         return None
+
+    async def _store_burst(self, subject: str, done: list[tuple[RolloutResult, RolloutRequest]],
+                           many: _Many) -> None:
+        """Results that finished together, for one client: sent now as one message (each
+        sample settled in `many` once stored); a sample too large for a message is answered
+        alone, the rest sent without it."""
+        items = [(res, _result_id(req, res.sample_index)) for res, req in done]
+        deadlines = [req.deadline for _, req in done]
+        # past its deadline + a margin nobody waits for a result: stop retrying
+        until = None if not all(deadlines) else max(deadlines) + 10.0
+        rids = [res.request_id for res, _ in done]
+
+        def stored(error: BaseException | None) -> None:
+            for rid in rids:
+                many.stored(rid)(error)
+        try:
+            await self.outbox.post_now(subject, items, until=until, on_done=stored)
+        except PayloadTooLarge:  # one by one: only the oversized samples are answered
+            for (res, req), item in zip(done, items, strict=True):
+                try:
+                    self.outbox.post(subject, [item], until=req.deadline + 10.0
+                                     if req.deadline else None,
+                                     on_done=many.stored(res.request_id))
+                except PayloadTooLarge as exc:
+                    many.stored(res.request_id)(exc)
 
     async def _finish(self, d: _Delivery) -> None:
         """Every request of the message answered: ack it; or, if one must be served again

@@ -108,12 +108,13 @@ class TorchEngine(RuntimeCollective):
         # closed with this generator, not when collected: its samples are cancelled at once
         async with contextlib.aclosing(self.generate_many(
                 [request], worker_id=worker_id, on_tokens=on_tokens)) as many:
-            async for res in many:
-                yield res
+            async for burst in many:
+                for res in burst:
+                    yield res
 
     async def generate_many(self, requests: list[RolloutRequest], *, worker_id: str = "",
                             on_tokens: TokenSink | None = None,
-                            ) -> AsyncGenerator[RolloutResult, None]:
+                            ) -> AsyncGenerator[list[RolloutResult], None]:
         total = sum(r.sampling.n for r in requests)
         send, recv = anyio.create_memory_object_stream[RolloutResult](total)
         emit = None
@@ -142,13 +143,19 @@ class TorchEngine(RuntimeCollective):
         self.scheduler.admit(seqs)
         try:
             async with recv:
-                for _ in range(total):
-                    try:  # a batch's results all at once: a receive that yields would let
-                        # each go out as its own message
-                        res = recv.receive_nowait()
+                left = total
+                while left:
+                    # a batch's results are there at once (the scheduler delivers them
+                    # together): taken without yielding once the first is
+                    try:
+                        burst = [recv.receive_nowait()]
                     except anyio.WouldBlock:
-                        res = await recv.receive()
-                    yield res
+                        burst = [await recv.receive()]
+                    with contextlib.suppress(anyio.WouldBlock):
+                        while True:
+                            burst.append(recv.receive_nowait())
+                    left -= len(burst)
+                    yield burst
         finally:
             for s in seqs:
                 s.cancelled = True

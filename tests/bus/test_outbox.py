@@ -119,6 +119,41 @@ async def test_post_calls_back_once_when_stored_or_failed_and_a_withdrawn_post_i
     assert bad.error is called["bad"][0]
 
 
+async def test_post_now_sends_a_burst_as_one_message_behind_what_is_queued(
+        nats_url, prefix) -> None:
+    """`post_now` sends the burst it is given from the caller's task as one message (its
+    callback once, when stored); with items queued, it queues its own behind them."""
+    async with Bus.connect(nats_url, prefix=prefix) as bus:
+        s = bus.subjects
+        outbox = _requests_outbox(bus)
+        reqs = [RolloutRequest(request_id=f"r{i}", prompt_token_ids=[1, i]) for i in range(8)]
+        called: list[BaseException | None] = []
+        stored_all = anyio.Event()
+
+        def done(error: BaseException | None) -> None:
+            called.append(error)
+            if len(called) == 2:
+                stored_all.set()
+        async with anyio.create_task_group() as tg:
+            await tg.start(outbox.run)
+            await outbox.post_now(s.rollout_request, [(r, r.request_id) for r in reqs[:3]],
+                                  on_done=done)
+            assert outbox.messages == 0 and not outbox._queue  # sent, its PubAck to come
+            outbox.post(s.rollout_request, [(reqs[3], "r3")])
+            await outbox.post_now(s.rollout_request, [(r, r.request_id) for r in reqs[4:]],
+                                  on_done=done)
+            with anyio.fail_after(30):
+                await stored_all.wait()
+            tg.cancel_scope.cancel()
+        info = await bus.js.stream_info(s.rollout_stream)
+        many = codec_for(RolloutRequests)
+        stored = [[r.request_id for r in many.decode(raw.data, raw.headers).requests]
+                  for raw in [await bus.js.get_msg(s.rollout_stream, seq)
+                              for seq in range(info.state.first_seq, info.state.last_seq + 1)]]
+    assert called == [None, None]
+    assert stored == [["r0", "r1", "r2"], ["r3", "r4", "r5", "r6", "r7"]]
+
+
 async def test_a_pub_ack_that_never_comes_is_a_transient_error(tmp_path) -> None:
     srv = EmbeddedNats(store_dir=str(tmp_path / "store"))
     await anyio.to_thread.run_sync(srv.start)

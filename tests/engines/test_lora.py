@@ -120,8 +120,8 @@ async def test_a_running_request_finishes_on_its_version_and_a_dropped_one_is_un
         results: list[RolloutResult] = []
 
         async def run() -> None:
-            async for res in engine.generate_many([req_stream(r1)], on_tokens=on_tokens):
-                results.append(res)
+            async for burst in engine.generate_many([req_stream(r1)], on_tokens=on_tokens):
+                results.extend(burst)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)

@@ -97,12 +97,21 @@ async def test_generate_many_gives_every_sample_once_and_what_generate_gives(kin
         assert isinstance(engine, ServesMany)
         alone = {(r.request_id, res.sample_index): res.completion_token_ids.tolist()
                  for r in reqs async for res in engine.generate(r, worker_id="w")}
-        many = [(res.request_id, res.sample_index, res.completion_token_ids.tolist(),
-                 res.worker_id)
-                async for res in engine.generate_many(reqs, worker_id="w")]
+        bursts = [burst async for burst in engine.generate_many(reqs, worker_id="w")]
+    many = [(res.request_id, res.sample_index, res.completion_token_ids.tolist(), res.worker_id)
+            for burst in bursts for res in burst]
+    assert len(bursts) == 1  # one decode batch: its samples together
     assert sorted((rid, i) for rid, i, _, _ in many) == sorted(alone)  # each once, none more
     assert {(rid, i): toks for rid, i, toks, _ in many} == alone
     assert {w for *_, w in many} == {"w"}
     # torch: max_tokens each (no EOS this short); null: the prompt, cut at max_tokens
     want = [5, 9] if kind == "torch" else [2, 4]
     assert [len(alone[("b", 0)]), len(alone[("c", 2)])] == want
+
+
+async def test_generate_many_yields_each_decode_batch_together() -> None:
+    reqs = [req(f"r{i}", [256, i + 1], max_tokens=3, seed=i) for i in range(3)]
+    async with running(make_engine("torch", "tiny", max_batch=2)) as engine:
+        bursts = [sorted(r.request_id for r in burst)
+                  async for burst in engine.generate_many(reqs, worker_id="w")]
+    assert bursts == [["r0", "r1"], ["r2"]]  # admission order, two to a batch
