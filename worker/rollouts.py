@@ -22,7 +22,8 @@ each result before acking its request.
 - Every result is persisted (PubAck) before its message is acked, so a worker that dies
   mid-request loses nothing: the message is redelivered to another (and the client drops
   results it already has). Results that finish together go out as one `RolloutReplies` per
-  client (`Outbox`): one PubAck for a burst, not one per result. A message with a request
+  client (`Outbox`; a decode batch's from the serving task at once): one PubAck for a burst,
+  not one per result. A message with a request
   that must be served again (handed back, waiting for a weight version) is naked once all
   its requests are answered. A broker restart is
   ridden through: results are published again until stored (their `Nats-Msg-Id` makes a
@@ -565,8 +566,9 @@ class RolloutServer:
             self._load.fire()  # idle: said at once too
 
     async def _serve_many(self, d: _Delivery, reqs: list[RolloutRequest]) -> None:
-        """A message's requests through one `generate_many` call; each result is stored as it
-        comes (no wait), and the message is acked (or naked, see `_finish`) once all are."""
+        """A message's requests through one `generate_many` call; each burst of results is
+        stored as it comes (no wait), and the message is acked (or naked, see `_finish`) once
+        all are."""
         todo: dict[str, tuple[RolloutRequest, str]] = {}
         try:
             for req in reqs:
