@@ -142,9 +142,11 @@ class Outbox:
         caller's task, now, as one message encoded once, not at the outbox task's next turn
         item by item. While something is queued, or past `max_items` or `max_bytes`, it is
         `post` (what is queued goes first)."""
+        if not items or self._queue or self._tg is None:
+            return self.post(subject, items, until=until, on_done=on_done)
         limit = self.max_items(len(items), items[0][0]) if callable(self.max_items) \
             else self.max_items
-        if self._queue or self._tg is None or len(items) > limit:
+        if len(items) > limit:
             return self.post(subject, items, until=until, on_done=on_done)
         body = items[0][0] if len(items) == 1 else self.combine([msg for msg, _ in items])
         data = encode(body)
