@@ -23,12 +23,11 @@ each result before acking its request.
   mid-request loses nothing: the message is redelivered to another (and the client drops
   results it already has). Results that finish together go out as one `RolloutReplies` per
   client (`Outbox`; a decode batch's from the serving task at once): one PubAck for a burst,
-  not one per result. A message with a request
-  that must be served again (handed back, waiting for a weight version) is naked once all
-  its requests are answered. A broker restart is
-  ridden through: results are published again until stored (their `Nats-Msg-Id` makes a
-  repeat a duplicate), pull requests are renewed on reconnect, and a message beyond the free
-  capacity (pull requests the server kept across a reconnect) goes straight back.
+  not one per result. A message with a request that must be served again (handed back,
+  waiting for a weight version) is naked once all its requests are answered. A broker
+  restart is ridden through: results are published again until stored (their `Nats-Msg-Id`
+  makes a repeat a duplicate), pull requests are renewed on reconnect, and a message beyond
+  the free capacity (pull requests the server kept across a reconnect) goes straight back.
 - A request can also be offered to this worker directly (session affinity, core NATS
   `<prefix>.worker.<id>.offer`): taken when there is room and the offer is still valid, it is
   served like a pulled one; handed back, it goes to the shared queue, stored.
