@@ -24,6 +24,16 @@ def _requests_outbox(bus: Bus, max_items: int = 64) -> Outbox:
                   headers=lambda reqs: {COUNT_HEADER: str(len(reqs))} if len(reqs) > 1 else {})
 
 
+async def _stored_batches(bus: Bus) -> list[list[str]]:
+    """The request ids of each combined message in the request stream, in stream order."""
+    s = bus.subjects
+    info = await bus.js.stream_info(s.rollout_stream)
+    many = codec_for(RolloutRequests)
+    return [[r.request_id for r in many.decode(raw.data, raw.headers).requests]
+            for raw in [await bus.js.get_msg(s.rollout_stream, seq)
+                        for seq in range(info.state.first_seq, info.state.last_seq + 1)]]
+
+
 async def test_a_burst_goes_out_in_few_messages_and_every_item_is_stored_once(
         nats_url, prefix) -> None:
     async with Bus.connect(nats_url, prefix=prefix) as bus:
@@ -65,11 +75,7 @@ async def test_a_message_that_starts_with_a_repeated_item_still_stores_its_new_o
             await outbox.send(s.rollout_request, [(a, "a"), (c, "c")])  # a again, c is new
             await outbox.send(s.rollout_request, [(a, "a"), (c, "c")])  # a retry: dropped
             tg.cancel_scope.cancel()
-        info = await bus.js.stream_info(s.rollout_stream)
-        many = codec_for(RolloutRequests)
-        stored = [[r.request_id for r in many.decode(raw.data, raw.headers).requests]
-                  for raw in [await bus.js.get_msg(s.rollout_stream, seq)
-                              for seq in range(info.state.first_seq, info.state.last_seq + 1)]]
+        stored = await _stored_batches(bus)
     assert stored == [["a", "b"], ["a", "c"]]
     assert batch_id(["a", "b"]) != batch_id(["a", "c"]) != batch_id(["c", "a"])
     assert batch_id(["a", "c"]).startswith("a+2.")
@@ -145,11 +151,7 @@ async def test_post_now_sends_a_burst_as_one_message_behind_what_is_queued(
             with anyio.fail_after(30):
                 await stored_all.wait()
             tg.cancel_scope.cancel()
-        info = await bus.js.stream_info(s.rollout_stream)
-        many = codec_for(RolloutRequests)
-        stored = [[r.request_id for r in many.decode(raw.data, raw.headers).requests]
-                  for raw in [await bus.js.get_msg(s.rollout_stream, seq)
-                              for seq in range(info.state.first_seq, info.state.last_seq + 1)]]
+        stored = await _stored_batches(bus)
     assert called == [None, None]
     assert stored == [["r0", "r1", "r2"], ["r3", "r4", "r5", "r6", "r7"]]
 
