@@ -278,7 +278,17 @@ class RolloutPlane:
         where its results go, and queue the lot for the request stream; `on_stored(error)`
         once stored or failed for good. The ticket is None when there was nothing to send."""
         prepared = self._register(requests, sink, timeout, deltas)
-        return prepared, self._send(prepared, on_stored)
+        try:
+            return prepared, self._send(prepared, on_stored)
+        except BaseException:  # e.g. PayloadTooLarge: nothing was queued, nothing is awaited
+            self._forget(prepared)
+            raise
+
+    def _forget(self, prepared: list[RolloutRequest]) -> None:
+        for r in prepared:
+            self._waiting.pop(r.request_id, None)
+            if self.affinity is not None:
+                self.affinity.answered(r.request_id)  # taken ones: their results are not awaited
 
     def _register(self, requests: Iterable[RolloutRequest], sink: _Sink,
                   timeout: float | None, deltas: _Inbox | None) -> list[RolloutRequest]:
@@ -345,12 +355,10 @@ class RolloutPlane:
                     raise
                 if not taken:
                     rest.append(r)
+            return prepared, self._send(rest, inbox.stored), bound or ""
         except BaseException:
-            for r in prepared:
-                self._waiting.pop(r.request_id, None)
-                aff.answered(r.request_id)  # taken ones: their results are not awaited
+            self._forget(prepared)
             raise
-        return prepared, self._send(rest, inbox.stored), bound or ""
 
     def _requeue(self, request_ids: list[str]) -> None:
         """Requests a worker took and left with: into the shared queue (a copy it handed

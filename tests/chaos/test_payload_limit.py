@@ -30,6 +30,10 @@ async def test_oversized_requests_and_results_get_clear_errors_and_the_rest_is_s
             too_big = r"request huge is 1,2\d\d,\d\d\d bytes, over the 1,04\d,\d\d\d"
             with pytest.raises(PayloadTooLarge, match=too_big):
                 await collect(fabric, [huge])
+            with pytest.raises(PayloadTooLarge, match=too_big):  # alone: the one-request path
+                await anext(fabric.generate([huge]))
+            # refused, it is awaited no more: its id may be sent again
+            assert fabric.rollouts.outstanding == 0
             # echoed back, 200,000 ids and their logprobs make a 1.6 MB result
             big = req("big", range(1, 200_001), max_tokens=200_000)
             small = [req(f"s{i}", max_tokens=2) for i in range(6)]
