@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
@@ -72,6 +72,17 @@ class _Packed:
             if int(arr.min()) < info.min or int(arr.max()) > info.max:
                 raise ValueError(f"{type(self).__name__}: a value is outside int32")
         self._buf = np.ascontiguousarray(arr, dtype=self.dtype).tobytes()
+
+    @classmethod
+    def from_wire(cls, buf: bytes) -> Self:
+        """The array whose packed bytes are `buf` (what a decoder read), without the
+        conversions of the constructor."""
+        if len(buf) % cls.dtype.itemsize:
+            raise ValueError(f"{cls.__name__}: {len(buf)} bytes is not a whole number of "
+                             f"{cls.dtype.itemsize}-byte elements")
+        out = cls.__new__(cls)
+        out._buf = buf
+        return out
 
     def numpy(self) -> np.ndarray[Any, np.dtype[Any]]:
         """A read-only numpy view over the packed bytes (no copy)."""

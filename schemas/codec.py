@@ -1,12 +1,13 @@
 """Encoding and decoding of wire messages, with the schema version in a header.
 
-One long-lived msgpack Encoder and one Decoder per message type (`codec_for(T)`), as msgspec
-recommends. Every message carries the header `rlf-schema: <major>.<minor>`; a reader accepts
-any minor of its own major (new fields have defaults) and rejects another major with
-`UnknownSchemaVersion` before looking at the payload. Two messages sent once per worker and
-command go without headers unless tracing is on (parsing them cost more than the rest of
-the message): a command's live copy, whose subject carries the major (`Subjects.live_copy`),
-and the `Ack` of a command the worker decoded, which is of the sender's major by then.
+One long-lived msgpack Decoder per message type (`codec_for(T)`), as msgspec recommends, and
+one Encoder for all (`encode`: what it writes does not depend on the type). Every message
+carries the header `rlf-schema: <major>.<minor>`; a reader accepts any minor of its own major
+(new fields have defaults) and rejects another major with `UnknownSchemaVersion` before looking
+at the payload. Two messages sent once per worker and command go without headers unless tracing
+is on (parsing them cost more than the rest of the message): a command's live copy, whose
+subject carries the major (`Subjects.live_copy`), and the `Ack` of a command the worker
+decoded, which is of the sender's major by then.
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ def _enc_hook(obj: Any) -> Any:
     raise NotImplementedError(f"rlfabric cannot encode {type(obj).__name__}")
 
 
+#: a packed type from the bytes msgspec read for it (a msgpack bin is always `bytes`)
+_FROM_WIRE = {kind: kind.from_wire for kind in PACKED_TYPES}
+
+
 def _dec_hook(kind: type, obj: Any) -> Any:
-    if kind in PACKED_TYPES:
-        if not isinstance(obj, (bytes, bytearray, memoryview)):
-            raise TypeError(f"expected packed bytes, got {type(obj).__name__}")
-        return kind(obj)
-    raise NotImplementedError(f"rlfabric cannot decode {kind!r}")
+    make = _FROM_WIRE.get(kind)
+    if make is None:
+        raise NotImplementedError(f"rlfabric cannot decode {kind!r}")
+    if type(obj) is not bytes:
+        raise TypeError(f"expected packed bytes, got {type(obj).__name__}")
+    return make(obj)
 
 
 def _type_name(kind: Any) -> str:
@@ -131,10 +137,8 @@ def headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def encode(msg: Any) -> bytes:
-    """Encode any rlfabric message with its type's codec."""
-    kind: Any = type(msg)
-    return codec_for(kind).encode(msg)
+#: encode any rlfabric message: msgspec's own method, without a frame of ours
+encode: Callable[[Any], bytes] = msgspec.msgpack.Encoder(enc_hook=_enc_hook).encode
 
 
 def _schema_hook(kind: type) -> dict[str, Any]:

@@ -45,24 +45,26 @@ def _plainly_valid(req: RolloutRequest) -> bool:
     request holds). False sends the request through the field-by-field checks, which name the
     failing field, or pass what this pass leaves to them (stop ids, an adapter, metadata, a
     numpy int)."""
-    rid, sp, adapter = req.request_id, req.sampling, req.adapter
-    n_prompt = len(req.prompt_token_ids)
+    rid, sp, seed = req.request_id, req.sampling, req.sampling.seed
+    packed = req.prompt_token_ids.tobytes()  # 4 bytes a token
     return bool(
         0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable()
-        and 0 < n_prompt <= MAX_PROMPT_TOKENS
-        and req.prompt_token_ids.tobytes()[3::4].isascii()
+        and 0 < len(packed) <= 4 * MAX_PROMPT_TOKENS and packed[3::4].isascii()
         and type(sp.n) is int and 1 <= sp.n <= MAX_SAMPLES
         and type(sp.max_tokens) is int and 1 <= sp.max_tokens <= MAX_NEW_TOKENS
-        and type(sp.top_k) is int and 0 <= sp.top_k <= TOKEN_RANGE[1]
+        and type(sp.top_k) is int and 0 <= sp.top_k <= _TOKEN_MAX
         and type(sp.logprobs) is int and 0 <= sp.logprobs <= MAX_LOGPROBS
-        and (sp.seed is None or (type(sp.seed) is int
-                                 and SEED_RANGE[0] <= sp.seed <= SEED_RANGE[1]))
-        and 0.0 <= sp.temperature < math.inf and 0.0 < sp.top_p <= 1.0
+        and (seed is None or (type(seed) is int and 0 <= seed <= _SEED_MAX))
+        and 0.0 <= sp.temperature < _INF and 0.0 < sp.top_p <= 1.0
         and not sp.stop_token_ids
-        and type(req.min_weight_version) is int and -1 <= req.min_weight_version <= SEED_RANGE[1]
-        and 0.0 <= req.deadline < math.inf
-        and not adapter and req.adapter_version == -1
+        and type(req.min_weight_version) is int and -1 <= req.min_weight_version <= _SEED_MAX
+        and 0.0 <= req.deadline < _INF
+        and not req.adapter and req.adapter_version == -1
         and not req.metadata)
+
+
+# module constants as plain names: read per request, on the hot path
+_TOKEN_MAX, _SEED_MAX, _INF = TOKEN_RANGE[1], SEED_RANGE[1], math.inf
 
 
 def _first_invalid(req: RolloutRequest) -> None:
