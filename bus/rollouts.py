@@ -33,7 +33,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, overload
+from typing import Literal, Protocol, cast, overload
 
 import anyio
 import anyio.lowlevel
@@ -145,6 +145,35 @@ class _Rebind:
         await self.affinity.bind(self.key, reply.worker_id)
 
 
+class _OneReply:
+    """`generate` of one untimed, untraced, unrouted request of one sample (an agent lane's
+    turn): its one answer. An iterator, not an async generator (none of the event loop's
+    bookkeeping of one per call); like one, it sends the request at the first `__anext__`."""
+
+    __slots__ = ("_plane", "_req")
+
+    def __init__(self, plane: RolloutPlane, req: RolloutRequest) -> None:
+        self._plane = plane
+        self._req: RolloutRequest | None = req  # None: answered (or given up)
+
+    def __aiter__(self) -> _OneReply:
+        return self
+
+    async def __anext__(self) -> RolloutReply:
+        req, self._req = self._req, None
+        if req is None:
+            raise StopAsyncIteration
+        plane, inbox = self._plane, _Inbox()
+        (sent,), ticket = plane._post((req,), inbox, None, inbox.stored, None)
+        try:
+            return cast(RolloutReply, await inbox.get())  # no deltas were asked for
+        finally:
+            plane._given_up([sent], ticket)
+
+    async def aclose(self) -> None:
+        self._req = None
+
+
 class RolloutPlane:
     def __init__(self, bus: Bus, client_id: str, *,
                  max_batch: int | Callable[[int, RolloutRequest], int] = 64,
@@ -192,11 +221,18 @@ class RolloutPlane:
             reply = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
         except SchemaError:
             return
+        waiting = len(self._waiting)
         if isinstance(reply, RolloutReplies):
+            ok = 0
             for one in reply.replies:
-                self._take(one)
+                ok += self._take(one)
         else:
-            self._take(reply)
+            ok = self._take(reply)
+        # counted a message at a time, not a result at a time
+        if ok:
+            instruments.current.results.add(ok, _OK)
+        if len(self._waiting) != waiting:
+            instruments.current.queue_depth.set(len(self._waiting), _TRAINER)
 
     async def _on_delta(self, msg: Msg) -> None:
         try:
@@ -216,28 +252,30 @@ class RolloutPlane:
         """Requests submitted and still awaiting a result (queued here or at a worker)."""
         return len(self._waiting)
 
-    def _take(self, reply: RolloutReply) -> None:
+    def _take(self, reply: RolloutReply) -> int:
+        """Hand `reply` to its caller; 1 if it was a result (0: an error, or dropped)."""
         w = self._waiting.get(reply.request_id)
         if w is None or reply.submission_id != w.request.submission_id:
             # a late duplicate of a finished request, or an earlier submission of a reused id
             self.duplicates_dropped += 1
-            return
+            return 0
         got = w.got
+        ok = 0
         if isinstance(reply, RolloutResult):  # one sample's answer: the common case
             if reply.sample_index in got:
                 self.duplicates_dropped += 1
-                return
+                return 0
             got.add(reply.sample_index)
             w.sink.send_nowait(reply)
-            instruments.current.results.add(1, _OK)
+            ok = 1
         elif not self._take_errors(w, reply):
             self.duplicates_dropped += 1
-            return
+            return 0
         if len(got) >= w.request.sampling.n:
             del self._waiting[reply.request_id]
             if self.affinity is not None:
                 self.affinity.answered(reply.request_id)
-            instruments.current.queue_depth.set(len(self._waiting), _TRAINER)
+        return ok
 
     def _take_errors(self, w: _Waiting, reply: RolloutError) -> bool:
         """Hand over an error (one per sample still missing if it is for the whole request);
@@ -314,8 +352,8 @@ class RolloutPlane:
               on_stored: Callable[[BaseException | None], None]) -> Ticket | None:
         if not prepared:
             return None
-        until = (None if any(not r.deadline for r in prepared)
-                 else max(r.deadline for r in prepared))
+        deadlines = [r.deadline for r in prepared]
+        until = max(deadlines) if all(deadlines) else None
         subject = self.bus.subjects.rollout_request
         items = [(r, r.submission_id) for r in prepared]
         if not spans.enabled():  # the common case: no span, no wrapper of `on_stored`
@@ -392,23 +430,8 @@ class RolloutPlane:
         reqs = list(requests)
         if (len(reqs) == 1 and timeout is None and not deltas and not session
                 and not reqs[0].deadline and reqs[0].sampling.n == 1 and not spans.enabled()):
-            return self._generate_one(reqs[0])
+            return _OneReply(self, reqs[0])
         return self._generate(reqs, timeout, deltas, session)
-
-    async def _generate_one(self, req: RolloutRequest
-                            ) -> AsyncIterator[RolloutReply | TokenDelta]:
-        """`generate` of one untimed, untraced, unrouted request of one sample (an agent
-        lane's turn): its one answer, without the steps for many, deadlines and spans."""
-        inbox = _Inbox()
-        (sent,), ticket = self._post((req,), inbox, None, inbox.stored, None)
-        try:
-            yield await inbox.get()  # no deltas were asked for: the one reply
-        finally:
-            if ticket is not None and not ticket.finished:
-                self.outbox.withdraw(ticket)  # given up before it went out: not sent
-            self._waiting.pop(sent.request_id, None)
-            if self.affinity is not None:
-                self.affinity.answered(sent.request_id)
 
     async def _generate(self, reqs: list[RolloutRequest], timeout: float | None, deltas: bool,
                         session: str | None) -> AsyncIterator[RolloutReply | TokenDelta]:
@@ -448,16 +471,17 @@ class RolloutPlane:
                         await rebind.to(reply)
                 yield reply
         finally:
-            if ticket is not None and not ticket.finished:
-                self.outbox.withdraw(ticket)  # given up before it went out: not sent
-            waiting = self._waiting
-            for rid in ids:
-                waiting.pop(rid, None)
-                if self.affinity is not None:
-                    self.affinity.answered(rid)
+            self._given_up(sent, ticket)
             if span.is_recording():
                 span.set_attribute("rlfabric.results", yielded)
             span.end()
+
+    def _given_up(self, sent: list[RolloutRequest], ticket: Ticket | None) -> None:
+        """A `generate` call ended: what it sent is awaited no more, what it queued and did
+        not send yet is not sent."""
+        if ticket is not None and not ticket.finished:
+            self.outbox.withdraw(ticket)
+        self._forget(sent)
 
     async def _start(self, reqs: list[RolloutRequest], inbox: _Inbox, timeout: float | None,
                      deltas: bool, session: str | None,
