@@ -42,11 +42,12 @@ each result before acking its request.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
@@ -164,13 +165,12 @@ class _Many:
             if not self.left:
                 self.settled.set()
 
-    def stored(self, rid: str) -> Callable[[BaseException | None], None]:
-        """The outbox's callback for one of `rid`'s results."""
-        def on_done(error: BaseException | None) -> None:
+    def stored(self, rids: Iterable[str], error: BaseException | None) -> None:
+        """The outbox's answer for a result of each of `rids`: stored, or `error` stopped it."""
+        for rid in rids:
             if error is not None:
                 self.errors.setdefault(rid, error)
             self.settle(rid)
-        return on_done
 
 
 class RolloutServer:
@@ -546,9 +546,9 @@ class RolloutServer:
         turn may come before the store's acknowledgement does)."""
         return self.in_flight - self.storing
 
-    def _generated(self) -> None:
-        """A request's every sample is generated: the engine has room for another."""
-        self.storing += 1
+    def _generated(self, requests: int = 1) -> None:
+        """`requests` have every sample generated: the engine has room for as many more."""
+        self.storing += requests
         self._unpark()
         self._wake.fire()
 
@@ -627,16 +627,20 @@ class RolloutServer:
             async with contextlib.aclosing(results):
                 async for burst in results:
                     by_subject: dict[str, list[tuple[RolloutResult, RolloutRequest]]] = {}
+                    n_tokens = generated = 0
                     for res in burst:
                         req, subject = todo[res.request_id]
                         res = msgspec.structs.replace(res, attempt=attempt,
                                                       submission_id=req.submission_id)
-                        tokens.add(len(res.completion_token_ids), who)
+                        n_tokens += len(res.completion_token_ids)
                         many.posted[req.request_id] += 1
                         if many.posted[req.request_id] == req.sampling.n:
                             many.generated.add(req.request_id)
-                            self._generated()
+                            generated += 1
                         by_subject.setdefault(subject, []).append((res, req))
+                    tokens.add(n_tokens, who)  # a burst at a time, as the engine gave them
+                    if generated:
+                        self._generated(generated)
                     for subject, done in by_subject.items():
                         await self._store_burst(subject, done, many)
         except _HAND_BACK as exc:  # not the requests' fault: the message goes back
@@ -657,20 +661,18 @@ class RolloutServer:
         # past its deadline + a margin nobody waits for a result: stop retrying
         until = None if not all(deadlines) else max(deadlines) + 10.0
         rids = [res.request_id for res, _ in done]
-
-        def stored(error: BaseException | None) -> None:
-            for rid in rids:
-                many.stored(rid)(error)
         try:
-            await self.outbox.post_now(subject, items, until=until, on_done=stored)
+            await self.outbox.post_now(subject, items, until=until,
+                                       on_done=functools.partial(many.stored, rids))
         except PayloadTooLarge:  # one by one: only the oversized samples are answered
             for (res, req), item in zip(done, items, strict=True):
+                one = (res.request_id,)
                 try:
                     self.outbox.post(subject, [item], until=req.deadline + 10.0
                                      if req.deadline else None,
-                                     on_done=many.stored(res.request_id))
+                                     on_done=functools.partial(many.stored, one))
                 except PayloadTooLarge as exc:
-                    many.stored(res.request_id)(exc)
+                    many.stored(one, exc)
 
     async def _finish(self, d: _Delivery) -> None:
         """Every request of the message answered: ack it; or, if one must be served again
