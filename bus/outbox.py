@@ -161,6 +161,9 @@ class Outbox:
         sent = await self._send_now(subject, data, hdrs)
         if self._tg is not None:
             self._tg.start_soon(self._store, batch, subject, data, hdrs, sent)
+        # nats-py writes from its flusher task, at the caller's next wait: yielded to now, not
+        # after whatever the caller does before it waits
+        await anyio.lowlevel.checkpoint()
         return ticket
 
     def withdraw(self, ticket: Ticket) -> None:
