@@ -72,6 +72,11 @@ _OK = {"outcome": "ok"}
 _TRAINER = {"rlfabric.role": "trainer"}
 
 
+def _in_flight(ids: list[str]) -> str:
+    return (f"request_id {', '.join(map(repr, ids[:5]))} is already in flight from this "
+            "client: ids must be unique among the requests awaiting results")
+
+
 class _Sink(Protocol):
     def send_nowait(self, item: RolloutReply, /) -> None: ...
 
@@ -164,11 +169,11 @@ class _OneReply:
         if req is None:
             raise StopAsyncIteration
         plane, inbox = self._plane, _Inbox()
-        (sent,), ticket = plane._post((req,), inbox, None, inbox.stored, None)
+        sent, ticket = plane._post_one(req, inbox)
         try:
             return cast(RolloutReply, await inbox.get())  # no deltas were asked for
         finally:
-            plane._given_up([sent], ticket)
+            plane._given_up((sent,), ticket)
 
     async def aclose(self) -> None:
         self._req = None
@@ -194,6 +199,7 @@ class RolloutPlane:
         # session part and a counter (the streams' dedupe windows key on them)
         self._session = uuid.uuid4().hex[:16]
         self._counter = itertools.count()
+        self._request_subject = bus.subjects.rollout_request
 
     async def listen(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Receive this client's results and send its requests; started once the results
@@ -322,7 +328,23 @@ class RolloutPlane:
             self._forget(prepared)
             raise
 
-    def _forget(self, prepared: list[RolloutRequest]) -> None:
+    def _post_one(self, req: RolloutRequest, inbox: _Inbox) -> tuple[RolloutRequest, Ticket]:
+        """`_post` of one untimed, untraced request: its steps for one, without those for
+        many (each lane of an agent harness sends its turns this way)."""
+        sent = self._prepare(req, None)
+        rid = sent.request_id
+        if rid in self._waiting:
+            raise InvalidRequest(_in_flight([rid]))
+        self._waiting[rid] = _Waiting(sent, inbox)
+        try:
+            ticket = self.outbox.post(self._request_subject, [(sent, sent.submission_id)],
+                                      on_done=inbox.stored)
+        except BaseException:  # e.g. PayloadTooLarge: nothing was queued
+            del self._waiting[rid]
+            raise
+        return sent, ticket
+
+    def _forget(self, prepared: Iterable[RolloutRequest]) -> None:
         for r in prepared:
             self._waiting.pop(r.request_id, None)
             if self.affinity is not None:
@@ -339,10 +361,8 @@ class RolloutPlane:
             clash = len(set(ids)) != len(ids) or any(rid in waiting for rid in ids)
         if clash:
             ids = [r.request_id for r in prepared]
-            twice = sorted({rid for rid in ids if ids.count(rid) > 1 or rid in waiting})
-            raise InvalidRequest(f"request_id {', '.join(map(repr, twice[:5]))} is already in "
-                                 "flight from this client: ids must be unique among the "
-                                 "requests awaiting results")
+            raise InvalidRequest(_in_flight(
+                sorted({rid for rid in ids if ids.count(rid) > 1 or rid in waiting})))
         for req in prepared:
             waiting[req.request_id] = _Waiting(req, sink, deltas=deltas)
         instruments.current.queue_depth.set(len(waiting), _TRAINER)
@@ -354,7 +374,7 @@ class RolloutPlane:
             return None
         deadlines = [r.deadline for r in prepared]
         until = max(deadlines) if all(deadlines) else None
-        subject = self.bus.subjects.rollout_request
+        subject = self._request_subject
         items = [(r, r.submission_id) for r in prepared]
         if not spans.enabled():  # the common case: no span, no wrapper of `on_stored`
             return self.outbox.post(subject, items, until=until, on_done=on_stored)
@@ -476,7 +496,7 @@ class RolloutPlane:
                 span.set_attribute("rlfabric.results", yielded)
             span.end()
 
-    def _given_up(self, sent: list[RolloutRequest], ticket: Ticket | None) -> None:
+    def _given_up(self, sent: Iterable[RolloutRequest], ticket: Ticket | None) -> None:
         """A `generate` call ended: what it sent is awaited no more, what it queued and did
         not send yet is not sent."""
         if ticket is not None and not ticket.finished:

@@ -14,6 +14,7 @@ import torch
 from helpers import collect, req
 
 from rlfabric.schemas import RolloutError, RolloutRequest, RolloutResult, SamplingParams
+from rlfabric.schemas.validation import InvalidRequest
 from rlfabric.tensors.models import build_model
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
@@ -205,6 +206,16 @@ async def test_one_untimed_request_is_answered_once_and_forgotten_when_given_up(
             async for r in fabric.generate([req("one", [256, 2, 2], max_tokens=2)]):
                 raise AssertionError(f"a result while paused: {r}")
         assert plane.outstanding == 0
+        # an id awaited already is refused, alone or among others, and nothing is sent
+        sent = plane.outbox.items
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(collect, fabric, [req("two", [256, 2], max_tokens=2)])
+            await anyio.wait_all_tasks_blocked()
+            for again in ([req("two", [256, 4])], [req("three", [256, 4]), req("two", [256, 4])]):
+                with pytest.raises(InvalidRequest, match="'two' is already in flight"):
+                    await anext(fabric.generate(again))
+            tg.cancel_scope.cancel()
+        assert plane.outstanding == 0 and plane.outbox.items - sent <= 1
         assert (await fabric.resume()).ok == ("g0",)
         again = [r async for r in fabric.generate([req("one", [256, 3, 3, 3], max_tokens=2)])]
         # its own prompt's result, not the given-up one's (served after the resume)
