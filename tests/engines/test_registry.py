@@ -86,8 +86,10 @@ def test_an_unknown_engine_names_the_registered_ones() -> None:
 
 def test_a_torch_process_is_readied_before_torch_loads() -> None:
     """`prepare_process` gives a fresh process the torch kind's OpenMP spin before anything
-    imports torch (libgomp reads it once, as it loads), then its threads."""
+    imports torch (libgomp reads it once, as it loads), then its threads. The modules of its
+    callers (`rlfabric worker`, the Ray actor's) do not load torch before it runs."""
     code = ("import os, sys\n"
+            "import rlfabric.cli.worker_cmd, rlfabric.launch.ray\n"
             "from rlfabric.engines import registry\n"
             "assert 'torch' not in sys.modules\n"
             "registry.prepare_process('torch', 1)\n"
