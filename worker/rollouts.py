@@ -627,7 +627,7 @@ class RolloutServer:
             async with contextlib.aclosing(results):
                 async for burst in results:
                     by_subject: dict[str, list[tuple[RolloutResult, RolloutRequest]]] = {}
-                    n_tokens = generated = 0
+                    n_tokens, generated = 0, []
                     for res in burst:
                         req, subject = todo[res.request_id]
                         res = msgspec.structs.replace(res, attempt=attempt,
@@ -635,12 +635,12 @@ class RolloutServer:
                         n_tokens += len(res.completion_token_ids)
                         many.posted[req.request_id] += 1
                         if many.posted[req.request_id] == req.sampling.n:
-                            many.generated.add(req.request_id)
-                            generated += 1
+                            generated.append(req.request_id)
                         by_subject.setdefault(subject, []).append((res, req))
                     tokens.add(n_tokens, who)  # a burst at a time, as the engine gave them
-                    if generated:
-                        self._generated(generated)
+                    if generated:  # marked and counted together (`_request_done` pairs them)
+                        many.generated.update(generated)
+                        self._generated(len(generated))
                     for subject, done in by_subject.items():
                         await self._store_burst(subject, done, many)
         except _HAND_BACK as exc:  # not the requests' fault: the message goes back
