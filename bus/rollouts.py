@@ -386,7 +386,11 @@ class RolloutPlane:
             on_stored(error)
 
         with spans.within(sent):
-            return self.outbox.post(subject, items, until=until, on_done=stored)
+            try:
+                return self.outbox.post(subject, items, until=until, on_done=stored)
+            except BaseException as exc:  # e.g. PayloadTooLarge: never sent, never stored
+                spans.end(sent, exc)
+                raise
 
     async def _route(self, session: str, requests: Iterable[RolloutRequest], inbox: _Inbox,
                      timeout: float | None, deltas: _Inbox | None,

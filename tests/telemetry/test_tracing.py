@@ -1,6 +1,7 @@
 """Traces across processes: a `generate` call and an `update_weights` on a real worker process,
 each one trace with spans from the trainer (this process) and the worker, the trace context
-carried in NATS headers; and a message combining items of two traced calls keeps each one's."""
+carried in NATS headers; a message combining items of two traced calls keeps each one's; and
+a traced call refused as too large ends its send span with the error."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from typing import Any
 import anyio
 import pytest
 
-from rlfabric.bus import Bus
+from rlfabric.bus import Bus, EmbeddedNats, PayloadTooLarge
 from rlfabric.bus.outbox import Outbox
 from rlfabric.bus.subjects import Subjects
 from rlfabric.schemas import TRACEPARENTS_HEADER, RolloutRequest, RolloutRequests, SamplingParams
 from rlfabric.telemetry import configure, spans
 from rlfabric.telemetry.report import process_of, read_spans
 from rlfabric.tensors.models import build_model
+from rlfabric.trainer import FabricClient
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -155,3 +157,20 @@ async def test_a_message_combining_two_traced_calls_carries_each_calls_context(
     # W3C traceparent: version-trace_id-span_id-flags; each item names its own call's span
     assert [tp.split("-")[2] for tp in listed] == [parents["a"], parents["b"]]
     assert raw.headers["traceparent"] == listed[0]
+
+
+async def test_a_traced_call_too_large_to_send_ends_its_span_with_the_error(
+        tmp_path: Path) -> None:
+    path = tmp_path / "spans.jsonl"
+    tel = configure(role="trainer", trace_path=str(path))
+    try:
+        async with EmbeddedNats(max_payload=1 << 20) as srv, \
+                FabricClient.connect(srv.url, prefix="big") as fabric:
+            huge = RolloutRequest(request_id="huge", prompt_token_ids=list(range(1, 300_001)))
+            with pytest.raises(PayloadTooLarge):
+                await anext(fabric.generate([huge]))
+            assert fabric.rollouts.outstanding == 0
+    finally:
+        tel.shutdown()
+    sent = one(read_spans(str(path)), name="send big.rollout.request")
+    assert sent["status"] == "ERROR" and sent["kind"] == "PRODUCER"
