@@ -92,7 +92,7 @@ class NullEngine(RuntimeCollective):
 
     async def pause(self, mode: PauseMode) -> None:
         # wait / abort: what is in flight finishes at once anyway; keep: it freezes
-        if mode == "keep":
+        if mode == "keep" and self._resumed.is_set():  # paused twice: one event
             self._resumed = anyio.Event()
 
     async def resume(self) -> None:

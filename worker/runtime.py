@@ -61,6 +61,7 @@ from rlfabric.schemas import (
 )
 from rlfabric.telemetry import instruments, spans
 from rlfabric.worker.rollouts import RolloutServer
+from rlfabric.worker.state import WorkerStatus
 from rlfabric.worker.weights import WeightSync
 
 log = logging.getLogger("rlfabric.worker")
@@ -94,8 +95,10 @@ class Worker:
         self.reg = Registration(bus, new_worker_info(self.worker_id, engine=engine.name,
                                                      model=engine.model, capacity=capacity))
         self.reg.refresh = self._refresh_info
+        #: the worker's one state: membership, the engine calls and the rollout server read it
+        self.status = WorkerStatus()
         self.rollouts = RolloutServer(bus, engine, self.worker_id, self.reg, capacity=capacity,
-                                      prefetch=prefetch)
+                                      prefetch=prefetch, status=self.status)
         self._checksum_cache: tuple[int, str] | None = None
         self._drain = anyio.Event()
 
@@ -121,17 +124,17 @@ class Worker:
             if desired.locator is None and self.engine.version < 0:
                 await self._serve_checkpoint(desired)
             if desired.paused:  # join a paused fleet paused
-                self.rollouts.hold()
+                self.status.change(paused=True)
                 await self.engine.pause("keep")
             self.reg.update(weight_version=self.engine.version,
                             adapters=self.engine.adapter_versions())
             self._version_metric()
             await tg.start(self.reg.run)
             await tg.start(self.rollouts.run)
-            await self._set_state("paused" if self.rollouts.held else "ready")
+            await self._publish(started=True)
             task_status.started()
             await self._drain.wait()
-            await self._set_state("draining")
+            await self._publish(draining=True)
             await self.rollouts.drain(self.drain_grace)
             tg.cancel_scope.cancel()
         with anyio.CancelScope(shield=True):
@@ -176,7 +179,10 @@ class Worker:
         `run()` returns once that is done."""
         self._drain.set()
 
-    async def _set_state(self, state: str) -> None:
+    async def _publish(self, **flags: bool) -> None:
+        """Change the worker's status (`WorkerStatus.change`) and publish the state that
+        results: the members key and a `StateEvent`."""
+        state = self.status.change(**flags)
         self.reg.update(state=state)
         # a command never waits long on this (a server still recovering its JetStream after a
         # restart can leave a KV write unanswered for seconds): the next heartbeat carries it
@@ -228,7 +234,7 @@ class Worker:
             case UnloadAdapter():
                 held = await self.engine.unload_adapter(cmd.name)
                 self.reg.update(adapters=self.engine.adapter_versions())
-                await self._set_state("paused" if self.rollouts.held else "ready")
+                await self._publish()
                 return AckFields(detail={"unloaded": str(held).lower()})
             case Describe():
                 return self._describe()
@@ -241,12 +247,12 @@ class Worker:
                             f"worker ({self.engine.name} engine)")
 
     async def _pause(self, cmd: Pause) -> AckFields | None:
-        self.rollouts.hold()
-        await self._set_state("paused")
+        await self._publish(paused=True)
         # draining is bounded by the command's deadline: past it the sender has given up
         limit = cmd.deadline - time.time() if cmd.deadline else math.inf
         with anyio.move_on_after(max(0.0, limit)) as scope:
-            await self.engine.pause(cmd.mode)
+            if not self.status.asleep:  # asleep, the engine generates nothing already
+                await self.engine.pause(cmd.mode)
             if cmd.mode != "keep":
                 await self.rollouts.wait_idle()
         if scope.cancelled_caught:
@@ -256,33 +262,35 @@ class Worker:
         return None
 
     async def _resume(self) -> AckFields | None:
-        await self.engine.resume()
-        self.rollouts.serve_again()
-        await self._set_state("ready")
+        if not self.status.asleep:  # asleep, it stays so until woken (`_wake` resumes it)
+            await self.engine.resume()
+        await self._publish(paused=False)
         return None
 
     async def _sleep(self, cmd: Sleep) -> AckFields | None:
         await self.engine.sleep(cmd.level)  # an engine that cannot sleep refuses: still serving
-        self.rollouts.hold()
-        await self._set_state("sleeping")
+        await self._publish(asleep=True)
         return None
 
     async def _wake(self, cmd: Wake) -> AckFields | None:
+        if not self.status.asleep:  # nothing to wake (and a paused engine stays paused)
+            return None
         await self.engine.wake(cmd.tags)
-        self.rollouts.serve_again()
-        await self._set_state("ready")
+        if self.status.paused:  # woken, not resumed: the engine generates nothing yet
+            await self.engine.pause("keep")
+        await self._publish(asleep=False)
         return None
 
     def _describe(self) -> AckFields:
         d = self.engine.describe()
         d.update(in_flight=str(self.rollouts.in_flight), parked=str(self.rollouts.parked),
                  served=str(self.rollouts.served),
-                 paused=str(self.rollouts.held), applied_seq=str(self.receiver.applied_seq))
+                 state=self.status.state, paused=str(self.status.paused),
+                 asleep=str(self.status.asleep), applied_seq=str(self.receiver.applied_seq))
         return AckFields(detail=d)
 
     async def _update_weights(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
-        before = "paused" if self.rollouts.held else "ready"
-        await self._set_state("updating")
+        await self._publish(updating=True)
         try:
             return await self.weights.update(cmd, ctx)
         finally:
@@ -290,4 +298,4 @@ class Worker:
             self.reg.update(adapters=self.engine.adapter_versions())
             self.rollouts.version_moved()
             self._version_metric()
-            await self._set_state(before)
+            await self._publish(updating=False)

@@ -1,0 +1,173 @@
+"""Whether a delivered request is served now: decoded, addressed to a usable client, not past
+its deadline, for a version this worker holds, and accepted by the engine's own check. A
+request that is not is answered with a typed `RolloutError` (and never reaches the engine),
+or goes back to the stream to wait for its version (`Delivery.serve_again`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from rlfabric.bus import Bus
+from rlfabric.bus.errors import TRANSIENT, PayloadTooLarge
+from rlfabric.concurrency.ratelimit import RateLimited
+from rlfabric.engines.errors import EngineDied, RequestRejected
+from rlfabric.engines.protocol import Engine
+from rlfabric.schemas import (
+    CLIENT_ID_HEADER,
+    COUNT_HEADER,
+    REQUEST_ID_HEADER,
+    ErrorCode,
+    ErrorEvent,
+    MalformedMessage,
+    RolloutError,
+    RolloutRequest,
+    RolloutRequests,
+    codec_for,
+    encode,
+)
+from rlfabric.telemetry import instruments, spans
+from rlfabric.worker.delivery import Delivery, result_id
+
+log = logging.getLogger("rlfabric.worker.rollouts")
+#: failures that are not the request's: it goes back to the stream for another try
+HAND_BACK: tuple[type[Exception], ...] = (EngineDied, *TRANSIENT)
+
+
+class Admission:
+    def __init__(self, bus: Bus, engine: Engine, worker_id: str) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.worker_id = worker_id
+        self._result_subjects: dict[str, str] = {}
+        self._codec = codec_for(RolloutRequest)
+        self._batch_codec = codec_for(RolloutRequests)
+        self._flood = RateLimited(log)
+
+    def decode(self, msg: Msg) -> list[RolloutRequest]:
+        """The requests a message holds (`SchemaError` if it holds none)."""
+        if COUNT_HEADER in (msg.headers or {}):
+            batch: RolloutRequests = self._batch_codec.decode(msg.data, msg.headers,
+                                                              subject=msg.subject)
+            if not batch.requests:
+                raise MalformedMessage(f"an empty request batch on {msg.subject!r}")
+            return batch.requests
+        return [self._codec.decode(msg.data, msg.headers, subject=msg.subject)]
+
+    async def admit(self, d: Delivery, req: RolloutRequest) -> str | None:
+        """The subject `req`'s results go to, if it is to be served now; None once it was
+        answered with an error or is to come back later."""
+        msg = d.msg
+        subject = self._result_subjects.get(req.client_id)
+        if subject is None:
+            try:
+                subject = self.bus.subjects.rollout_result(req.client_id)
+            except ValueError:
+                await self.reply_error(msg, req, ErrorCode.BAD_REQUEST, "request has no usable "
+                                       f"client_id ({req.client_id!r})")
+                return None
+            self._result_subjects[req.client_id] = subject
+        if req.deadline and time.time() > req.deadline:  # nobody waits for it: out of the queue
+            await self.reply_error(msg, req, ErrorCode.DEADLINE_EXCEEDED,
+                                   f"request {req.request_id} expired before a worker took it")
+            return None
+        if not await self._version_ready(d, req):
+            return None
+        try:
+            self.engine.check(req)
+        except RequestRejected as exc:
+            await self.reply_error(msg, req, exc.code, str(exc))
+            return None
+        return subject
+
+    async def _version_ready(self, d: Delivery, req: RolloutRequest) -> bool:
+        """Whether this worker holds a version `req` may be served under (its adapter's, if
+        it names one); if not, it was answered or goes back (`_not_yet`)."""
+        if not req.adapter:
+            if req.min_weight_version <= self.engine.version:
+                return True
+            desired = await self.bus.state.read()
+            await self._not_yet(d, req, desired.weight_version, "weight version")
+            return False
+        held = self.engine.adapter_versions().get(req.adapter, ())
+        if held and max(req.min_weight_version, req.adapter_version) <= max(held):
+            return True  # an evicted version asked for: the engine's check says so
+        upd = (await self.bus.state.read()).adapters.get(req.adapter)
+        if upd is None:
+            await self.reply_error(d.msg, req, ErrorCode.ADAPTER_UNKNOWN,
+                                   f"request {req.request_id} names adapter {req.adapter!r}, "
+                                   "which no update loaded on this fleet (or one unloaded): "
+                                   "push it with FabricClient.update_weights(adapter=...)")
+            return False
+        await self._not_yet(d, req, upd.version, f"adapter {req.adapter!r} version")
+        return False
+
+    async def _not_yet(self, d: Delivery, req: RolloutRequest, desired: int, what: str
+                       ) -> None:
+        """A request for a version newer than ours. If the fleet's desired version is that
+        new (an update is on its way, or this worker is behind), it goes back to the stream
+        for a while, backing off, so the requests behind it are served meanwhile. If no
+        update to it was ever sent, a request without a deadline fails now (nothing would
+        ever serve it); one with a deadline waits for it until then."""
+        want = max(req.min_weight_version, req.adapter_version)
+        if desired < want and not req.deadline:
+            await self.reply_error(
+                d.msg, req, ErrorCode.VERSION_UNAVAILABLE,
+                f"request {req.request_id} needs {what} >= {want}, but the fleet's desired "
+                f"version is {desired} and no update to {want} was sent: push it first, lower "
+                "min_weight_version, or give the request a deadline to wait for it",
+                retryable=True)
+            return
+        tries = d.msg.metadata.num_delivered or 1
+        d.serve_again(min(1.0, 0.25 * 2 ** min(tries - 1, 2)))
+
+    async def failed(self, d: Delivery, req: RolloutRequest, exc: BaseException) -> None:
+        """`req` raised `exc`. Not the request's fault (the engine died, the bus hiccuped): its
+        message goes back to the stream for another try. Otherwise it is answered with the
+        error's code."""
+        if isinstance(exc, HAND_BACK):
+            log.debug("request %s handed back: %r", req.request_id, exc)
+            d.serve_again(0.25)
+            return
+        code, retryable = code_of(exc)
+        if code == ErrorCode.ENGINE_ERROR:
+            log.error("request %s failed", req.request_id, exc_info=exc)
+        await self.reply_error(d.msg, req, code, f"{type(exc).__name__}: {exc}",
+                               retryable=retryable)
+
+    async def reply_error(self, msg: Msg, req: RolloutRequest | None, code: str, message: str,
+                          *, retryable: bool = False) -> None:
+        hdrs = msg.headers or {}
+        client_id = req.client_id if req else hdrs.get(CLIENT_ID_HEADER, "")
+        request_id = req.request_id if req else hdrs.get(REQUEST_ID_HEADER, "")
+        # one log line per kind and interval with a count, not one per request; every one
+        # an event
+        self._flood.warning(f"%s answered a request with {code}: %s", self.worker_id, message)
+        instruments.current.errors.add(1, {"code": code, spans.WORKER_ID: self.worker_id})
+        await self.bus.emit(ErrorEvent(source=self.worker_id, code=code, message=message,
+                                       subject=msg.subject, at=time.time()))
+        if not client_id or not request_id:
+            return
+        err = RolloutError(request_id=request_id, worker_id=self.worker_id, code=code,
+                           message=message, group_id=req.group_id if req else "",
+                           retryable=retryable,
+                           submission_id=req.submission_id if req else "")
+        try:
+            await self.bus.persist(self.bus.subjects.rollout_result(client_id), encode(err),
+                                   self.bus.headers({
+                                       "Nats-Msg-Id": result_id(req, "error", request_id)}),
+                                   until=time.time() + 30.0)
+        except Exception as exc:
+            log.warning("could not answer %s with %s: %s", request_id, code, exc)
+
+
+def code_of(exc: BaseException) -> tuple[str, bool]:
+    """The `RolloutError` code a request's failure is answered with, and whether resending
+    it can help."""
+    if isinstance(exc, PayloadTooLarge):
+        return ErrorCode.PAYLOAD_TOO_LARGE, False
+    if isinstance(exc, RequestRejected):
+        return exc.code, False
+    return ErrorCode.ENGINE_ERROR, True

@@ -1,0 +1,43 @@
+"""What the rollout server serves: a delivered message (pulled from the shared queue, or
+offered to this worker directly) and the keys its results are stored under."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from rlfabric.schemas import TRACEPARENTS_HEADER, RolloutRequest
+
+
+@dataclass(eq=False)
+class Delivery:
+    """One delivered message and its requests still being served."""
+
+    msg: Msg
+    left: int  # requests the lanes still serve (a message served at once counts in `_Many`)
+    t0: float
+    back: float | None = None  # set: nak with this delay once all are done (serve again)
+
+    def serve_again(self, delay: float) -> None:
+        """Nak the message (after `delay` at least) once all its requests are done."""
+        self.back = max(self.back or 0.0, delay)
+
+
+def result_id(req: RolloutRequest | None, sample: int | str, request_id: str = "") -> str:
+    """The results stream's dedupe key: one per submission and sample (a reused request id
+    is a new submission, never a duplicate of the old one's result)."""
+    sub = (req.submission_id or f"{req.client_id}/{req.request_id}") if req else request_id
+    return f"{sub}/{sample}"
+
+
+def traces(headers: dict[str, str] | None, n: int) -> list[dict[str, str] | None]:
+    """Each request's trace context: the message's `traceparent`, or one per request when it
+    combined several traced calls (`rlf-traceparents`; see `Outbox`)."""
+    hdrs = headers or {}
+    listed = hdrs.get(TRACEPARENTS_HEADER)
+    if listed is not None:
+        tps = listed.split(",")
+        if len(tps) == n:
+            return [None if tp == "-" else {"traceparent": tp} for tp in tps]
+    return [hdrs] * n

@@ -1,0 +1,61 @@
+"""Token deltas of streamed requests (`stream` set), sent on core NATS
+(`<prefix>.stream.<client_id>`) while they are sampled, in order, by one sender task: what is
+queued for one client when it runs goes as one `TokenDeltas` (a decode step of every streamed
+request, not one message each). A delta lost to a reconnect is not sent again (the stored
+result holds every token)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import msgspec
+import nats.errors
+
+from rlfabric.bus import Bus
+from rlfabric.concurrency.sync import Signal
+from rlfabric.engines.protocol import TokenSink
+from rlfabric.schemas import RolloutRequest, TokenDelta, TokenDeltas, encode, headers
+
+log = logging.getLogger("rlfabric.worker.rollouts")
+
+
+class DeltaSender:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self._deltas: deque[tuple[str, TokenDelta]] = deque()  # (subject, delta)
+        self._ready = Signal()
+        self._headers = headers()
+
+    def sink(self, reqs: dict[str, RolloutRequest]) -> TokenSink | None:
+        """What the engine hands the deltas of `reqs` (by request id) to; None when none of
+        them is streamed."""
+        if not any(r.stream for r in reqs.values()):
+            return None
+        subjects = self.bus.subjects
+
+        def on_tokens(delta: TokenDelta) -> None:
+            req = reqs.get(delta.request_id)
+            if req is None or not req.stream:
+                return
+            delta = msgspec.structs.replace(delta, submission_id=req.submission_id)
+            self._deltas.append((subjects.token_stream(req.client_id), delta))
+            self._ready.fire()
+        return on_tokens
+
+    async def run(self) -> None:
+        """Publish the queued deltas, in order, one message per client (core NATS: buffered,
+        no round trip)."""
+        while True:
+            ready = self._ready.event()
+            by_subject: dict[str, list[TokenDelta]] = {}
+            while self._deltas:
+                subject, delta = self._deltas.popleft()
+                by_subject.setdefault(subject, []).append(delta)
+            for subject, deltas in by_subject.items():
+                try:
+                    await self.bus.nc.publish(subject, encode(TokenDeltas(deltas=deltas)),
+                                              headers=self._headers)
+                except nats.errors.Error as exc:  # the result still carries every token
+                    log.debug("token deltas to %s not sent: %s", subject, exc)
+            await ready.wait()
