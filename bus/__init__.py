@@ -1,5 +1,6 @@
 """The bus: NATS connection, embedded server, subjects, streams/KV, membership, quorum."""
 
+from rlfabric.bus.acks import AckFields
 from rlfabric.bus.cluster import EmbeddedCluster
 from rlfabric.bus.connect import ConnectOptions, connect
 from rlfabric.bus.errors import (
@@ -21,7 +22,7 @@ from rlfabric.bus.errors import (
 from rlfabric.bus.membership import MembershipWatcher, Registration, fingerprint, new_worker_info
 from rlfabric.bus.provision import Limits, provision
 from rlfabric.bus.quorum import Broadcaster, Fanout, QuorumPolicy, new_cmd_id
-from rlfabric.bus.receiver import AckFields, CommandContext, CommandReceiver
+from rlfabric.bus.receiver import CommandContext, CommandReceiver
 from rlfabric.bus.server import EmbeddedNats, find_nats_server
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import Subjects

@@ -39,10 +39,9 @@ import contextlib
 import logging
 import random
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import msgspec
@@ -52,9 +51,10 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import Span, StatusCode
 
-from rlfabric.bus.errors import READ_FAILED, TRANSIENT, CommandFailed
+from rlfabric.bus.acks import AckFields, Acks, StateFn
+from rlfabric.bus.errors import READ_FAILED, TRANSIENT
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import Subjects, check_token, is_token
 from rlfabric.concurrency.ratelimit import RateLimited
@@ -73,7 +73,7 @@ from rlfabric.schemas import (
     codec_for,
     op_of,
 )
-from rlfabric.telemetry import instruments, spans
+from rlfabric.telemetry import spans
 
 log = logging.getLogger("rlfabric.bus.receiver")
 #: seconds an idle worker's control-stream polls back off to, unless told
@@ -81,16 +81,6 @@ log = logging.getLogger("rlfabric.bus.receiver")
 POLL_MAX = 8.0
 #: how a live copy's subject ends before its seq: `.<schema major>`
 _MAJOR_TAIL = f".{SCHEMA_MAJOR}"
-
-
-@dataclass(kw_only=True, slots=True)
-class AckFields:
-    """What a handler reports besides ok/error: the version it serves now and its checksum,
-    and op-specific details."""
-
-    weight_version: int | None = None
-    weights_checksum: str | None = None
-    detail: dict[str, str] = field(default_factory=dict)
 
 
 class CommandContext:
@@ -107,8 +97,9 @@ class CommandContext:
         self._after_done: list[Callable[[], None]] | None = None
 
     async def ready(self, **fields: Any) -> None:
-        await self._r._send_ack(self.cmd.cmd_id, self._r._make_ack(self, "ready", "ok", fields),
-                                traced=spans.enabled())
+        acks = self._r.acks
+        await acks.send(self.cmd.cmd_id, acks.make(self.cmd, self.t0, "ready", "ok", fields),
+                        traced=spans.enabled())
 
     def after_done(self, fn: Callable[[], None]) -> None:
         if self._after_done is None:
@@ -117,7 +108,6 @@ class CommandContext:
 
 
 Handler = Callable[[Command, CommandContext], Awaitable[AckFields | None]]
-StateFn = Callable[[], tuple[int, str]]
 #: queued for the loop: (seq, `live(op)`, live copy), or (0, "", None) for a catch-up
 _Item = tuple[int, str, Msg | None]
 
@@ -127,11 +117,10 @@ class CommandReceiver:
     and `next_seq` read, so any command persisted afterwards reaches this worker."""
 
     # slots: a process can hold many receivers (simulated fleets), each read every command
-    __slots__ = ("_ack_codec", "_ack_prefix", "_buffer", "_busy", "_codec", "_decode_raw",
-                 "_encode_ack", "_flood", "_queue", "_queued", "_remember",
-                 "_sent", "_seq_ids", "_sync_queued", "applied_live", "applied_seq", "bus",
-                 "caught_up", "handled", "handler", "live_sub", "next_seq", "poll", "poll_max",
-                 "rejected", "start_end", "state", "stream_reads", "worker_id")
+    __slots__ = ("_buffer", "_busy", "_codec", "_decode_raw", "_flood", "_queue", "_queued",
+                 "_sync_queued", "acks", "applied_live", "applied_seq", "bus", "caught_up",
+                 "handled", "handler", "live_sub", "next_seq", "poll", "poll_max", "rejected",
+                 "start_end", "stream_reads", "worker_id")
 
     def __init__(self, bus: Bus, worker_id: str, handler: Handler, *,
                  state: StateFn = lambda: (-1, ""), poll: float = 1.0,
@@ -139,21 +128,12 @@ class CommandReceiver:
         self.bus = bus
         self.worker_id = check_token(worker_id, "worker id")
         self.handler = handler
-        self.state = state
+        self.acks = Acks(bus, self.worker_id, state, remember=remember)
         self.poll = poll
         self.poll_max = max(poll, poll_max)
-        # cmd_id -> its encoded acks: one (most commands) as is, two (two-phase) in a tuple.
-        # Not a tuple of one: the garbage collector tracks tuples, and one kept per command
-        # makes it run often on a busy worker.
-        self._sent: OrderedDict[str, bytes | tuple[bytes, ...]] = OrderedDict()
-        self._seq_ids: OrderedDict[int, str] = OrderedDict()  # seq -> cmd_id, for re-sends
-        self._remember = remember
         self._buffer = buffer
         self._codec = codec_for(Command)
         self._decode_raw = self._codec.decode_raw
-        self._ack_codec = codec_for(Ack)
-        self._encode_ack = self._ack_codec.encode_raw
-        self._ack_prefix = bus.subjects.ack_prefix
         #: the control-stream sequence applied next
         self.next_seq = 0
         #: the control stream's last sequence when `run` started (commands up to it are not
@@ -180,79 +160,6 @@ class CommandReceiver:
         # stream order; `_queued` fires when the callback is done with one
         self._busy = False
 
-    # ---- acks ----
-    def _make_ack(self, ctx: CommandContext, phase: Literal["ready", "done"],
-                  status: Literal["ok", "error"],
-                  fields: dict[str, Any] | AckFields | None, *, code: str = "",
-                  message: str = "") -> Ack:
-        version, checksum = self.state()
-        if fields is None:  # most commands: no details
-            return Ack(cmd_id=ctx.cmd.cmd_id, worker_id=self.worker_id, phase=phase,
-                       status=status, error_code=code, error_message=message,
-                       weight_version=version, weights_checksum=checksum,
-                       elapsed_s=time.monotonic() - ctx.t0)
-        detail: dict[str, str] = {}
-        if isinstance(fields, AckFields):
-            version = version if fields.weight_version is None else fields.weight_version
-            checksum = checksum if fields.weights_checksum is None else fields.weights_checksum
-            detail = fields.detail
-        elif fields:
-            version = fields.get("weight_version", version)
-            checksum = fields.get("weights_checksum", checksum)
-            detail = fields.get("detail", {})
-        return Ack(cmd_id=ctx.cmd.cmd_id, worker_id=self.worker_id, phase=phase,
-                   status=status, error_code=code, error_message=message,
-                   weight_version=version, weights_checksum=checksum,
-                   elapsed_s=time.monotonic() - ctx.t0, detail=detail)
-
-    async def _send_ack(self, cmd_id: str, ack: Ack, *, traced: bool) -> None:
-        """`cmd_id` is a command's that `_apply` took: it passed `is_token` there. `traced`: as
-        `spans.enabled()` (asked once per command by the caller)."""
-        data = self._remembered(cmd_id, ack)
-        subject = self._ack_prefix + cmd_id
-        if not traced:
-            await self._publish_ack(subject, data, cmd_id)
-            return
-        with spans.producer_span(subject, message_id=cmd_id,
-                                 attributes={spans.WORKER_ID: self.worker_id,
-                                             "rlfabric.ack.phase": ack.phase,
-                                             "rlfabric.ack.status": ack.status}):
-            await self._publish_ack(subject, data, cmd_id, self.bus.headers())
-
-    def _remembered(self, cmd_id: str, ack: Ack) -> bytes:
-        """`ack` encoded, and remembered so to be sent again as is when asked (`_resend`): not
-        kept as an `Ack`, which costs more a command."""
-        data = self._encode_ack(ack)
-        sent = self._sent.get(cmd_id)
-        if sent is None:  # the first ack of a command: it is remembered from now on
-            self._sent[cmd_id] = data
-            if len(self._sent) > self._remember:
-                self._sent.popitem(last=False)
-        else:
-            self._sent[cmd_id] = (sent, data) if isinstance(sent, bytes) else (*sent, data)
-        return data
-
-    async def _publish_ack(self, subject: str, data: bytes, cmd_id: str,
-                           headers: dict[str, str] | None = None) -> None:
-        """The ack of a command this worker decoded goes without headers unless tracing is on
-        (see `rlfabric.schemas.codec`); a rejection carries them."""
-        try:
-            await self.bus.nc.publish(subject, data, headers=headers)
-        except nats.errors.Error as exc:
-            self._not_sent(cmd_id, exc)
-
-    def _not_sent(self, cmd_id: str, exc: Exception) -> None:
-        # the sender's probe asks again (see `_on_ping`)
-        log.warning("%s: ack of %s not sent (%s); sent again when asked", self.worker_id,
-                    cmd_id, exc)
-
-    async def _resend(self, cmd_id: str) -> None:
-        subject = self.bus.subjects.ack(cmd_id)
-        headers = self.bus.headers() if spans.enabled() else None
-        sent = self._sent.get(cmd_id, ())
-        for data in (sent,) if isinstance(sent, bytes) else sent:
-            await self._publish_ack(subject, data, cmd_id, headers)
-
     # ---- the loop ----
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         s = self.bus.subjects
@@ -266,7 +173,7 @@ class CommandReceiver:
             self.start_end = await self._stream_end()
             self.next_seq = self.start_end + 1
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._keep_in_sync)
+                tg.start_soon(_keep_in_sync, self)
                 task_status.started()
                 while True:
                     if not queue or self._busy:
@@ -352,44 +259,8 @@ class CommandReceiver:
             return
         if seq >= self.next_seq:
             self._sync()  # its live copy never came, or is queued behind a long handler
-        elif (cmd_id := self._seq_ids.get(seq)) is not None:
-            await self._resend(cmd_id)  # applied: the acks may have been lost
-
-    async def _keep_in_sync(self) -> None:
-        """A catch-up after every reconnect, and every `poll` seconds in which no live copy was
-        applied. While copies come in order a poll would find nothing a copy does not show:
-        a command stored without one is a jump in the next copy's seq. Once they stop, the
-        next quiet poll reads it (within two polls). A poll costs a stream read, of the worker's
-        CPU and the server's: skipping them while commands flow takes them off the calls, and
-        the wait doubling while nothing comes takes them off an idle fleet. The poll's clock is
-        a loop timer, not a task's timed wait: a process can hold many receivers (simulated
-        fleets), and a timed wait costs several times as much CPU each time it runs out."""
-        loop = asyncio.get_running_loop()
-        live, seq, wait = self.applied_live, self.next_seq, self.poll
-        timer: asyncio.TimerHandle
-
-        def arm() -> asyncio.TimerHandle:
-            return loop.call_later(wait * random.uniform(0.5, 1.5), tick)
-
-        def tick() -> None:
-            nonlocal live, seq, wait, timer
-            before, live = live, self.applied_live
-            if live == before:  # else: in step with the live copies
-                self._sync()
-            moved, seq = self.next_seq != seq, self.next_seq
-            wait = self.poll if moved else min(2 * wait, self.poll_max)
-            timer = arm()
-
-        timer = arm()
-        try:
-            while True:
-                await self.bus.link.reconnected.event().wait()
-                timer.cancel()
-                self._sync()
-                live, seq, wait = self.applied_live, self.next_seq, self.poll
-                timer = arm()
-        finally:
-            timer.cancel()
+        else:
+            await self.acks.resend_seq(seq)  # applied: the acks may have been lost
 
     async def _stream_end(self) -> int:
         delay = 0.05
@@ -454,92 +325,44 @@ class CommandReceiver:
         if path == "live":
             self.applied_live += 1
         msgspec.structs.force_setattr(cmd, "seq", seq)  # decoded here: no one else holds it
-        seq_ids = self._seq_ids
-        seq_ids[seq] = cmd_id
-        if len(seq_ids) > self._remember:  # one in, one out
-            seq_ids.popitem(last=False)
-        if cmd_id in self._sent:  # stored twice: answer as the first time
-            await self._resend(cmd_id)
+        if self.acks.applying(seq, cmd_id):  # stored twice: answer as the first time
+            await self.acks.resend(cmd_id)
             return
         ctx = CommandContext(self, cmd)
-        if spans.enabled():
-            await self._apply_traced(ctx, subject, headers, path)
-        else:
-            # no span: `_outcome`, `_make_ack` and `_send_ack`'s untraced path, inline (every
-            # worker pays every layer, every command)
-            deadline = cmd.deadline
-            if deadline and time.time() > deadline:
-                ack = self._failed(ctx, None)
-            else:
-                try:
-                    fields = await self.handler(cmd, ctx)
-                except Exception as exc:
-                    ack = self._failed(ctx, exc)
-                else:
-                    if fields is None:
-                        version, checksum = self.state()
-                        ack = Ack(cmd_id=cmd_id, worker_id=self.worker_id,
-                                  weight_version=version, weights_checksum=checksum,
-                                  elapsed_s=time.monotonic() - ctx.t0)
-                    else:
-                        ack = self._make_ack(ctx, "done", "ok", fields)
-            self.applied_seq = seq
-            self.handled += 1
-            data = self._remembered(cmd_id, ack)
-            try:
-                await self.bus.nc.publish(self._ack_prefix + cmd_id, data)
-            except nats.errors.Error as exc:
-                self._not_sent(cmd_id, exc)
-        if ctx._after_done:
-            for fn in ctx._after_done:
-                fn()
-
-    async def _apply_traced(self, ctx: CommandContext, subject: str,
-                            headers: dict[str, str] | None, path: str) -> None:
-        """`_apply`'s handler and `done` Ack inside the command's `process` span."""
-        cmd = ctx.cmd
-        with spans.consumer_span(subject, headers, message_id=cmd.cmd_id, attributes={
-                spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd.cmd_id,
-                spans.CMD_OP: op_of(cmd), spans.CMD_SEQ: cmd.seq,
-                "rlfabric.cmd.path": path}) as span:  # how it came
+        # tracing adds the `process` span around the same steps (no attributes made when off)
+        traced = spans.enabled()
+        with self._span(cmd, subject, headers, path) if traced else spans.NOOP as span:
             ack = await self._outcome(ctx)
-            self.applied_seq = cmd.seq
+            self.applied_seq = seq
             self.handled += 1
             if span.is_recording():
                 span.set_attributes({spans.WEIGHT_VERSION: ack.weight_version,
                                      "rlfabric.ack.status": ack.status})
                 if ack.status != "ok":
                     span.set_status(StatusCode.ERROR, f"{ack.error_code}: {ack.error_message}")
-            await self._send_ack(cmd.cmd_id, ack, traced=True)
+            await self.acks.send(cmd_id, ack, traced=traced)
+        if ctx._after_done:
+            for fn in ctx._after_done:
+                fn()
+
+    def _span(self, cmd: Command, subject: str, headers: dict[str, str] | None, path: str
+              ) -> contextlib.AbstractContextManager[Span]:
+        """A command's `process` span, a child of the sender's."""
+        return spans.consumer_span(subject, headers, message_id=cmd.cmd_id, attributes={
+            spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd.cmd_id,
+            spans.CMD_OP: op_of(cmd), spans.CMD_SEQ: cmd.seq,
+            "rlfabric.cmd.path": path})  # how it came
 
     async def _outcome(self, ctx: CommandContext) -> Ack:
         """The `done` Ack of a command: the handler's, or an error one (late, or it raised)."""
         cmd = ctx.cmd
         if cmd.deadline and time.time() > cmd.deadline:
-            return self._failed(ctx, None)
+            return self.acks.failed(cmd, ctx.t0, None)
         try:
             fields = await self.handler(cmd, ctx)
         except Exception as exc:
-            return self._failed(ctx, exc)
-        return self._make_ack(ctx, "done", "ok", fields)
-
-    def _failed(self, ctx: CommandContext, exc: Exception | None) -> Ack:
-        """The error `done` Ack of a command past its deadline (`exc` None) or whose handler
-        raised `exc`, counted."""
-        cmd = ctx.cmd
-        code: str
-        if exc is None:
-            code, message = ErrorCode.DEADLINE_EXCEEDED, (
-                f"{op_of(cmd)} arrived {time.time() - cmd.deadline:.3f}s after its deadline; "
-                "not applied")
-        elif isinstance(exc, CommandFailed):
-            code, message = exc.code, str(exc)
-        else:
-            log.error("handler of %s %s failed on %s", op_of(cmd), cmd.cmd_id, self.worker_id,
-                      exc_info=exc)
-            code, message = ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}"
-        instruments.current.errors.add(1, {"code": code, spans.WORKER_ID: self.worker_id})
-        return self._make_ack(ctx, "done", "error", None, code=code, message=message)
+            return self.acks.failed(cmd, ctx.t0, exc)
+        return self.acks.make(cmd, ctx.t0, "done", "ok", fields)
 
     async def _reject(self, subject: str, headers: dict[str, str] | None,
                       exc: Exception) -> None:
@@ -553,7 +376,41 @@ class CommandReceiver:
             await self.bus.emit(ErrorEvent(source=self.worker_id, code=code, message=str(exc),
                                            subject=subject, cmd_id=cmd_id, at=time.time()))
         if cmd_id and is_token(cmd_id):
-            ack = Ack(cmd_id=cmd_id, worker_id=self.worker_id, status="error", error_code=code,
-                      error_message=str(exc))
-            await self._publish_ack(self.bus.subjects.ack(cmd_id), self._ack_codec.encode(ack),
-                                    cmd_id, self.bus.headers())
+            await self.acks.reject(cmd_id, code, str(exc))
+
+
+async def _keep_in_sync(r: CommandReceiver) -> None:
+    """A catch-up after every reconnect, and every `poll` seconds in which no live copy was
+    applied. While copies come in order a poll would find nothing a copy does not show:
+    a command stored without one is a jump in the next copy's seq. Once they stop, the
+    next quiet poll reads it (within two polls). A poll costs a stream read, of the worker's
+    CPU and the server's: skipping them while commands flow takes them off the calls, and
+    the wait doubling while nothing comes takes them off an idle fleet. The poll's clock is
+    a loop timer, not a task's timed wait: a process can hold many receivers (simulated
+    fleets), and a timed wait costs several times as much CPU each time it runs out."""
+    loop = asyncio.get_running_loop()
+    live, seq, wait = r.applied_live, r.next_seq, r.poll
+    timer: asyncio.TimerHandle
+
+    def arm() -> asyncio.TimerHandle:
+        return loop.call_later(wait * random.uniform(0.5, 1.5), tick)
+
+    def tick() -> None:
+        nonlocal live, seq, wait, timer
+        before, live = live, r.applied_live
+        if live == before:  # else: in step with the live copies
+            r._sync()
+        moved, seq = r.next_seq != seq, r.next_seq
+        wait = r.poll if moved else min(2 * wait, r.poll_max)
+        timer = arm()
+
+    timer = arm()
+    try:
+        while True:
+            await r.bus.link.reconnected.event().wait()
+            timer.cancel()
+            r._sync()
+            live, seq, wait = r.applied_live, r.next_seq, r.poll
+            timer = arm()
+    finally:
+        timer.cancel()

@@ -101,14 +101,32 @@ def producer_span(subject: str, *, message_id: str = "",
                                    attributes=_messaging(subject, "send", message_id, attributes))
 
 
-def start_producer(subject: str, *, attributes: Mapping[str, Any] | None = None) -> Span:
+def start_producer(subject: str, *, attributes: Mapping[str, Any] | None = None,
+                   parent: Span | None = None) -> Span:
     """`send <subject>` started now and ended by the caller (`end(s, error)`), not made
-    current: for a send whose end (stored) comes in a callback."""
+    current: for a send whose end (stored) comes in a callback. `parent`: its parent (else
+    the current span)."""
     t = tracer()
     if t is None:
         return trace.INVALID_SPAN
-    return t.start_span(f"send {subject}", kind=SpanKind.PRODUCER,
+    return t.start_span(f"send {subject}", kind=SpanKind.PRODUCER, context=_under(parent),
                         attributes=_messaging(subject, "send", "", attributes))
+
+
+def start_consumer(subject: str, headers: Mapping[str, str] | None, *, message_id: str = "",
+                   attributes: Mapping[str, Any] | None = None) -> Span:
+    """`consumer_span` started now and ended by the caller, not made current: for one of
+    several requests handled in one call."""
+    t = tracer()
+    if t is None:
+        return trace.INVALID_SPAN
+    return t.start_span(f"process {subject}", kind=SpanKind.CONSUMER,
+                        context=parent_of(headers),
+                        attributes=_messaging(subject, "process", message_id, attributes))
+
+
+def _under(parent: Span | None) -> otel_context.Context | None:
+    return None if parent is None else trace.set_span_in_context(parent)
 
 
 def end(s: Span, error: BaseException | None = None) -> None:
@@ -165,10 +183,12 @@ def within(s: Span) -> contextlib.AbstractContextManager[Span]:
     return trace.use_span(s, end_on_exit=False)
 
 
-def start(name: str, *, attributes: Mapping[str, Any] | None = None) -> Span:
+def start(name: str, *, attributes: Mapping[str, Any] | None = None,
+          parent: Span | None = None) -> Span:
     """A span started now and ended by the caller (`s.end()`); not made current. For spans
-    that outlive one block: an async generator's, a step's."""
+    that outlive one block: an async generator's, a step's. `parent`: its parent (else the
+    current span)."""
     t = tracer()
     if t is None:
         return trace.INVALID_SPAN
-    return t.start_span(name, attributes=attributes)
+    return t.start_span(name, context=_under(parent), attributes=attributes)
