@@ -26,113 +26,38 @@ tokens from the result.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Literal, Protocol, cast, overload
+from dataclasses import dataclass
+from typing import Literal, overload
 
 import anyio
 import anyio.lowlevel
 import msgspec
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
-from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from opentelemetry.trace import INVALID_SPAN
 
 from rlfabric.bus.affinity import Affinity, affinity_key
+from rlfabric.bus.awaited import Awaited, Inbox, Item, Sink
 from rlfabric.bus.outbox import Outbox, Ticket
 from rlfabric.bus.session import Bus
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     COUNT_HEADER,
     REQUEST_ID_HEADER,
-    ErrorCode,
-    RolloutError,
-    RolloutReplies,
     RolloutReply,
     RolloutRequest,
     RolloutRequests,
     RolloutResult,
-    SchemaError,
     TokenDelta,
-    TokenDeltas,
-    codec_for,
     encode,
 )
-from rlfabric.schemas.validation import InvalidRequest, check_request
-from rlfabric.telemetry import instruments, spans
-
-#: metric attributes of a result handed over, and of the trainer's queue depth
-_OK = {"outcome": "ok"}
-_TRAINER = {"rlfabric.role": "trainer"}
-
-
-def _in_flight(ids: list[str]) -> str:
-    return (f"request_id {', '.join(map(repr, ids[:5]))} is already in flight from this "
-            "client: ids must be unique among the requests awaiting results")
-
-
-class _Sink(Protocol):
-    def send_nowait(self, item: RolloutReply, /) -> None: ...
-
-
-#: what a `generate` call's inbox holds: results, errors, and token deltas when asked for
-_Item = RolloutReply | TokenDelta
-
-
-class _Inbox:
-    """Where one `generate` call's results land. Unlike a memory object stream, whose every
-    `receive` yields to the event loop first, `get` returns what is there at once and waits
-    (on a loop future made then: an `anyio.Event` wraps an `asyncio.Event` that makes one)
-    only when nothing is: one task switch a result at most."""
-
-    __slots__ = ("_error", "_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: deque[_Item] = deque()
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    def send_nowait(self, item: _Item, /) -> None:
-        self._items.append(item)
-        self._wake()
-
-    def stored(self, error: BaseException | None) -> None:
-        """The call's requests are stored; or they could not be (`error`): `get` raises it."""
-        if error is not None:
-            self._error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():  # cancelled with its waiting task: nobody to wake
-                waiter.set_result(None)
-
-    async def get(self) -> _Item:
-        while not self._items:
-            if self._error is not None:
-                raise self._error
-            self._waiter = waiter = asyncio.get_running_loop().create_future()
-            await waiter
-        return self._items.popleft()
-
-
-@dataclass(eq=False, slots=True)
-class _Waiting:
-    """One submitted request: which samples arrived, and where its results go."""
-
-    request: RolloutRequest
-    sink: _Sink
-    got: set[int] = field(default_factory=set)  # complete at `request.sampling.n`
-    #: where this request's token deltas go (None: dropped)
-    deltas: _Inbox | None = None
+from rlfabric.schemas.validation import check_request
+from rlfabric.telemetry import spans
 
 
 @dataclass(slots=True)
@@ -143,40 +68,11 @@ class _Rebind:
     key: str
     bound: str
 
-    async def to(self, reply: _Item) -> None:
+    async def to(self, reply: Item) -> None:
         if not isinstance(reply, RolloutResult) or reply.worker_id == self.bound:
             return
         self.bound = reply.worker_id
         await self.affinity.bind(self.key, reply.worker_id)
-
-
-class _OneReply:
-    """`generate` of one untimed, untraced, unrouted request of one sample (an agent lane's
-    turn): its one answer. An iterator, not an async generator (none of the event loop's
-    bookkeeping of one per call); like one, it sends the request at the first `__anext__`."""
-
-    __slots__ = ("_plane", "_req")
-
-    def __init__(self, plane: RolloutPlane, req: RolloutRequest) -> None:
-        self._plane = plane
-        self._req: RolloutRequest | None = req  # None: answered (or given up)
-
-    def __aiter__(self) -> _OneReply:
-        return self
-
-    async def __anext__(self) -> RolloutReply:
-        req, self._req = self._req, None
-        if req is None:
-            raise StopAsyncIteration
-        plane, inbox = self._plane, _Inbox()
-        sent, ticket = plane._post_one(req, inbox)
-        try:
-            return cast(RolloutReply, await inbox.get())  # no deltas were asked for
-        finally:
-            plane._given_up((sent,), ticket)
-
-    async def aclose(self) -> None:
-        self._req = None
 
 
 class RolloutPlane:
@@ -188,10 +84,8 @@ class RolloutPlane:
         #: routes the requests of a session (`generate(..., session=)`); None: all go to the
         #: shared queue
         self.affinity = affinity
-        self.duplicates_dropped = 0
-        self._waiting: dict[str, _Waiting] = {}
-        self._codec = codec_for(RolloutReply | RolloutReplies)
-        self._delta_codec = codec_for(TokenDeltas)
+        #: each submitted request until answered (results deduplicated there)
+        self.awaited = Awaited(affinity.answered if affinity is not None else None)
         #: request messages go out through it (`outbox.messages`, `.items`: how they packed)
         self.outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs),
                              headers=self._request_headers, max_items=max_batch)
@@ -207,9 +101,9 @@ class RolloutPlane:
         # NOTE: an ordered consumer re-creates itself from the last result it saw once two
         # idle heartbeats are missed: after a broker restart, within a second
         deltas = await self.bus.nc.subscribe(self.bus.subjects.token_stream(self.client_id),
-                                             cb=self._on_delta)
+                                             cb=self.awaited.on_delta)
         sub = await self.bus.js.subscribe(
-            self.bus.subjects.rollout_result(self.client_id), cb=self._on_result,
+            self.bus.subjects.rollout_result(self.client_id), cb=self.awaited.on_result,
             ordered_consumer=True, deliver_policy=DeliverPolicy.NEW, idle_heartbeat=0.5)
         try:
             async with anyio.create_task_group() as tg:
@@ -222,81 +116,14 @@ class RolloutPlane:
                 await sub.unsubscribe()
                 await deltas.unsubscribe()
 
-    async def _on_result(self, msg: Msg) -> None:
-        try:
-            reply = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
-        except SchemaError:
-            return
-        waiting = len(self._waiting)
-        if isinstance(reply, RolloutReplies):
-            ok = 0
-            for one in reply.replies:
-                ok += self._take(one)
-        else:
-            ok = self._take(reply)
-        # counted a message at a time, not a result at a time
-        if ok:
-            instruments.current.results.add(ok, _OK)
-        if len(self._waiting) != waiting:
-            instruments.current.queue_depth.set(len(self._waiting), _TRAINER)
-
-    async def _on_delta(self, msg: Msg) -> None:
-        try:
-            batch = self._delta_codec.decode(msg.data, msg.headers, subject=msg.subject)
-        except SchemaError:
-            return
-        waiting = self._waiting
-        for delta in batch.deltas:
-            w = waiting.get(delta.request_id)
-            if w is not None and w.deltas is not None and \
-                    delta.submission_id == w.request.submission_id and \
-                    delta.sample_index not in w.got:
-                w.deltas.send_nowait(delta)
-
     @property
     def outstanding(self) -> int:
         """Requests submitted and still awaiting a result (queued here or at a worker)."""
-        return len(self._waiting)
+        return len(self.awaited)
 
-    def _take(self, reply: RolloutReply) -> int:
-        """Hand `reply` to its caller; 1 if it was a result (0: an error, or dropped)."""
-        w = self._waiting.get(reply.request_id)
-        if w is None or reply.submission_id != w.request.submission_id:
-            # a late duplicate of a finished request, or an earlier submission of a reused id
-            self.duplicates_dropped += 1
-            return 0
-        got = w.got
-        ok = 0
-        if isinstance(reply, RolloutResult):  # one sample's answer: the common case
-            if reply.sample_index in got:
-                self.duplicates_dropped += 1
-                return 0
-            got.add(reply.sample_index)
-            w.sink.send_nowait(reply)
-            ok = 1
-        elif not self._take_errors(w, reply):
-            self.duplicates_dropped += 1
-            return 0
-        if len(got) >= w.request.sampling.n:
-            del self._waiting[reply.request_id]
-            if self.affinity is not None:
-                self.affinity.answered(reply.request_id)
-        return ok
-
-    def _take_errors(self, w: _Waiting, reply: RolloutError) -> bool:
-        """Hand over an error (one per sample still missing if it is for the whole request);
-        False if every sample it answers was answered already."""
-        if reply.sample_index is None:
-            replies = [msgspec.structs.replace(reply, sample_index=i)
-                       for i in range(w.request.sampling.n) if i not in w.got]
-        else:
-            replies = [reply] if reply.sample_index not in w.got else []
-        results = instruments.current.results
-        for r in replies:
-            w.got.add(r.sample_index or 0)
-            w.sink.send_nowait(r)
-            results.add(1, {"outcome": r.code})
-        return bool(replies)
+    @property
+    def duplicates_dropped(self) -> int:
+        return self.awaited.duplicates_dropped
 
     def _prepare(self, req: RolloutRequest, timeout: float | None) -> RolloutRequest:
         check_request(req)
@@ -315,8 +142,8 @@ class RolloutPlane:
             await self.outbox.settle(ticket, stored)
         return prepared
 
-    def _post(self, requests: Iterable[RolloutRequest], sink: _Sink, timeout: float | None,
-              on_stored: Callable[[BaseException | None], None], deltas: _Inbox | None,
+    def _post(self, requests: Iterable[RolloutRequest], sink: Sink, timeout: float | None,
+              on_stored: Callable[[BaseException | None], None], deltas: Inbox | None,
               ) -> tuple[list[RolloutRequest], Ticket | None]:
         """Check every request (a bad one refuses the whole call: nothing is sent), register
         where its results go, and queue the lot for the request stream; `on_stored(error)`
@@ -325,47 +152,13 @@ class RolloutPlane:
         try:
             return prepared, self._send(prepared, on_stored)
         except BaseException:  # e.g. PayloadTooLarge: nothing was queued, nothing is awaited
-            self._forget(prepared)
+            self.awaited.forget(prepared)
             raise
 
-    def _post_one(self, req: RolloutRequest, inbox: _Inbox) -> tuple[RolloutRequest, Ticket]:
-        """`_post` of one untimed, untraced request: its steps for one, without those for
-        many (each lane of an agent harness sends its turns this way)."""
-        sent = self._prepare(req, None)
-        rid = sent.request_id
-        if rid in self._waiting:
-            raise InvalidRequest(_in_flight([rid]))
-        self._waiting[rid] = _Waiting(sent, inbox)
-        try:
-            ticket = self.outbox.post(self._request_subject, [(sent, sent.submission_id)],
-                                      on_done=inbox.stored)
-        except BaseException:  # e.g. PayloadTooLarge: nothing was queued
-            del self._waiting[rid]
-            raise
-        return sent, ticket
-
-    def _forget(self, prepared: Iterable[RolloutRequest]) -> None:
-        for r in prepared:
-            self._waiting.pop(r.request_id, None)
-            if self.affinity is not None:
-                self.affinity.answered(r.request_id)  # taken ones: their results are not awaited
-
-    def _register(self, requests: Iterable[RolloutRequest], sink: _Sink,
-                  timeout: float | None, deltas: _Inbox | None) -> list[RolloutRequest]:
+    def _register(self, requests: Iterable[RolloutRequest], sink: Sink,
+                  timeout: float | None, deltas: Inbox | None) -> list[RolloutRequest]:
         prepared = [self._prepare(req, timeout) for req in requests]
-        waiting = self._waiting
-        if len(prepared) == 1:  # one call, one request: the agent lanes' case
-            clash = prepared[0].request_id in waiting
-        else:
-            ids = [r.request_id for r in prepared]
-            clash = len(set(ids)) != len(ids) or any(rid in waiting for rid in ids)
-        if clash:
-            ids = [r.request_id for r in prepared]
-            raise InvalidRequest(_in_flight(
-                sorted({rid for rid in ids if ids.count(rid) > 1 or rid in waiting})))
-        for req in prepared:
-            waiting[req.request_id] = _Waiting(req, sink, deltas=deltas)
-        instruments.current.queue_depth.set(len(waiting), _TRAINER)
+        self.awaited.register(prepared, sink, deltas)
         return prepared
 
     def _send(self, prepared: list[RolloutRequest],
@@ -392,8 +185,8 @@ class RolloutPlane:
                 spans.end(sent, exc)
                 raise
 
-    async def _route(self, session: str, requests: Iterable[RolloutRequest], inbox: _Inbox,
-                     timeout: float | None, deltas: _Inbox | None,
+    async def _route(self, session: str, requests: Iterable[RolloutRequest], inbox: Inbox,
+                     timeout: float | None, deltas: Inbox | None,
                      ) -> tuple[list[RolloutRequest], Ticket | None, str]:
         """`_post` for the requests of a session: each offered to the session's worker
         first (`Affinity`), the ones it did not take queued."""
@@ -419,13 +212,13 @@ class RolloutPlane:
                     rest.append(r)
             return prepared, self._send(rest, inbox.stored), bound or ""
         except BaseException:
-            self._forget(prepared)
+            self.awaited.forget(prepared)
             raise
 
     def _requeue(self, request_ids: list[str]) -> None:
         """Requests a worker took and left with: into the shared queue (a copy it handed
         back itself is dropped there as a duplicate)."""
-        reqs = [w.request for rid in request_ids if (w := self._waiting.get(rid)) is not None]
+        reqs = [r for rid in request_ids if (r := self.awaited.request(rid)) is not None]
         if reqs:
             self._send(reqs, lambda error: None)  # not stored: its deadline answers it
 
@@ -452,15 +245,12 @@ class RolloutPlane:
         `session`: the requests are a turn of this session, routed to the worker that served
         its last turn (`Affinity`; without one, to the shared queue like the rest)."""
         reqs = list(requests)
-        if (len(reqs) == 1 and timeout is None and not deltas and not session
-                and not reqs[0].deadline and reqs[0].sampling.n == 1 and not spans.enabled()):
-            return _OneReply(self, reqs[0])
         return self._generate(reqs, timeout, deltas, session)
 
     async def _generate(self, reqs: list[RolloutRequest], timeout: float | None, deltas: bool,
                         session: str | None) -> AsyncIterator[RolloutReply | TokenDelta]:
         total = sum(r.sampling.n for r in reqs)
-        inbox = _Inbox()
+        inbox = Inbox()
         # NOTE: started, not current: an async generator's body runs in its consumer's
         # context between yields
         span = (spans.start("generate", attributes={"rlfabric.requests": len(reqs),
@@ -477,15 +267,15 @@ class RolloutPlane:
         yielded = 0
         try:
             while yielded < total:
-                wait = self._next_deadline(ids) if timed else None
+                wait = self.awaited.next_deadline(ids) if timed else None
                 if wait is None:  # no deadline, no cancel scope (one each costs)
-                    reply: _Item | None = await inbox.get()
+                    reply: Item | None = await inbox.get()
                 else:
                     reply = None
                     with anyio.move_on_after(wait):
                         reply = await inbox.get()
                 if reply is None:
-                    for err in self._expire(ids):
+                    for err in self.awaited.expire(ids):
                         yielded += 1
                         yield err
                     continue
@@ -505,9 +295,9 @@ class RolloutPlane:
         not send yet is not sent."""
         if ticket is not None and not ticket.finished:
             self.outbox.withdraw(ticket)
-        self._forget(sent)
+        self.awaited.forget(sent)
 
-    async def _start(self, reqs: list[RolloutRequest], inbox: _Inbox, timeout: float | None,
+    async def _start(self, reqs: list[RolloutRequest], inbox: Inbox, timeout: float | None,
                      deltas: bool, session: str | None,
                      ) -> tuple[list[RolloutRequest], Ticket | None, _Rebind | None]:
         """Submit: not awaited (no result comes before its request is stored, and a request
@@ -532,26 +322,3 @@ class RolloutPlane:
             if len(g) == n_of[reply.request_id]:
                 del groups[reply.request_id]
                 yield sorted(g, key=lambda r: r.sample_index or 0)
-
-    def _next_deadline(self, ids: list[str]) -> float | None:
-        deadlines = [w.request.deadline for rid in ids
-                     if (w := self._waiting.get(rid)) and w.request.deadline]
-        return max(0.0, min(deadlines) - time.time()) if deadlines else None
-
-    def _expire(self, ids: list[str]) -> list[RolloutError]:
-        out = []
-        now = time.time()
-        for rid in ids:
-            w = self._waiting.get(rid)
-            if w is None or not w.request.deadline or w.request.deadline > now:
-                continue
-            for i in range(w.request.sampling.n):
-                if i not in w.got:
-                    out.append(RolloutError(
-                        request_id=rid, worker_id="", code=ErrorCode.DEADLINE_EXCEEDED,
-                        sample_index=i,
-                        group_id=w.request.group_id, retryable=True,
-                        submission_id=w.request.submission_id,
-                        message=f"no result for sample {i} of {rid} by its deadline"))
-            self._waiting.pop(rid, None)
-        return out

@@ -30,7 +30,7 @@ async def test_oversized_requests_and_results_get_clear_errors_and_the_rest_is_s
             too_big = r"request huge is 1,2\d\d,\d\d\d bytes, over the 1,04\d,\d\d\d"
             with pytest.raises(PayloadTooLarge, match=too_big):
                 await collect(fabric, [huge])
-            with pytest.raises(PayloadTooLarge, match=too_big):  # alone: the one-request path
+            with pytest.raises(PayloadTooLarge, match=too_big):  # alone
                 await anext(fabric.generate([huge]))
             # refused, it is awaited no more: its id may be sent again
             assert fabric.rollouts.outstanding == 0

@@ -1,0 +1,237 @@
+"""What a client awaits: each submitted request until every sample is answered, results and
+token deltas handed to their caller exactly once, samples still missing at their deadline as
+typed errors (`RolloutPlane` submits; this is the one place that knows what is outstanding).
+
+A redelivered request can produce a result twice, and a reused request id is a new
+submission: results are matched by (request_id, submission_id, sample_index) here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+from nats.aio.msg import Msg
+
+from rlfabric.schemas import (
+    ErrorCode,
+    RolloutError,
+    RolloutReplies,
+    RolloutReply,
+    RolloutRequest,
+    RolloutResult,
+    SchemaError,
+    TokenDelta,
+    TokenDeltas,
+    codec_for,
+)
+from rlfabric.schemas.validation import InvalidRequest
+from rlfabric.telemetry import instruments
+
+#: metric attributes of a result handed over, and of the trainer's queue depth
+_OK = {"outcome": "ok"}
+TRAINER = {"rlfabric.role": "trainer"}
+
+
+def _in_flight(ids: list[str]) -> str:
+    return (f"request_id {', '.join(map(repr, ids[:5]))} is already in flight from this "
+            "client: ids must be unique among the requests awaiting results")
+
+
+class Sink(Protocol):
+    def send_nowait(self, item: RolloutReply, /) -> None: ...
+
+
+#: what a `generate` call's inbox holds: results, errors, and token deltas when asked for
+Item = RolloutReply | TokenDelta
+
+
+class Inbox:
+    """Where one `generate` call's results land. Unlike a memory object stream, whose every
+    `receive` yields to the event loop first, `get` returns what is there at once and waits
+    (on a loop future made then: an `anyio.Event` wraps an `asyncio.Event` that makes one)
+    only when nothing is: one task switch a result at most."""
+
+    __slots__ = ("_error", "_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Item] = deque()
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def send_nowait(self, item: Item, /) -> None:
+        self._items.append(item)
+        self._wake()
+
+    def stored(self, error: BaseException | None) -> None:
+        """The call's requests are stored; or they could not be (`error`): `get` raises it."""
+        if error is not None:
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # cancelled with its waiting task: nobody to wake
+                waiter.set_result(None)
+
+    async def get(self) -> Item:
+        while not self._items:
+            if self._error is not None:
+                raise self._error
+            self._waiter = waiter = asyncio.get_running_loop().create_future()
+            await waiter
+        return self._items.popleft()
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    """One submitted request: which samples arrived, and where its results go."""
+
+    request: RolloutRequest
+    sink: Sink
+    got: set[int] = field(default_factory=set)  # complete at `request.sampling.n`
+    #: where this request's token deltas go (None: dropped)
+    deltas: Inbox | None = None
+
+
+class Awaited:
+    def __init__(self, answered: Callable[[str], None] | None = None) -> None:
+        #: told each request id that is awaited no more (answered, or given up)
+        self._answered = answered
+        self.duplicates_dropped = 0
+        self._waiting: dict[str, _Waiting] = {}
+        self._codec = codec_for(RolloutReply | RolloutReplies)
+        self._delta_codec = codec_for(TokenDeltas)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def request(self, request_id: str) -> RolloutRequest | None:
+        w = self._waiting.get(request_id)
+        return None if w is None else w.request
+
+    def register(self, prepared: list[RolloutRequest], sink: Sink,
+                 deltas: Inbox | None) -> None:
+        """Await `prepared` (`InvalidRequest` if an id repeats or is awaited already)."""
+        waiting = self._waiting
+        if len(prepared) == 1:  # one call, one request: the agent lanes' case
+            clash = prepared[0].request_id in waiting
+        else:
+            ids = [r.request_id for r in prepared]
+            clash = len(set(ids)) != len(ids) or any(rid in waiting for rid in ids)
+        if clash:
+            ids = [r.request_id for r in prepared]
+            raise InvalidRequest(_in_flight(
+                sorted({rid for rid in ids if ids.count(rid) > 1 or rid in waiting})))
+        for req in prepared:
+            waiting[req.request_id] = _Waiting(req, sink, deltas=deltas)
+        instruments.current.queue_depth.set(len(waiting), TRAINER)
+
+    def forget(self, prepared: Iterable[RolloutRequest]) -> None:
+        for r in prepared:
+            self._waiting.pop(r.request_id, None)
+            if self._answered is not None:
+                self._answered(r.request_id)  # taken ones: their results are not awaited
+
+    async def on_result(self, msg: Msg) -> None:
+        try:
+            reply = self._codec.decode(msg.data, msg.headers, subject=msg.subject)
+        except SchemaError:
+            return
+        waiting = len(self._waiting)
+        if isinstance(reply, RolloutReplies):
+            ok = 0
+            for one in reply.replies:
+                ok += self._take(one)
+        else:
+            ok = self._take(reply)
+        # counted a message at a time, not a result at a time
+        if ok:
+            instruments.current.results.add(ok, _OK)
+        if len(self._waiting) != waiting:
+            instruments.current.queue_depth.set(len(self._waiting), TRAINER)
+
+    async def on_delta(self, msg: Msg) -> None:
+        try:
+            batch = self._delta_codec.decode(msg.data, msg.headers, subject=msg.subject)
+        except SchemaError:
+            return
+        waiting = self._waiting
+        for delta in batch.deltas:
+            w = waiting.get(delta.request_id)
+            if w is not None and w.deltas is not None and \
+                    delta.submission_id == w.request.submission_id and \
+                    delta.sample_index not in w.got:
+                w.deltas.send_nowait(delta)
+
+    def _take(self, reply: RolloutReply) -> int:
+        """Hand `reply` to its caller; 1 if it was a result (0: an error, or dropped)."""
+        w = self._waiting.get(reply.request_id)
+        if w is None or reply.submission_id != w.request.submission_id:
+            # a late duplicate of a finished request, or an earlier submission of a reused id
+            self.duplicates_dropped += 1
+            return 0
+        got = w.got
+        ok = 0
+        if isinstance(reply, RolloutResult):  # one sample's answer: the common case
+            if reply.sample_index in got:
+                self.duplicates_dropped += 1
+                return 0
+            got.add(reply.sample_index)
+            w.sink.send_nowait(reply)
+            ok = 1
+        elif not self._take_errors(w, reply):
+            self.duplicates_dropped += 1
+            return 0
+        if len(got) >= w.request.sampling.n:
+            del self._waiting[reply.request_id]
+            if self._answered is not None:
+                self._answered(reply.request_id)
+        return ok
+
+    def _take_errors(self, w: _Waiting, reply: RolloutError) -> bool:
+        """Hand over an error (one per sample still missing if it is for the whole request);
+        False if every sample it answers was answered already."""
+        if reply.sample_index is None:
+            replies = [msgspec.structs.replace(reply, sample_index=i)
+                       for i in range(w.request.sampling.n) if i not in w.got]
+        else:
+            replies = [reply] if reply.sample_index not in w.got else []
+        results = instruments.current.results
+        for r in replies:
+            w.got.add(r.sample_index or 0)
+            w.sink.send_nowait(r)
+            results.add(1, {"outcome": r.code})
+        return bool(replies)
+
+    def next_deadline(self, ids: list[str]) -> float | None:
+        """Seconds until the first deadline of `ids` still awaited (None: none has one)."""
+        deadlines = [w.request.deadline for rid in ids
+                     if (w := self._waiting.get(rid)) and w.request.deadline]
+        return max(0.0, min(deadlines) - time.time()) if deadlines else None
+
+    def expire(self, ids: list[str]) -> list[RolloutError]:
+        """An error for each sample of `ids` past its deadline; those are awaited no more."""
+        out = []
+        now = time.time()
+        for rid in ids:
+            w = self._waiting.get(rid)
+            if w is None or not w.request.deadline or w.request.deadline > now:
+                continue
+            for i in range(w.request.sampling.n):
+                if i not in w.got:
+                    out.append(RolloutError(
+                        request_id=rid, worker_id="", code=ErrorCode.DEADLINE_EXCEEDED,
+                        sample_index=i,
+                        group_id=w.request.group_id, retryable=True,
+                        submission_id=w.request.submission_id,
+                        message=f"no result for sample {i} of {rid} by its deadline"))
+            self._waiting.pop(rid, None)
+        return out
