@@ -26,7 +26,7 @@ import functools
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -394,7 +394,8 @@ class VllmEngine:
     # ---- control ----
     async def pause(self, mode: PauseMode) -> None:
         self._paused = mode
-        self._resumed = anyio.Event()
+        if self._resumed.is_set():  # paused twice: whoever waits keeps waiting on one event
+            self._resumed = anyio.Event()
         if mode == "wait":
             # NOTE: vLLM's own "wait" waits for running requests only and keeps queued ones
             # until resume; ours drains everything admitted, so drain first, then pause
@@ -425,29 +426,47 @@ class VllmEngine:
         finally:
             state.clear()
         keep = await anyio.to_thread.run_sync(_copy_to_spill, weights.file(), version)
-        # NOTE: frozen between two steps while the weights and their version name change
-        # together, so every token's version is exact (a command's own pause stays as it is)
+
+        async def load() -> None:
+            await self._llm.collective_rpc("rlfabric_load", kwargs={
+                "path": keep, "tensors": weights.tensors, "version": version})
+            await self._llm.update_weight_version(str(version))
+
+        def failed(exc: Exception) -> Exception:
+            return WeightLoadError(f"vLLM rejected v{version} partway ({exc}); the engine was "
+                                   f"restarted and serves v{self._version} again")
+        await self._load(load, version, keep=keep, layout=weights.tensors, failed=failed,
+                         why=f"v{version} failed inside vLLM's loader")
+        self._checksum = new_checksum
+
+    async def _load(self, load: Callable[[], Awaitable[None]], version: int, *,
+                    keep: str | None, layout: tuple[TensorMeta, ...] | list[TensorMeta],
+                    failed: Callable[[Exception], Exception], why: str) -> None:
+        """Every kind of load runs this: frozen between two decode steps while the weights
+        and their version name change together, so every token's version is exact (a
+        command's own pause stays as it is); on failure the engine is restarted from what it
+        served (`_recover`) and `failed(exc)` raised; on success `keep` (the copy on disk a
+        restart reloads from, None: none) replaces the last one."""
         frozen_here = self._paused is None
         if frozen_here:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await self._llm.collective_rpc("rlfabric_load", kwargs={
-                "path": keep, "tensors": weights.tensors, "version": version})
-            await self._llm.update_weight_version(str(version))
+            await load()
         except Exception as exc:
-            with contextlib.suppress(OSError):
-                os.remove(keep)
-            await self._recover(f"v{version} failed inside vLLM's loader ({exc})")
-            raise WeightLoadError(f"vLLM rejected v{version} partway ({exc}); the engine was "
-                                  f"restarted and serves v{self._version} again") from None
+            if keep is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(keep)
+            error = failed(exc)
+            await self._recover(f"{why} ({exc})")
+            raise error from None
         finally:
             if frozen_here and self._llm is not None and self._paused is None:
                 await self._llm.resume_generation()
         if self._current_file:
             with contextlib.suppress(OSError):
                 os.remove(self._current_file)
-        self._current_file, self._current_layout = keep, weights.tensors
-        self._version, self._checksum = version, new_checksum
+        self._current_file, self._current_layout = keep, tuple(layout)
+        self._version = version
 
     def _check_layout(self, weights: PackedWeights) -> None:
         """What can be checked before vLLM's loader touches the model: names and shapes
@@ -557,30 +576,22 @@ class VllmEngine:
         info = {"names": [m.name for m in t.tensors],
                 "dtype_names": [m.dtype for m in t.tensors],
                 "shapes": [list(m.shape) for m in t.tensors]}
-        frozen_here = self._paused is None
-        if frozen_here:  # as in load_weights: versions stay exact per token
-            await self._llm.pause_generation(mode="keep", clear_cache=False)
-        try:
+
+        async def load() -> None:
             await self._llm.start_weight_update()
             await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
             await self._llm.finish_weight_update(weight_version=str(cmd.version))
-        except Exception as exc:
+
+        def failed(exc: Exception) -> Exception:
             self._nccl_epoch = 0  # a broken group is stale
             # the received weights are gone with the group: a restart serves the last
             # version this engine holds a copy of (or the checkpoint), and says which
-            await self._recover(f"v{cmd.version} over NCCL failed inside vLLM ({exc})")
-            raise EngineError(f"vLLM did not take v{cmd.version} over NCCL "
-                              f"({type(exc).__name__}: {exc}); the engine was restarted "
-                              f"and serves v{self._version}",
-                              code=ErrorCode.BROADCAST_FAILED) from None
-        finally:
-            if frozen_here and self._llm is not None and self._paused is None:
-                await self._llm.resume_generation()
-        if self._current_file:  # nothing on disk holds this version
-            with contextlib.suppress(OSError):
-                os.remove(self._current_file)
-        self._current_file, self._current_layout = None, ()
-        self._version = cmd.version
+            return EngineError(f"vLLM did not take v{cmd.version} over NCCL "
+                               f"({type(exc).__name__}: {exc}); the engine was restarted "
+                               f"and serves v{self._version}", code=ErrorCode.BROADCAST_FAILED)
+        # nothing on disk holds this version (keep=None)
+        await self._load(load, cmd.version, keep=None, layout=(), failed=failed,
+                         why=f"v{cmd.version} over NCCL failed inside vLLM")
         # NOTE: no payload bytes pass through rlfabric on this path, so the checksum is what
         # vLLM computes over its own (fused) parameters: equal across vLLM workers serving
         # the same weights (verify="workers"), not comparable with the sender's
