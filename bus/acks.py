@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,17 +34,17 @@ class AckFields:
 
 class Acks:
     # slots: a process can hold many receivers (simulated fleets), each acks every command
-    __slots__ = ("_encode", "_prefix", "_remember", "_sent", "_seq_ids", "bus", "state",
+    __slots__ = ("_encode", "_prefix", "_remember", "_seq_ids", "bus", "sent", "state",
                  "worker_id")
 
     def __init__(self, bus: Bus, worker_id: str, state: StateFn, *, remember: int) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.state = state
-        # cmd_id -> its encoded acks: one (most commands) as is, two (two-phase) in a tuple.
-        # Not a tuple of one: the garbage collector tracks tuples, and one kept per command
-        # makes it run often on a busy worker.
-        self._sent: OrderedDict[str, bytes | tuple[bytes, ...]] = OrderedDict()
+        #: cmd_id -> its encoded acks: one (most commands) as is, two (two-phase) in a tuple
+        #: (not a tuple of one: the garbage collector tracks tuples, and one kept per command
+        #: makes it run often on a busy worker); `cmd_id in acks.sent`: handled already
+        self.sent: OrderedDict[str, bytes | tuple[bytes, ...]] = OrderedDict()
         self._seq_ids: OrderedDict[int, str] = OrderedDict()  # seq -> cmd_id, for re-sends
         self._remember = remember
         self._encode = codec_for(Ack).encode_raw
@@ -54,7 +54,10 @@ class Acks:
              status: Literal["ok", "error"], fields: dict[str, Any] | AckFields | None, *,
              code: str = "", message: str = "") -> Ack:
         version, checksum = self.state()
-        if fields is None:  # most commands: no details
+        if fields is None and status == "ok" and phase == "done":  # most commands: defaults
+            return Ack(cmd_id=cmd.cmd_id, worker_id=self.worker_id, weight_version=version,
+                       weights_checksum=checksum, elapsed_s=time.monotonic() - t0)
+        if fields is None:
             return Ack(cmd_id=cmd.cmd_id, worker_id=self.worker_id, phase=phase,
                        status=status, error_code=code, error_message=message,
                        weight_version=version, weights_checksum=checksum,
@@ -90,39 +93,39 @@ class Acks:
         instruments.current.errors.add(1, {"code": code, spans.WORKER_ID: self.worker_id})
         return self.make(cmd, t0, "done", "error", None, code=code, message=message)
 
-    def applying(self, seq: int, cmd_id: str) -> bool:
-        """`cmd_id` is applied as `seq`; whether it was handled before (stored twice)."""
-        seq_ids = self._seq_ids
-        seq_ids[seq] = cmd_id
+    def send(self, cmd: Command, ack: Ack, *, traced: bool) -> Awaitable[None]:
+        """Remember `ack` and publish it; await what this returns (it raises what nats-py's
+        publish raises: the caller says `not_sent`). `cmd` is one the receiver took: its
+        cmd_id passed `is_token` there. `traced`: as `spans.enabled()`, asked once."""
+        cmd_id = cmd.cmd_id
+        seq_ids = self._seq_ids  # a probe for its seq re-sends what was sent (`resend_seq`)
+        seq_ids[cmd.seq] = cmd_id
         if len(seq_ids) > self._remember:  # one in, one out
             seq_ids.popitem(last=False)
-        return cmd_id in self._sent
-
-    async def send(self, cmd_id: str, ack: Ack, *, traced: bool) -> None:
-        """`cmd_id` is a command's that the receiver took: it passed `is_token` there.
-        `traced`: as `spans.enabled()` (asked once per command by the caller)."""
         data = self._remembered(cmd_id, ack)
         subject = self._prefix + cmd_id
-        if not traced:
-            await self.publish(subject, data, cmd_id)
-            return
-        with spans.producer_span(subject, message_id=cmd_id,
+        if not traced:  # every worker, every command: nats-py's publish, no frame of ours
+            return self.bus.nc.publish(subject, data)
+        return self._send_traced(subject, data, ack)
+
+    async def _send_traced(self, subject: str, data: bytes, ack: Ack) -> None:
+        with spans.producer_span(subject, message_id=ack.cmd_id,
                                  attributes={spans.WORKER_ID: self.worker_id,
                                              "rlfabric.ack.phase": ack.phase,
                                              "rlfabric.ack.status": ack.status}):
-            await self.publish(subject, data, cmd_id, self.bus.headers())
+            await self.bus.nc.publish(subject, data, headers=self.bus.headers())
 
     def _remembered(self, cmd_id: str, ack: Ack) -> bytes:
         """`ack` encoded, and remembered so to be sent again as is when asked (`resend`): not
         kept as an `Ack`, which costs more a command."""
         data = self._encode(ack)
-        sent = self._sent.get(cmd_id)
+        sent = self.sent.get(cmd_id)
         if sent is None:  # the first ack of a command: it is remembered from now on
-            self._sent[cmd_id] = data
-            if len(self._sent) > self._remember:
-                self._sent.popitem(last=False)
+            self.sent[cmd_id] = data
+            if len(self.sent) > self._remember:
+                self.sent.popitem(last=False)
         else:
-            self._sent[cmd_id] = (sent, data) if isinstance(sent, bytes) else (*sent, data)
+            self.sent[cmd_id] = (sent, data) if isinstance(sent, bytes) else (*sent, data)
         return data
 
     async def publish(self, subject: str, data: bytes, cmd_id: str,
@@ -132,14 +135,20 @@ class Acks:
         try:
             await self.bus.nc.publish(subject, data, headers=headers)
         except nats.errors.Error as exc:
-            # the sender's probe asks again (see `CommandReceiver._on_ping`)
-            log.warning("%s: ack of %s not sent (%s); sent again when asked", self.worker_id,
-                        cmd_id, exc)
+            self.not_sent(cmd_id, exc)
 
-    async def resend(self, cmd_id: str) -> None:
+    def not_sent(self, cmd_id: str, exc: Exception) -> None:
+        # the sender's probe asks again (see `CommandReceiver._on_ping`)
+        log.warning("%s: ack of %s not sent (%s); sent again when asked", self.worker_id,
+                    cmd_id, exc)
+
+    async def resend(self, cmd_id: str, seq: int | None = None) -> None:
+        """The acks of `cmd_id` again (stored twice: as `seq`, now answered too)."""
+        if seq is not None:
+            self._seq_ids[seq] = cmd_id
         subject = self.bus.subjects.ack(cmd_id)
         headers = self.bus.headers() if spans.enabled() else None
-        sent = self._sent.get(cmd_id, ())
+        sent = self.sent.get(cmd_id, ())
         for data in (sent,) if isinstance(sent, bytes) else sent:
             await self.publish(subject, data, cmd_id, headers)
 

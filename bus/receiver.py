@@ -51,7 +51,7 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
-from opentelemetry.trace import Span, StatusCode
+from opentelemetry.trace import StatusCode
 
 from rlfabric.bus.acks import AckFields, Acks, StateFn
 from rlfabric.bus.errors import READ_FAILED, TRANSIENT
@@ -98,8 +98,11 @@ class CommandContext:
 
     async def ready(self, **fields: Any) -> None:
         acks = self._r.acks
-        await acks.send(self.cmd.cmd_id, acks.make(self.cmd, self.t0, "ready", "ok", fields),
-                        traced=spans.enabled())
+        try:
+            await acks.send(self.cmd, acks.make(self.cmd, self.t0, "ready", "ok", fields),
+                            traced=spans.enabled())
+        except nats.errors.Error as exc:
+            acks.not_sent(self.cmd.cmd_id, exc)
 
     def after_done(self, fn: Callable[[], None]) -> None:
         if self._after_done is None:
@@ -188,7 +191,8 @@ class CommandReceiver:
                         elif seq > self.next_seq:
                             await self._catch_up()  # reads up to the stream's end, this too
                         elif seq == self.next_seq:
-                            await self._apply(seq, subject, msg.data, msg.headers, "live")
+                            await (self._apply_traced if spans.enabled() else self._apply)(
+                                seq, subject, msg.data, msg.headers, "live")
                         # seq < next_seq: applied already (read from the stream first)
                     finally:
                         self._busy = False
@@ -239,7 +243,8 @@ class CommandReceiver:
             # subscription (its next live copy waits meanwhile; pings have their own)
             self._busy = True
             try:
-                await self._apply(seq, subject, msg.data, msg.headers, "live")
+                await (self._apply_traced if spans.enabled() else self._apply)(
+                    seq, subject, msg.data, msg.headers, "live")
             finally:
                 self._busy = False
                 if self._queue is None or self._queue:  # stopping, or queued meanwhile
@@ -294,7 +299,8 @@ class CommandReceiver:
             # nats-py parses a stored message's headers with `email`: a value that is not
             # ASCII comes back as an `email.header.Header`, not a str
             headers = {str(k): str(v) for k, v in raw.headers.items()} if raw.headers else None
-            await self._apply(raw.seq, raw.subject or "", raw.data or b"", headers, "stream")
+            await (self._apply_traced if spans.enabled() else self._apply)(
+                raw.seq, raw.subject or "", raw.data or b"", headers, "stream")
 
     def _decoded(self, subject: str, data: bytes, headers: dict[str, str] | None,
                  path: str) -> Command:
@@ -310,59 +316,64 @@ class CommandReceiver:
         return cmd
 
     async def _apply(self, seq: int, subject: str, data: bytes,
-                     headers: dict[str, str] | None, path: str) -> None:
+                     headers: dict[str, str] | None, path: str, *, traced: bool = False
+                     ) -> tuple[Command, Ack] | None:
+        """Apply the command stored as `seq` (its `done` Ack sent); the command and that Ack,
+        or None when nothing was applied (not a command, or one handled already)."""
         try:
             cmd = self._decoded(subject, data, headers, path)
         except (SchemaError, *DECODE_ERRORS) as exc:
             if path == "live":  # the stored command's headers say what it is
                 await self._catch_up()
-                return
+                return None
             self.next_seq = seq + 1
             await self._reject(subject, headers, exc)
-            return
+            return None
         self.next_seq = seq + 1
         cmd_id = cmd.cmd_id
         if path == "live":
             self.applied_live += 1
         msgspec.structs.force_setattr(cmd, "seq", seq)  # decoded here: no one else holds it
-        if self.acks.applying(seq, cmd_id):  # stored twice: answer as the first time
-            await self.acks.resend(cmd_id)
-            return
+        acks = self.acks
+        if cmd_id in acks.sent:  # stored twice: answer as the first time
+            await acks.resend(cmd_id, seq)
+            return None
         ctx = CommandContext(self, cmd)
-        # tracing adds the `process` span around the same steps (no attributes made when off)
-        traced = spans.enabled()
-        with self._span(cmd, subject, headers, path) if traced else spans.NOOP as span:
-            ack = await self._outcome(ctx)
-            self.applied_seq = seq
-            self.handled += 1
-            if span.is_recording():
-                span.set_attributes({spans.WEIGHT_VERSION: ack.weight_version,
-                                     "rlfabric.ack.status": ack.status})
-                if ack.status != "ok":
-                    span.set_status(StatusCode.ERROR, f"{ack.error_code}: {ack.error_message}")
-            await self.acks.send(cmd_id, ack, traced=traced)
+        if cmd.deadline and time.time() > cmd.deadline:
+            ack = acks.failed(cmd, ctx.t0, None)
+        else:
+            try:
+                fields = await self.handler(cmd, ctx)
+            except Exception as exc:
+                ack = acks.failed(cmd, ctx.t0, exc)
+            else:
+                ack = acks.make(cmd, ctx.t0, "done", "ok", fields)
+        self.applied_seq = seq
+        self.handled += 1
+        try:
+            await acks.send(cmd, ack, traced=traced)
+        except nats.errors.Error as exc:
+            acks.not_sent(cmd_id, exc)
         if ctx._after_done:
             for fn in ctx._after_done:
                 fn()
+        return cmd, ack
 
-    def _span(self, cmd: Command, subject: str, headers: dict[str, str] | None, path: str
-              ) -> contextlib.AbstractContextManager[Span]:
-        """A command's `process` span, a child of the sender's."""
-        return spans.consumer_span(subject, headers, message_id=cmd.cmd_id, attributes={
-            spans.WORKER_ID: self.worker_id, spans.CMD_ID: cmd.cmd_id,
-            spans.CMD_OP: op_of(cmd), spans.CMD_SEQ: cmd.seq,
-            "rlfabric.cmd.path": path})  # how it came
-
-    async def _outcome(self, ctx: CommandContext) -> Ack:
-        """The `done` Ack of a command: the handler's, or an error one (late, or it raised)."""
-        cmd = ctx.cmd
-        if cmd.deadline and time.time() > cmd.deadline:
-            return self.acks.failed(cmd, ctx.t0, None)
-        try:
-            fields = await self.handler(cmd, ctx)
-        except Exception as exc:
-            return self.acks.failed(cmd, ctx.t0, exc)
-        return self.acks.make(cmd, ctx.t0, "done", "ok", fields)
+    async def _apply_traced(self, seq: int, subject: str, data: bytes,
+                            headers: dict[str, str] | None, path: str) -> None:
+        """`_apply` inside the command's `process` span (a child of the sender's)."""
+        with spans.consumer_span(subject, headers, attributes={
+                spans.WORKER_ID: self.worker_id, spans.CMD_SEQ: seq,
+                "rlfabric.cmd.path": path}) as span:  # how it came
+            applied = await self._apply(seq, subject, data, headers, path, traced=True)
+            if applied is not None and span.is_recording():
+                cmd, ack = applied
+                span.set_attributes({spans.MESSAGE_ID: cmd.cmd_id, spans.CMD_ID: cmd.cmd_id,
+                                     spans.CMD_OP: op_of(cmd),
+                                     spans.WEIGHT_VERSION: ack.weight_version,
+                                     "rlfabric.ack.status": ack.status})
+                if ack.status != "ok":
+                    span.set_status(StatusCode.ERROR, f"{ack.error_code}: {ack.error_message}")
 
     async def _reject(self, subject: str, headers: dict[str, str] | None,
                       exc: Exception) -> None:
