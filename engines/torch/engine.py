@@ -217,6 +217,8 @@ class TorchEngine(RuntimeCollective):
         self._sleeping = level
         if self.device.type == "cuda":
             self.runner.module.to("cpu")
+            # the runner's views of the weights kept the device copies alive: the host ones now
+            self.runner.params = dict(self.runner.module.state_dict())
             torch.cuda.empty_cache()
 
     async def wake(self, tags: tuple[str, ...] = ()) -> None:

@@ -133,8 +133,10 @@ async def test_a_running_request_finishes_on_its_version_and_a_dropped_one_is_un
             assert not results and engine.adapter_versions() == {"qv": (1, 2)}
             engine.runner.thaw()
         (res,) = results
-        assert len(res.completion_token_ids) == 120
-        assert [(s.version, s.start, s.end) for s in res.version_spans] == [(1, 0, 120)]
+        # where the sample meets EOS depends on the device's random stream: 120 or fewer
+        n = len(res.completion_token_ids)
+        assert 0 < n <= 120 and (n == 120) == (res.finish_reason == "length"), res
+        assert [(s.version, s.start, s.end) for s in res.version_spans] == [(1, 0, n)]
         assert worst_gap(reference(QV, v1), [r1], [res]) <= 1e-4
         with packed(v3) as w:
             await engine.load_adapter(w, QV, 3)
