@@ -146,6 +146,8 @@ class Acks:
         """The acks of `cmd_id` again (stored twice: as `seq`, now answered too)."""
         if seq is not None:
             self._seq_ids[seq] = cmd_id
+            if len(self._seq_ids) > self._remember:  # one in, one out
+                self._seq_ids.popitem(last=False)
         subject = self.bus.subjects.ack(cmd_id)
         headers = self.bus.headers() if spans.enabled() else None
         sent = self.sent.get(cmd_id, ())

@@ -72,7 +72,6 @@ class Gateway:
         self.config = config
         #: what a request must be to be sampled (checked before anything is sent)
         self.checks = RequestChecks(fmt, config, watcher)
-        self.tools = self.checks.tools
         self.created = int(time.time())
 
     # ---- plain endpoints ----
@@ -148,8 +147,8 @@ class Gateway:
             logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
             prompt_len=len(turn.plan.prompt), max_param=max_param)
         turn.rules = OutputRules(stops=stops, stop_ids=frozenset(sp.stop_token_ids),
-                                 parser=self.tools.parse if parse else None,
-                                 call_open=self.tools.open, only_tool=only_tool)
+                                 parser=self.checks.tools.parse if parse else None,
+                                 call_open=self.checks.tools.open, only_tool=only_tool)
         turn.request = msgspec.structs.replace(turn.request, sampling=sp)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage

@@ -31,7 +31,7 @@ import msgspec
 import nats.errors
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from opentelemetry.trace import Span
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from rlfabric.bus import Bus
 from rlfabric.bus.errors import PayloadTooLarge
@@ -152,8 +152,10 @@ class Serving:
             async for d, req, ctx in recv:
                 progress = _Progress()
                 try:
+                    # attributes made only for a span that records them
                     with spans.consumer_span(d.msg.subject, ctx, message_id=req.request_id,
-                                             attributes=self._span_attributes(req)):
+                                             attributes=self._span_attributes(req)
+                                             if spans.enabled() else None):
                         await self._serve_one(d, req, progress)
                 except anyio.get_cancelled_exc_class():
                     await _hand_back_now(d)
@@ -307,18 +309,16 @@ class Serving:
         # past its deadline + a margin nobody waits for a result: stop retrying
         until = None if not all(deadlines) else max(deadlines) + 10.0
         rids = [res.request_id for res, _ in done]
-        sent = spans.start_producer(subject, parent=parent) if parent else None
+        sent = spans.start_producer(subject, parent=parent) if parent else INVALID_SPAN
 
         def stored(error: BaseException | None) -> None:
             many.stored(rids, error)
-            if sent is not None:
-                spans.end(sent, error)
+            spans.end(sent, error)
         try:
-            with spans.within(sent) if sent else contextlib.nullcontext():
+            with spans.within(sent):
                 await self.outbox.post_now(subject, items, until=until, on_done=stored)
         except PayloadTooLarge:  # one by one: only the oversized samples are answered
-            if sent is not None:
-                spans.end(sent)
+            spans.end(sent)
             for (res, req), item in zip(done, items, strict=True):
                 one = (res.request_id,)
                 try:

@@ -36,5 +36,5 @@ async def test_sleep_level_1_frees_the_cards_memory_and_wake_restores_it() -> No
         after = await sample(engine, "after")
         woken = torch.cuda.memory_reserved()
     assert reserved > 0 and asleep <= 0.1 * reserved, (reserved, asleep)
-    assert woken >= 0.9 * reserved - asleep, (reserved, woken)
+    assert woken >= 0.9 * reserved, (reserved, woken)
     assert after == before
