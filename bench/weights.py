@@ -15,6 +15,8 @@ q, k, v and o projections (32 layers, hidden 4096) at each rank, pushed as an ad
 
     rlfabric bench weights [--sizes 256,1024] [--transports shm,filesystem,nats,collective]
                            [--adapter-ranks 8,64] [--adapter-transports shm,nats]
+    rlfabric bench weights --device cuda [--model qwen05b] [--workers 2]
+                           [--transports cuda_ipc,shm,filesystem,nats]   (see weights_cuda)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -32,11 +35,14 @@ import torch
 
 from rlfabric.bench._util import children, table
 from rlfabric.bus import EmbeddedNats, Limits, QuorumPolicy
+from rlfabric.errors import LaunchError
 from rlfabric.schemas import Adapter
 from rlfabric.tensors import lora
 from rlfabric.trainer import FabricClient
 
 MIB = 1024 * 1024
+CPU_TRANSPORTS = "shm,filesystem,nats,nats-memory,collective"
+CUDA_TRANSPORTS = "cuda_ipc,shm,filesystem,nats"
 
 
 def state_dict(mib: int) -> dict[str, torch.Tensor]:
@@ -195,8 +201,18 @@ async def _pushes(url: str, prefix: str, tr: str, sd: dict[str, torch.Tensor], r
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="256,1024", help="MiB per update (default %(default)s)")
-    p.add_argument("--transports", default="shm,filesystem,nats,nats-memory,collective",
-                   help="nats-memory: the nats transport with an in-memory weights stream")
+    p.add_argument("--transports", default=None,
+                   help="nats-memory: the nats transport with an in-memory weights stream "
+                        f"(default {CPU_TRANSPORTS}; with --device cuda {CUDA_TRANSPORTS})")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the trainer's state dict on its GPU, pushed to torch workers on "
+                        "that GPU, beside host->device and device->device floors "
+                        "(rlfabric.bench.weights_cuda); cpu: the rows above")
+    p.add_argument("--model", default="qwen05b",
+                   help="--device cuda: the model pushed (default %(default)s: Qwen2.5-0.5B's "
+                        "shape, 2,404 MiB in fp32)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="--device cuda: torch workers on the GPU (default %(default)s)")
     p.add_argument("--adapter-ranks", default="8,64",
                    help="LoRA adapter rows: these ranks (empty: none; default %(default)s)")
     p.add_argument("--adapter-transports", default="shm,nats",
@@ -206,8 +222,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        return _main_cuda(args)
     rows = anyio.run(bench, [int(x) for x in args.sizes.split(",") if x],
-                     [t for t in args.transports.split(",") if t], args.rounds,
+                     [t for t in (args.transports or CPU_TRANSPORTS).split(",") if t],
+                     args.rounds,
                      [int(x) for x in args.adapter_ranks.split(",") if x],
                      [t for t in args.adapter_transports.split(",") if t])
     if args.json:
@@ -215,4 +234,29 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(table(rows, [("size_mib", "MiB", ""), ("path", "path", ""),
                        ("seconds", "seconds", ".3f"), ("mb_s", "MB/s", ".0f")]))
+    return 0
+
+
+def _main_cuda(args: argparse.Namespace) -> int:
+    from rlfabric.bench import weights_cuda
+
+    try:
+        rows = anyio.run(weights_cuda.bench, args.model,
+                         [t for t in (args.transports or CUDA_TRANSPORTS).split(",") if t],
+                         args.workers, args.rounds)
+    except LaunchError as exc:
+        print(f"rlfabric bench weights: {exc}", file=sys.stderr)
+        return 2
+    d2d = next(r["seconds"] for r in rows if r["path"].startswith("device->device"))
+    pinned = next(r["seconds"] for r in rows if r["path"].startswith("host->device, pinned"))
+    for r in rows:
+        r["x_d2d"] = r["seconds"] / d2d
+        r["x_pinned"] = r["seconds"] / pinned
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(table(rows, [("size_mib", "MiB", ""), ("path", "path", ""),
+                       ("seconds", "seconds", ".4f"), ("mb_s", "MB/s", ".0f"),
+                       ("x_d2d", "x device->device", ".1f"),
+                       ("x_pinned", "x pinned h->d", ".2f")]))
     return 0

@@ -100,12 +100,24 @@ def _grpo_options(p: argparse.ArgumentParser) -> None:
                    help=f"GRPO steps (default {d['steps']}; {config.ASYNC_STEPS} with --async, "
                    f"which learns from one-step stale samples and needs a few more; "
                    f"{config.TOOLS_STEPS} with --task tools)")
-    p.add_argument("--transport", default=d["transport"], choices=transports.names(),
-                   help="how weights reach the workers (default %(default)s)")
+    p.add_argument("--transport", default=None, choices=transports.names(),
+                   help=f"how weights reach the workers (default {d['transport']}; cuda_ipc "
+                   "with --colocate --device cuda)")
     p.add_argument("--engine", default="torch", choices=registry.names(trains=True),
                    help="the workers' engine (default %(default)s); vllm serves the tiny64 "
                    "model (64-wide heads; tinychat with --task tools) and needs vLLM "
                    "installed (README, 'vLLM')")
+    p.add_argument("--device", default=None, metavar="DEV",
+                   help="the trainer's torch device, and the torch workers' (e.g. cuda; "
+                   "default: the trainer on cpu, torch workers on cuda if there is one)")
+    p.add_argument("--colocate", action="store_true",
+                   help="trainer and workers share the device: each step the workers sleep "
+                   "while the trainer trains, wake, take the update and resume (the per-step "
+                   "table shows each phase); with --device cuda weights go over cuda_ipc "
+                   "unless --transport says otherwise")
+    p.add_argument("--sleep-level", type=int, default=1, choices=(1, 2),
+                   help="--colocate: 1 moves the workers' weights to host memory while they "
+                   "sleep, 2 drops them (the update brings them back) (default %(default)s)")
     p.add_argument("--async", dest="async_mode", action="store_true",
                    help="overlap generation of step k+1 with training of step k (one step "
                    "off-policy; keep pauses; version spans)")
@@ -180,9 +192,10 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
                                           else config.TOOLS_STEPS if args.task == "tools"
                                           else config.defaults()["steps"]),
                      prompts_per_step=args.prompts, group_size=args.group_size,
-                     max_tokens=args.max_tokens, lr=args.lr, transport=args.transport,
+                     max_tokens=args.max_tokens, lr=args.lr, transport=_transport(args),
                      async_mode=args.async_mode, reward_threshold=_threshold(args),
-                     lora_rank=args.lora)
+                     lora_rank=args.lora, device=args.device or "cpu",
+                     sleep_level=args.sleep_level if args.colocate else 0)
     run = _Run(args=args, cfg=cfg, run_dir=run_dir,
                mode="async (1 step off-policy)" if args.async_mode else "sync",
                console=Console() if sys.stdout.isatty() else Console(width=150))
@@ -198,6 +211,14 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
     run.wall = time.monotonic() - t_start
     telemetry.shutdown()  # this process's spans written, beside the workers' (they exited)
     return _report(run)
+
+
+def _transport(args: argparse.Namespace) -> str:
+    if args.transport:
+        return str(args.transport)
+    if args.colocate and (args.device or "").startswith("cuda"):
+        return "cuda_ipc"
+    return str(config.defaults()["transport"])
 
 
 def _threshold(args: argparse.Namespace) -> float:
@@ -218,7 +239,9 @@ async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None)
     model = "tinychat" if args.task == "tools" else registry.kind(args.engine).default_model
     if fleet is not None:
         # the workers hold the one adapter --lora trains (vLLM holds none unless told)
-        extra = ("--max-adapters", "1") if args.lora else ()
+        extra: tuple[str, ...] = ("--max-adapters", "1") if args.lora else ()
+        if args.device and args.engine == "torch":
+            extra += ("--device", args.device)
         await anyio.to_thread.run_sync(fleet.start, args.workers, url, args.prefix,
                                        args.engine, model, args.trace, args.metrics, extra)
     run.console.print(f"rlfabric up: NATS at {url}, {args.workers} workers "
@@ -269,8 +292,10 @@ def _on_step(run: _Run, live: bool, s: StepStats) -> None:
     run.history.append(s)
     if not live:
         mm = "-" if s.mismatch is None else f"{s.mismatch:.1e}"
+        slept = (f"sleep/wake {s.sleep_ms:.1f}/{s.wake_ms:.1f} ms  "
+                 if run.cfg.sleep_level else "")
         run.console.print(f"step {s.step + 1}/{run.cfg.steps}  reward {s.reward:.3f}  "
-                          f"mismatch {mm}  pause/update/resume "
+                          f"mismatch {mm}  {slept}pause/update/resume "
                           f"{s.pause_ms:.1f}/{s.update_ms:.1f}/{s.resume_ms:.1f} ms  "
                           f"{s.tokens_per_s:.0f} tokens/s")
 
@@ -384,34 +409,43 @@ def _breakdown(path: str, run_dir: Path) -> tuple[list[PhaseRow], float, int]:
     return step_breakdown(spans)
 
 
-def run(args: argparse.Namespace) -> int:
-    from rlfabric.errors import RLFabricError
-
+def _refused(args: argparse.Namespace) -> str:
+    """Why these flags cannot run together ("" if they can)."""
     if args.workers < 1:
-        print("rlfabric up: --workers must be >= 1", file=sys.stderr)
-        return 2
+        return "--workers must be >= 1"
     if args.task == "tools" and (args.async_mode or args.lora):
-        print("rlfabric up: --task tools trains every weight in sync mode: drop "
-              f"{'--async' if args.async_mode else '--lora'}", file=sys.stderr)
-        return 2
+        return ("--task tools trains every weight in sync mode: drop "
+                f"{'--async' if args.async_mode else '--lora'}")
+    if args.device and args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return (f"--device {args.device}: no CUDA device is visible here; drop --device "
+                    "(the trainer runs on cpu) or run on a GPU machine")
+    if args.colocate and args.engine == "vllm" and not (args.device or "").startswith("cuda"):
+        return ("--colocate: vLLM's CPU build frees no memory when it sleeps; colocate torch "
+                "workers (--engine torch), or vLLM on a GPU (--device cuda)")
     if args.workers_external and not args.nats:
-        print("rlfabric up: --workers-external needs --nats URL, the server those workers use",
-              file=sys.stderr)
-        return 2
+        return "--workers-external needs --nats URL, the server those workers use"
     auth = [f"--{n.replace('_', '-')}" for n in ("user", "token", "creds", "nkey", "tls_ca",
                                                   "tls_cert") if getattr(args, n)]
     if auth and not args.workers_external:
-        print(f"rlfabric up: {', '.join(auth)}: the workers up starts would connect without "
-              "them; start workers with their own role's key (`rlfabric worker --nkey "
-              "DIR/worker.nk ...`) and pass --workers-external", file=sys.stderr)
-        return 2
+        return (f"{', '.join(auth)}: the workers up starts would connect without them; start "
+                "workers with their own role's key (`rlfabric worker --nkey DIR/worker.nk ...`) "
+                "and pass --workers-external")
     if args.workers_external and args.launcher != "process":
-        print("rlfabric up: --workers-external starts no workers; drop --launcher",
-              file=sys.stderr)
-        return 2
+        return "--workers-external starts no workers; drop --launcher"
     if args.launcher != "ray" and (args.ray_address or args.gpus_per_worker):
-        print("rlfabric up: --ray-address and --gpus-per-worker go with --launcher ray",
-              file=sys.stderr)
+        return "--ray-address and --gpus-per-worker go with --launcher ray"
+    return ""
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlfabric.errors import RLFabricError
+
+    refused = _refused(args)
+    if refused:
+        print(f"rlfabric up: {refused}", file=sys.stderr)
         return 2
     run_dir = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -59,14 +59,18 @@ def summary_table(history: list[StepStats]) -> Table:
     t = Table(title="rlfabric up: per step (control columns in ms, all workers acked)",
               title_justify="left", padding=(0, 0, 0, 1), box=box.SIMPLE_HEAD, pad_edge=False)
     episodes = any(h.turns_per_episode for h in history)  # the tools task
-    cols = ["step", "ver", "reward", "mismatch", "n", "gen s", "train s", "pause", "update",
-            "resume", "tok/s", *(("turns", "calls", "segs") if episodes else ())]
+    colocated = any(h.sleep_ms for h in history)  # --colocate: sleep before train, wake after
+    cols = ["step", "ver", "reward", "mismatch", "n", "gen s", *(("sleep",) if colocated else ()),
+            "train s", "pause", *(("wake",) if colocated else ()), "update", "resume", "tok/s",
+            *(("turns", "calls", "segs") if episodes else ())]
     for col in cols:
         t.add_column(col, justify="right", no_wrap=True)
     for h in history:
         cells = [str(h.step), str(h.version), f"{h.reward:.3f}",
                  "-" if h.mismatch is None else f"{h.mismatch:.1e}", str(h.samples),
-                 f"{h.gen_s:.2f}", f"{h.train_s:.2f}", f"{h.pause_ms:.1f}",
+                 f"{h.gen_s:.2f}", *((f"{h.sleep_ms:.1f}",) if colocated else ()),
+                 f"{h.train_s:.2f}", f"{h.pause_ms:.1f}",
+                 *((f"{h.wake_ms:.1f}",) if colocated else ()),
                  f"{h.update_ms:.1f}", f"{h.resume_ms:.1f}", f"{h.tokens_per_s:.0f}"]
         if episodes:
             cells += [f"{h.turns_per_episode:.2f}", f"{h.tool_calls_per_episode:.2f}",

@@ -32,6 +32,7 @@ from rlfabric.schemas import (
 
 class NullEngine(RuntimeCollective):
     name = "null"
+    weights_device = "cpu"
 
     def __init__(self, model: str = "none", *, vocab_size: int = 1 << 20,
                  adapter_versions: int = ADAPTER_VERSIONS) -> None:

@@ -141,6 +141,14 @@ class Engine(Protocol):
         decode steps and never aborts a sequence by itself."""
         ...
 
+    @property
+    def weights_device(self) -> str:
+        """Where the engine's weights live, as torch names devices: on "cuda..." the worker
+        brings a host payload (shm, filesystem, nats) to that GPU itself, through pinned
+        memory and digested on the way, so `load_weights` copies device to device; "cpu" for
+        engines that load from host memory or a file."""
+        ...
+
     def weights_checksum(self) -> str:
         """A digest of every parameter (name, dtype, shape, bytes): equal weights, equal
         checksums, on any worker."""
@@ -183,7 +191,9 @@ class Engine(Protocol):
         ...
 
     async def sleep(self, level: int) -> None:
-        """Release memory: 1 = weights offloaded and caches dropped, 2 = everything."""
+        """Abort what runs and release memory: 1 = caches dropped and weights moved to host
+        memory (wake brings them back), 2 = caches and weights dropped (the next load brings
+        them; until then a woken engine holds its requests)."""
         ...
 
     async def wake(self, tags: tuple[str, ...] = ()) -> None:

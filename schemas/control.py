@@ -83,10 +83,30 @@ class Collective(Message, tag_field="kind", tag="collective", frozen=True, kw_on
     tensors: tuple[TensorMeta, ...] = ()
 
 
-class CudaIpc(Message, tag_field="kind", tag="cuda_ipc", frozen=True, kw_only=True):
-    """CUDA IPC handles for colocated trainer and worker on the same GPU."""
+class CudaIpcBucket(Message, frozen=True, kw_only=True):
+    """One CUDA buffer of a `cuda_ipc` push: bytes `[offset, offset + nbytes)` of the packed
+    layout, and what another process on the same host needs to map it (torch's CUDA IPC
+    sharing of the buffer's storage)."""
 
-    handles: bytes = b""
+    offset: int
+    nbytes: int
+    device_uuid: str
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter: bytes
+    ref_counter_offset: int
+    event: bytes = b""
+    event_sync: bool = False
+
+
+class CudaIpc(Message, tag_field="kind", tag="cuda_ipc", frozen=True, kw_only=True):
+    """Tensors packed into CUDA buffers by a trainer on the same host as the workers (its
+    `boot_id`), mapped by each worker through CUDA IPC; freed once the update is decided."""
+
+    host: str
+    boot_id: str
+    buckets: tuple[CudaIpcBucket, ...] = ()
     tensors: tuple[TensorMeta, ...] = ()
 
 
@@ -101,7 +121,7 @@ class External(Message, tag_field="kind", tag="external", frozen=True, kw_only=T
 
 Transport = SharedMemory | Filesystem | Nats | Collective | CudaIpc | External
 #: every locator's `kind` tag, in declaration order (the transports that can be staged are
-#: those registered in `rlfabric.transports`; CudaIpc is declared only)
+#: those registered in `rlfabric.transports`)
 TRANSPORT_KINDS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in get_args(Transport))
 
 # ---- commands -------------------------------------------------------------------------------

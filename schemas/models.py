@@ -71,8 +71,15 @@ SMALL64 = ModelSpec(name="small64", hidden_size=384, intermediate_size=1024, num
 TINYCHAT = ModelSpec(name="tinychat", vocab_size=262, hidden_size=128, intermediate_size=256,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                      eos_token_id=260, tokenizer="bytes-chat", chat_template="tinychat")
+#: Qwen2.5-0.5B's shape with an untied head (630M parameters, 2,404 MiB in fp32), random
+#: weights: what `rlfabric bench weights --device cuda` pushes
+QWEN05B = ModelSpec(name="qwen05b", arch="qwen2", vocab_size=151936, hidden_size=896,
+                    intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=151643,
+                    eos_token_id=151645, pad_token_id=151643, tokenizer="qwen2.5",
+                    chat_template="chatml-tools")
 BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (TINY, TINY64, TINYQWEN, SMALL64,
-                                                     TINYCHAT)}
+                                                     TINYCHAT, QWEN05B)}
 
 
 def byte_tokens(text: str | bytes, *, bos: bool = True) -> list[int]:

@@ -1,6 +1,7 @@
 """The torch side shared by engines and trainer: the packed weight format (`packing`: pack,
-unpack, digest, checksum), the collective group weights are broadcast over (`collective`),
-and the model builder (`models`).
+unpack, digest), digests computed on the tensors' own device (`checksums`: checksum,
+device_digest), host->device staging (`staging`), the collective group weights are broadcast
+over (`collective`), and the model builder (`models`).
 
 `rlfabric.schemas` and `rlfabric.bus` never import torch; what needs it lives here. The names
 below are loaded on first use, so importing `rlfabric.tensors.errors` costs no torch.
@@ -12,8 +13,10 @@ _WHERE = {
     "CollectiveGroup": "collective",
     "CollectiveTimeout": "errors",
     "build_model": "models",
-    **{name: "packing" for name in ("buffer_size", "checksum", "digest", "pack_buffer",
-                                     "pack_file", "pack_into", "plan", "unpack")},
+    "checksum": "checksums",
+    "device_digest": "checksums",
+    **{name: "packing" for name in ("buffer_size", "digest", "pack_buffer", "pack_file",
+                                     "pack_into", "plan", "unpack")},
 }
 
 

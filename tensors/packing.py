@@ -1,6 +1,7 @@
 """The packed weight format both sides agree on: every tensor's bytes at a 64-byte aligned
 offset of one flat buffer, described by `TensorMeta`s; a `digest` of the buffer travels in
-`UpdateWeights` and a `checksum` of the loaded parameters comes back in each `Ack`.
+`UpdateWeights`. (The `checksum` of loaded parameters each `Ack` carries is
+`rlfabric.tensors.checksums`', computed on the parameters' own device.)
 """
 
 from __future__ import annotations
@@ -131,18 +132,25 @@ def unpack(buf: Any, metas: Iterable[TensorMeta]) -> dict[str, Any]:
     return out
 
 
+def unpack_pieces(pieces: Iterable[tuple[int, Any]], metas: Iterable[TensorMeta]
+                  ) -> dict[str, Any]:
+    """Tensors viewing `pieces` (`(offset, flat uint8 tensor)` covering the packed layout,
+    on any device): no copy."""
+    spans = sorted(pieces, key=lambda p: p[0])
+    out = {}
+    for m in metas:
+        for start, raw in spans:
+            if start <= m.offset and m.offset + m.nbytes <= start + raw.numel():
+                at = m.offset - start
+                out[m.name] = raw[at:at + m.nbytes].view(dtype_of(m.dtype)).reshape(m.shape)
+                break
+        else:
+            raise ValueError(f"{m.name}: bytes [{m.offset}, {m.offset + m.nbytes}) are in no "
+                             "piece of the payload")
+    return out
+
+
 def digest(buf: Any) -> str:
     """The digest carried by `UpdateWeights`: XXH3-128 of the packed buffer (an integrity
     check against corruption and partial payloads, much faster than a cryptographic hash)."""
     return xxhash.xxh3_128_hexdigest(memoryview(buf))
-
-
-def checksum(state: Mapping[str, Any]) -> str:
-    """A digest of named parameters (name, dtype, shape, bytes), name-sorted: what a worker
-    reports after a load, and what the sender expects from the state dict it sent."""
-    h = xxhash.xxh3_128()
-    for name in sorted(state):
-        t = state[name].detach()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()

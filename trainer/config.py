@@ -38,6 +38,12 @@ class GRPOConfig:
     #: > 0: train a LoRA adapter of this rank (alpha = 2 x rank, on every linear module of the
     #: attention and MLP blocks and the LM head) instead of every weight, and push only it
     lora_rank: int = 0
+    #: where the trainer's model lives ("cpu", "cuda", "cuda:1", ...)
+    device: str = "cpu"
+    #: trainer and workers share the device: each step the workers sleep while the trainer
+    #: trains (at this level: 1 keeps their weights in host memory, 2 drops them) and wake
+    #: before the update; 0: no colocation
+    sleep_level: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -50,6 +56,11 @@ class GRPOConfig:
             (self.lora_rank >= 0, f"--lora {self.lora_rank}: a rank >= 1, or 0 for none"),
             (self.transport in transports.names(),
              f"--transport {self.transport}: use one of {', '.join(transports.names())}"),
+            (self.sleep_level in (0, 1, 2), f"--sleep-level {self.sleep_level}: 1 or 2"),
+            (not (self.sleep_level and self.async_mode),
+             "--colocate trains while the workers sleep, so it runs in sync mode: drop --async"),
+            (self.transport != "cuda_ipc" or self.device.startswith("cuda"),
+             "--transport cuda_ipc sends the trainer's GPU buffers: add --device cuda"),
         ]
         for ok, msg in checks:
             if not ok:

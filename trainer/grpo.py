@@ -76,6 +76,9 @@ class StepStats:
     tokens_per_s: float
     #: bytes the update after this step pushed (the adapter's alone with --lora)
     update_bytes: int = 0
+    #: colocated: the workers' sleep before training and wake before the update (ms)
+    sleep_ms: float = 0.0
+    wake_ms: float = 0.0
     #: the tools task's episodes: turns, tool calls and trajectory segments, on average
     turns_per_episode: float = 0.0
     tool_calls_per_episode: float = 0.0
@@ -96,6 +99,8 @@ class GRPOTrainer:
         self.config: Any = model.config
         self.task = task or LetterTask(max_tokens=cfg.max_tokens)
         self.on_step = on_step
+        self.device = torch.device(cfg.device)
+        model = model.to(self.device)
         base = dict(model.state_dict())
         self.full_bytes = sum(t.numel() * t.element_size() for t in base.values())
         #: with --lora, what version 0 pushes beside the adapter: the base weights, by their
@@ -107,6 +112,7 @@ class GRPOTrainer:
             self.adapter = Adapter(name=LORA_NAME, rank=cfg.lora_rank,
                                    alpha=2.0 * cfg.lora_rank, target_modules=LORA_TARGETS)
             lora_model = LoraModel(model, self.adapter)
+            lora_model.to(self.device)  # its A and B matrices are made on the CPU
             self.model: torch.nn.Module = lora_model
             params = list(lora_model.lora_parameters())
         else:
@@ -199,18 +205,20 @@ class GRPOTrainer:
         seqs = [batch[k] for k in keep]
         width = max(len(s.ids) for s in seqs)
         pad = self.config.pad_token_id
-        ids = torch.tensor([s.ids + [pad] * (width - len(s.ids)) for s in seqs])
-        mask = torch.tensor([[1] * len(s.ids) + [0] * (width - len(s.ids)) for s in seqs])
+        dev = self.device
+        ids = torch.tensor([s.ids + [pad] * (width - len(s.ids)) for s in seqs], device=dev)
+        mask = torch.tensor([[1] * len(s.ids) + [0] * (width - len(s.ids)) for s in seqs],
+                            device=dev)
         logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
         logp = torch.log_softmax(logits, dim=-1)
         versions = [s.version for s in seqs]
         earlier = self._earlier_logp(ids, mask, versions)
         loss_terms, mismatch = [], []
         for row, s in enumerate(seqs):
-            pos = torch.tensor([t for t in range(1, len(s.ids)) if s.mask[t]])
+            pos = torch.tensor([t for t in range(1, len(s.ids)) if s.mask[t]], device=dev)
             tok = ids[row, pos, None]
             new = logp[row, pos - 1].gather(1, tok)[:, 0]
-            old = torch.tensor([s.old[t] for t in pos.tolist()])
+            old = torch.tensor([s.old[t] for t in pos.tolist()], device=dev)
             if s.version == self.version:
                 mismatch.append((new.detach() - old).abs().mean().item())
             elif row in earlier:  # a stale sample, checked against the weights that made it
@@ -251,19 +259,31 @@ class GRPOTrainer:
         for v in [v for v in self._published if v < self.version - self.cfg.max_staleness]:
             del self._published[v]
 
-    async def _publish(self) -> tuple[float, float, float]:
-        """pause -> update_weights(v + 1) -> resume, each timed (ms)."""
+    async def _sleep(self) -> float:
+        """Colocated: the workers give the device back for training (ms; 0 when not)."""
+        if not self.cfg.sleep_level:
+            return 0.0
+        t0 = time.perf_counter()
+        await self.fabric.sleep(level=self.cfg.sleep_level)
+        return (time.perf_counter() - t0) * 1e3
+
+    async def _publish(self) -> dict[str, float]:
+        """pause -> (colocated: wake) -> update_weights(v + 1) -> resume, each timed (ms)."""
         mode: PauseMode = "keep" if self.cfg.async_mode else "wait"
+        ms: dict[str, float] = {}
         t0 = time.perf_counter()
         await self.fabric.pause(mode=mode)
-        t1 = time.perf_counter()
+        ms["pause"], t0 = _since(t0)
+        if self.cfg.sleep_level:  # held by the pause until the update is in
+            await self.fabric.wake()
+            ms["wake"], t0 = _since(t0)
         await self._push(self.version + 1)
-        t2 = time.perf_counter()
+        ms["update"], t0 = _since(t0)
         await self.fabric.resume()
-        t3 = time.perf_counter()
+        ms["resume"], _ = _since(t0)
         self.version += 1
         self._remember()
-        return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
+        return ms
 
     async def _push(self, version: int) -> None:
         """The trained weights as `version`: the whole model, or with --lora the adapter."""
@@ -291,7 +311,7 @@ class GRPOTrainer:
 
     def _stats(self, step: int, out: _Rollouts, samples: int, tokens: int, two: int,
                trained: tuple[float, float, float | None], train_s: float,
-               timed: tuple[float, float, float], wall: float) -> StepStats:
+               timed: dict[str, float], wall: float) -> StepStats:
         reward, reward_std, mismatch = trained
         eps = out.episodes or []
         if eps:  # the tools task: an episode's reward, whatever its segments
@@ -302,7 +322,9 @@ class GRPOTrainer:
             step=step, version=self.version, reward=reward, reward_std=reward_std,
             mismatch=mismatch, samples=samples, tokens=tokens,
             stale_dropped=self.buffer.dropped, two_version_samples=two, gen_s=out.gen_s,
-            train_s=train_s, pause_ms=timed[0], update_ms=timed[1], resume_ms=timed[2],
+            train_s=train_s, pause_ms=timed["pause"], update_ms=timed["update"],
+            resume_ms=timed["resume"], sleep_ms=timed.get("sleep", 0.0),
+            wake_ms=timed.get("wake", 0.0),
             wall_s=wall, tokens_per_s=tokens / out.gen_s if out.gen_s > 0 else math.nan,
             update_bytes=self.update_bytes,
             turns_per_episode=sum(e.turns for e in eps) / n,
@@ -337,11 +359,12 @@ class GRPOTrainer:
                 batch, tokens, two = self._batch(out)
                 try:
                     with spans.within(box["span"]):
+                        slept = await self._sleep()
                         t0 = time.perf_counter()
                         with spans.span("train", attributes={"rlfabric.samples": len(batch)}):
                             trained = await anyio.to_thread.run_sync(self._train, batch)
                         train_s = time.perf_counter() - t0
-                        timed = await self._publish()
+                        timed = {**await self._publish(), "sleep": slept}
                 finally:
                     box["span"].end()
                 if not self.cfg.async_mode and step + 1 < self.cfg.steps:
@@ -352,3 +375,9 @@ class GRPOTrainer:
                 if self.on_step is not None:
                     self.on_step(stats)
         return self.history
+
+
+def _since(t0: float) -> tuple[float, float]:
+    """Milliseconds since `t0`, and now."""
+    now = time.perf_counter()
+    return (now - t0) * 1e3, now

@@ -4,7 +4,9 @@ and form the collective group weights are broadcast over.
 Pull transports (shm, filesystem, nats) are one broadcast: each worker fetches, verifies the
 digest, swaps and acks `done` with its checksum; the desired state names the version while the
 command is out, so a worker joining meanwhile loads it too, and is taken back if the update
-fails. The collective transport is two-phase (`ready`, then rank 0 broadcasts, then `done`).
+fails. cuda_ipc is the same broadcast, but its GPU buffers are freed as soon as the update is
+decided (joiners wait for the next push). The collective transport is two-phase (`ready`,
+then rank 0 broadcasts, then `done`).
 """
 
 from __future__ import annotations
@@ -95,6 +97,11 @@ class WeightUpdates:
                 async with self.desired.during(rollback=True, **changes):
                     rep = await self._broadcast_sending(cmd, staged, policy)
                     self._check(rep, staged, verify)
+                if not staged.for_joiners:  # freed now: joiners wait for the next push
+                    if not adapter:
+                        await self.desired.write(weight_version=staged.version, locator=None)
+                    await staged.release()
+                    return rep
         except Exception:
             await staged.release()
             raise

@@ -1,11 +1,12 @@
 """Weight transports: one module per transport holds both ends (`stage` on the trainer,
 `receive` on the worker), selected by name through the registry. Built in: shared memory,
-filesystem, nats (JetStream chunks) and collective (a gloo or NCCL broadcast).
+filesystem, nats (JetStream chunks), collective (a gloo or NCCL broadcast) and cuda_ipc (GPU
+buffers mapped by workers on the trainer's host).
 
 Importing this package costs no torch; a transport loads it when it first packs or unpacks.
 """
 
-from rlfabric.transports import collective, filesystem, nats, shm
+from rlfabric.transports import collective, cuda_ipc, filesystem, nats, shm
 from rlfabric.transports.protocol import (
     GroupSlot,
     Received,
@@ -18,7 +19,8 @@ from rlfabric.transports.protocol import (
 from rlfabric.transports.registry import Transports, lookup, name_of, names, register, unregister
 
 for _builtin in (shm.SharedMemoryTransport, filesystem.FilesystemTransport,
-                 nats.NatsTransport, collective.CollectiveTransport):
+                 nats.NatsTransport, collective.CollectiveTransport,
+                 cuda_ipc.CudaIpcTransport):
     register(_builtin)
 
 __all__ = [

@@ -97,10 +97,13 @@ class ReceiveJob:
 @dataclass(frozen=True)
 class Received:
     """An opened version: a buffer holding the packed bytes, and a file with the same bytes
-    where the transport has one (engines that load in another process read it)."""
+    where the transport has one (engines that load in another process read it); or, from a
+    device transport, `pieces`: `(offset, flat uint8 tensor)` covering the packed layout on a
+    GPU (digested there with `rlfabric.tensors.checksums.device_digest`)."""
 
     buffer: Any
     path: str | None = None
+    pieces: tuple[tuple[int, Any], ...] = ()
 
 
 @dataclass(eq=False)
@@ -115,6 +118,9 @@ class Staged:
     flat: Any = None  # collective: the uint8 tensor rank 0 broadcasts
     #: nats staged with `send_now=False`: sends the chunks; `push` runs it beside the command
     unsent: Callable[[], Coroutine[Any, Any, None]] | None = None
+    #: kept until the next version, for workers that join meantime; False (cuda_ipc): freed
+    #: once the push is decided, and joiners wait for the next push
+    for_joiners: bool = True
     _release: list[Release] = field(default_factory=list)
     _stable: Callable[[], None] | None = None
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 
@@ -24,6 +25,7 @@ from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import (
     Adapter,
     Collective,
+    CudaIpc,
     DesiredState,
     ErrorCode,
     ErrorEvent,
@@ -66,9 +68,9 @@ class WeightSync:
                 await self._join_load(upd, f"adapter {name!r} v{upd.version}")
 
     async def _join_load(self, cmd: UpdateWeights, what: str) -> None:
-        if isinstance(cmd.transport, Collective):
-            log.info("%s: %s was pushed over a collective group; waiting for the next push",
-                     self.worker_id, what)
+        if isinstance(cmd.transport, Collective | CudaIpc):  # live only during their push
+            log.info("%s: %s was pushed over %s; waiting for the next push", self.worker_id,
+                     what, name_of(cmd.transport))
             return
         try:
             await self._apply(cmd)
@@ -133,19 +135,39 @@ class WeightSync:
                          fetch_timeout=self.fetch_timeout, ready=ready, groups=self.groups)
         async with contextlib.AsyncExitStack() as keep:
             got = await self._open(cmd, job, keep)
+            if got.pieces:  # on a GPU already: digested there
+                with spans.span("verify digest"):
+                    dg = await _device_digest(got.pieces)
+                return await self._verified_load(cmd, dg, pieces=got.pieces)
             view = memoryview(got.buffer)[:tensors.buffer_size(t.tensors)]
-            with spans.span("verify digest"):
-                dg = await _digest_in_thread(view)
-            if dg != cmd.digest:
-                del view
-                raise CommandFailed(ErrorCode.DIGEST_MISMATCH, f"{self.worker_id}: v{cmd.version} "
-                                    f"payload digest {dg} != {cmd.digest}; old weights kept")
+            device = getattr(self.engine, "weights_device", "cpu")
+            if device.startswith("cuda"):
+                # to the engine's GPU through pinned memory, digested on the way
+                try:
+                    with spans.span("stage to device"):
+                        flat, dg = await _to_device_in_thread(view, device)
+                finally:
+                    del view
+                return await self._verified_load(cmd, dg, pieces=((0, flat),))
             try:
-                with payload(view, t.tensors, path=got.path) as weights, \
-                        spans.span("load weights"):
-                    return await self._load(weights, cmd)
+                with spans.span("verify digest"):
+                    dg = await _digest_in_thread(view)
+                return await self._verified_load(cmd, dg, view=view, path=got.path)
             finally:
                 del view  # no view may outlive the buffer
+
+    async def _verified_load(self, cmd: UpdateWeights, dg: str, *,
+                             view: memoryview | None = None, path: str | None = None,
+                             pieces: tuple[tuple[int, Any], ...] = ()) -> AckFields:
+        """Load the payload if its digest `dg` is the command's; else `digest_mismatch` and
+        the old weights kept."""
+        if dg != cmd.digest:
+            del view, pieces  # the raised error's frames must not keep the buffer alive
+            raise CommandFailed(ErrorCode.DIGEST_MISMATCH, f"{self.worker_id}: v{cmd.version} "
+                                f"payload digest {dg} != {cmd.digest}; old weights kept")
+        with payload(view if view is not None else memoryview(b""), cmd.transport.tensors,
+                     path=path, pieces=pieces) as weights, spans.span("load weights"):
+            return await self._load(weights, cmd)
 
     async def _open(self, cmd: UpdateWeights, job: ReceiveJob,
                     keep: contextlib.AsyncExitStack) -> Received:
@@ -206,3 +228,19 @@ async def _digest_in_thread(view: memoryview) -> str:
     # a shared-memory segment held there would keep the segment mapped after close().
     box = [view]
     return await anyio.to_thread.run_sync(lambda: tensors.digest(box.pop()))
+
+
+async def _to_device_in_thread(view: memoryview, device: str) -> tuple[Any, str]:
+    box = [view]  # see `_digest_in_thread`
+    del view
+
+    def run() -> tuple[Any, str]:
+        from rlfabric.tensors.staging import to_device
+
+        return to_device(box.pop(), device)
+
+    return await anyio.to_thread.run_sync(run)
+
+
+async def _device_digest(pieces: tuple[tuple[int, Any], ...]) -> str:
+    return await anyio.to_thread.run_sync(tensors.device_digest, pieces)

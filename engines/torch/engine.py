@@ -50,6 +50,7 @@ class TorchEngine(RuntimeCollective):
                                   max_adapters=max_adapters, adapter_versions=adapter_versions)
         self.scheduler = Scheduler(max_batch)
         self._sleeping = 0
+        self._wants_weights = False
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
@@ -75,6 +76,10 @@ class TorchEngine(RuntimeCollective):
                 await anyio.to_thread.run_sync(self.runner.run_batch, batch)
             finally:
                 self.scheduler.finished(batch)
+
+    @property
+    def weights_device(self) -> str:
+        return str(self.device)
 
     @property
     def version(self) -> int:
@@ -180,6 +185,8 @@ class TorchEngine(RuntimeCollective):
             await self.scheduler.progress.event().wait()
 
     async def resume(self) -> None:
+        if self.runner.residency.dropped:
+            return  # no weights to run on: held until `load_weights` brings them
         self.scheduler.paused = None
         self.runner.thaw()
         self.scheduler.release_held()
@@ -191,6 +198,9 @@ class TorchEngine(RuntimeCollective):
             await anyio.to_thread.run_sync(self.runner.load, new, version)
         finally:
             state.clear()
+        if self._wants_weights:  # woken from a level-2 sleep: this load is what it waited for
+            self._wants_weights = False
+            await self.resume()
 
     def weights_checksum(self) -> str:
         return self.runner.checksum()
@@ -214,18 +224,16 @@ class TorchEngine(RuntimeCollective):
 
     async def sleep(self, level: int) -> None:
         await self.pause("abort")
+        await anyio.to_thread.run_sync(self.runner.sleep, level)
         self._sleeping = level
-        if self.device.type == "cuda":
-            self.runner.module.to("cpu")
-            # the runner's views of the weights kept the device copies alive: the host ones now
-            self.runner.params = dict(self.runner.module.state_dict())
-            torch.cuda.empty_cache()
 
     async def wake(self, tags: tuple[str, ...] = ()) -> None:
-        if self._sleeping and self.device.type == "cuda":
-            self.runner.module.to(self.device)
+        if self._sleeping:
+            await anyio.to_thread.run_sync(self.runner.wake)
         self._sleeping = 0
-        self.runner.params = dict(self.runner.module.state_dict())
+        self._wants_weights = self.runner.residency.dropped
+        if self._wants_weights:  # no weights yet: what arrives is held for the next load
+            self.scheduler.paused = "keep"
         await self.resume()
 
     async def reset_prefix_cache(self) -> None:

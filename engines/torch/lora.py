@@ -16,7 +16,7 @@ from torch import nn
 from rlfabric.engines.errors import EngineError, WeightLoadError
 from rlfabric.schemas import Adapter, ErrorCode
 from rlfabric.tensors import lora
-from rlfabric.tensors.packing import checksum
+from rlfabric.tensors.checksums import checksum
 
 
 @dataclass(eq=False)

@@ -23,10 +23,11 @@ from transformers import DynamicCache
 
 from rlfabric.engines.protocol import WeightLoadError
 from rlfabric.engines.torch.lora import LoraBank
+from rlfabric.engines.torch.residency import Residency
 from rlfabric.engines.torch.sampling import sample
 from rlfabric.engines.torch.sequence import Sequence
+from rlfabric.tensors.checksums import checksum
 from rlfabric.tensors.models import build_model
-from rlfabric.tensors.packing import checksum
 
 
 class RunnerState(enum.Enum):
@@ -48,6 +49,7 @@ class ModelRunner:
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.pad_id: int = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.params: dict[str, torch.Tensor] = dict(self.module.state_dict())
+        self.residency = Residency(self.module, device)
         self.lora = LoraBank(self.module, max_adapters=max_adapters, keep=adapter_versions)
         self.version = -1
         self._step_lock = threading.Lock()
@@ -96,26 +98,29 @@ class ModelRunner:
     # ---- weights ----
     def checked(self, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """`state` as tensors, once every name, shape and dtype fits; else `WeightLoadError`."""
-        missing = sorted(set(self.params) - set(state))
-        extra = sorted(set(state) - set(self.params))
+        spec = self.residency.spec
+        missing = sorted(set(spec) - set(state))
+        extra = sorted(set(state) - set(spec))
         if missing or extra:
             raise WeightLoadError(
                 f"state dict does not match model {self.model!r}: missing {missing[:5]}"
                 f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
                 f"{'...' if len(extra) > 5 else ''}")
         out = {}
-        for name, ref in self.params.items():
+        for name, (shape, dtype) in spec.items():
             t = torch.as_tensor(state[name])
-            if tuple(t.shape) != tuple(ref.shape):
-                raise WeightLoadError(f"{name}: shape {tuple(t.shape)} != model's "
-                                      f"{tuple(ref.shape)}")
-            if not t.dtype.is_floating_point and ref.dtype.is_floating_point:
-                raise WeightLoadError(f"{name}: dtype {t.dtype} cannot replace {ref.dtype}")
+            if tuple(t.shape) != shape:
+                raise WeightLoadError(f"{name}: shape {tuple(t.shape)} != model's {shape}")
+            if not t.dtype.is_floating_point and dtype.is_floating_point:
+                raise WeightLoadError(f"{name}: dtype {t.dtype} cannot replace {dtype}")
             out[name] = t
         return out
 
     def load(self, new: dict[str, torch.Tensor], version: int) -> None:
         with self._step_lock, torch.no_grad():
+            if self.residency.dropped:  # a level-2 sleep dropped them: room again first
+                self.residency.materialize()
+                self.params = dict(self.module.state_dict())
             for name, t in new.items():
                 self.params[name].copy_(t)
             self.version = version
@@ -124,7 +129,18 @@ class ModelRunner:
 
     def checksum(self) -> str:
         with self._step_lock:
-            return checksum(self.params)
+            return "" if self.residency.dropped else checksum(self.params)
+
+    def sleep(self, level: int) -> None:
+        """Free the device (`Residency`); called with no batch running."""
+        with self._step_lock, torch.no_grad():
+            self.residency.sleep(level)
+            self.params = dict(self.module.state_dict())
+
+    def wake(self) -> None:
+        with self._step_lock, torch.no_grad():
+            self.residency.wake()
+            self.params = dict(self.module.state_dict())
 
     # ---- the decode loop (worker thread) ----
     def run_batch(self, batch: list[Sequence]) -> None:

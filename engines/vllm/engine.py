@@ -118,6 +118,7 @@ _NOT_VLLM_GROUP = (
 
 class VllmEngine:
     name = "vllm"
+    weights_device = "cpu"  # it loads from a file in its own process
     owns_collective = True
 
     def __init__(self, model: str, *, options: VllmOptions | None = None) -> None:
@@ -418,7 +419,7 @@ class VllmEngine:
 
     async def load_weights(self, weights: PackedWeights, version: int) -> None:
         self._check_layout(weights)
-        from rlfabric.tensors.packing import checksum
+        from rlfabric.tensors.checksums import checksum
 
         state = weights.state()
         try:
@@ -505,7 +506,7 @@ class VllmEngine:
 
     # ---- adapters ----
     async def load_adapter(self, weights: PackedWeights, adapter: Adapter, version: int) -> str:
-        from rlfabric.tensors.packing import checksum
+        from rlfabric.tensors.checksums import checksum
 
         state = weights.state()
         try:
@@ -668,7 +669,7 @@ def _checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]]:
 def _checkpoint_checksum(model: str) -> str:
     from safetensors.torch import load_file
 
-    from rlfabric.tensors.packing import checksum
+    from rlfabric.tensors.checksums import checksum
 
     state: dict[str, Any] = {}
     for name in sorted(os.listdir(model)):

@@ -185,3 +185,18 @@ def test_attached_with_the_trainer_role_on_a_server_with_auth(tmp_path: Path, sp
     anon = subprocess.run([*base, "--workers-external", "--steps", "1", "--join-timeout", "5"],
                           capture_output=True, text=True, timeout=120)
     assert anon.returncode != 0 and "refused this client" in anon.stdout + anon.stderr
+
+
+def test_colocated_the_workers_sleep_through_training_and_wake_into_each_update(
+        tmp_path: Path) -> None:
+    # level 2: the workers drop their weights each step, and each update brings them back
+    out = subprocess.run([EXE, "up", "--workers", "2", "--steps", "6", "--threshold", "0.01",
+                          "--colocate", "--sleep-level", "2", "--no-live", "--json",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    steps = summary["steps"]
+    assert len(steps) == 6 and all(s["sleep_ms"] > 0 and s["wake_ms"] > 0 for s in steps)
+    assert summary["mismatch_max"] <= 1e-4  # served exactly what the trainer pushed
+    assert set(summary["workers_on_final"].values()) == {6}
+    assert " sleep " in out.stdout and " wake " in out.stdout  # the phase table's columns

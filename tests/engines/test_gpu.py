@@ -1,18 +1,23 @@
-"""The torch engine on a CUDA device (`pytest -m gpu`; skipped where there is none, as on CI's
-machines): sleep gives the card back, wake restores it, and sampling after wake is what it was
-before sleep."""
+"""rlfabric on a CUDA device (`pytest -m gpu`; skipped where there is none, as on CI's
+machines): digests equal on CPU and GPU; a host payload staged to the GPU intact; sleep gives
+the card back, wake restores it, and sampling after wake is what it was before sleep; a
+`cuda_ipc` push reaches two worker processes on the GPU, which then sample with the trainer's
+logprobs, and leaves nothing allocated on the trainer's side."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from helpers import req
+from helpers import collect, perturbed, req, taken_logprobs
 
 from rlfabric.engines import make_engine, running
 from rlfabric.schemas import RolloutResult
+from rlfabric.tensors import packing
+from rlfabric.tensors.checksums import checksum, device_digest
 
 pytestmark = [
-    pytest.mark.gpu, pytest.mark.anyio,
+    pytest.mark.gpu, pytest.mark.anyio, pytest.mark.timeout(300),
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="no CUDA device here: run `pytest -m gpu` on a GPU machine "
                               "(../shared/gpu/README.md)"),
@@ -37,4 +42,69 @@ async def test_sleep_level_1_frees_the_cards_memory_and_wake_restores_it() -> No
         woken = torch.cuda.memory_reserved()
     assert reserved > 0 and asleep <= 0.1 * reserved, (reserved, asleep)
     assert woken >= 0.9 * reserved, (reserved, woken)
+    assert after == before
+
+
+def test_digests_and_checksums_are_equal_on_the_cpu_and_the_gpu() -> None:
+    x = torch.randint(0, 256, ((1 << 20) * 9 + 13,), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(0))
+    assert device_digest([(0, x)]) == device_digest([(0, x.cuda())])
+    state = dict(perturbed(1).state_dict())
+    assert checksum(state) == checksum({k: v.cuda() for k, v in state.items()})
+
+
+def test_a_host_payload_reaches_the_gpu_intact_with_its_digest() -> None:
+    from rlfabric.tensors.staging import to_device
+
+    x = torch.randint(0, 256, ((1 << 20) * 70 + 5,), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(1))
+    buf = bytearray(x.numpy().tobytes())
+    flat, dg = to_device(memoryview(buf), "cuda", chunk=16 << 20)
+    assert dg == packing.digest(buf)
+    assert torch.equal(flat.cpu(), x)
+
+
+async def test_cuda_ipc_reaches_two_workers_which_sample_with_the_trainers_logprobs(
+        workers, client) -> None:
+    model = perturbed(3).cuda()
+    workers(["g0", "g1"], "--model", "tiny", "--device", "cuda")
+    async with client() as fabric:
+        await fabric.wait_for_workers(2, timeout=240)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        rep = await fabric.update_weights(1, module=model, transport="cuda_ipc")
+        assert set(rep.ok) == {"g0", "g1"}
+        assert {a.weights_checksum for a in rep.acks.values()} == {
+            checksum(dict(model.state_dict()))}
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= before  # the buckets are freed
+        reqs = [req(f"r{i}", [256, 5 + i, 6], min_version=1, max_tokens=24, seed=i)
+                for i in range(8)]
+        out = await collect(fabric, reqs, timeout=120)
+    assert {r.worker_id for r in out} == {"g0", "g1"}
+    cpu = model.cpu()
+    prompts = {r.request_id: r.prompt_token_ids.tolist() for r in reqs}
+    gap = max(float(np.abs(taken_logprobs(cpu, prompts[r.request_id],
+                                          r.completion_token_ids.tolist())
+                           - r.logprobs.numpy()).max())
+              for r in out if len(r.completion_token_ids))
+    assert gap <= 1e-5, gap
+
+
+async def test_sleep_level_2_drops_the_weights_on_the_gpu_and_a_load_brings_them() -> None:
+    async with running(make_engine("torch", "small64", device="cuda")) as engine:
+        await engine.serve_checkpoint_as(0)
+        state = {k: v.cpu().clone() for k, v in engine.runner.params.items()}
+        before = await sample(engine, "before")
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        await engine.sleep(2)
+        dropped = torch.cuda.memory_allocated()
+        await engine.wake()
+        from helpers import packed
+
+        with packed(state) as weights:
+            await engine.load_weights(weights, 1)
+        after = await sample(engine, "after")
+    assert dropped <= 0.1 * allocated, (allocated, dropped)
     assert after == before

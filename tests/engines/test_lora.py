@@ -20,8 +20,8 @@ from rlfabric.engines import running
 from rlfabric.engines.torch import TorchEngine
 from rlfabric.schemas import Adapter, RolloutError, RolloutResult, TokenDelta
 from rlfabric.tensors import lora
+from rlfabric.tensors.checksums import checksum
 from rlfabric.tensors.models import build_model
-from rlfabric.tensors.packing import checksum
 from rlfabric.worker import Worker
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]

@@ -29,8 +29,8 @@ from helpers import worst_gap
 from rlfabric.bus import Limits, QuorumNotReached, QuorumPolicy
 from rlfabric.schemas import Adapter, RolloutResult
 from rlfabric.tensors import lora
+from rlfabric.tensors.checksums import checksum
 from rlfabric.tensors.models import build_model
-from rlfabric.tensors.packing import checksum
 from rlfabric.trainer import FabricClient
 
 pytestmark = [

@@ -29,8 +29,8 @@ from rlfabric.schemas import (
     codec_for,
 )
 from rlfabric.tensors import lora
+from rlfabric.tensors.checksums import checksum
 from rlfabric.tensors.models import build_model
-from rlfabric.tensors.packing import checksum
 from rlfabric.trainer import TransportInitFailed
 
 req = functools.partial(helpers.req, min_version=0)

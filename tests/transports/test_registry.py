@@ -68,7 +68,7 @@ def test_a_registered_transport_is_a_transport_choice(inbox) -> None:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         main(["up", "--help"])
-    assert "{shm,filesystem,nats,collective,inbox}" in out.getvalue()
+    assert "{shm,filesystem,nats,collective,cuda_ipc,inbox}" in out.getvalue()
 
 
 async def test_a_registered_transport_carries_a_version_to_a_worker(inbox, nats_url, prefix,
