@@ -17,6 +17,8 @@ BENCHES = {
                 "pause -> all acks latency, rlfabric vs aiohttp and httpx fan-out"),
     "grpo": ("rlfabric.bench.grpo",
              "sync vs async GRPO (rlfabric up twice): steps/s and tokens/s"),
+    "trl": ("rlfabric.bench.trl",
+            "TRL's GRPOTrainer generating itself vs through 1 and 2 rlfabric workers"),
     "weights": ("rlfabric.bench.weights",
                 "weight update MB/s per transport beside memcpy and /dev/shm"),
     "gateway": ("rlfabric.bench.gateway",
