@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import anyio
 
@@ -77,6 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=g["max_model_len"],
                    help="context length in tokens (default: the model's own); a longer "
                    "prompt gets 413")
+    _limit_options(p, g)
     p.add_argument("--request-timeout", type=float, default=g["request_timeout"],
                    help="seconds a request may wait for workers (a paused fleet) before it "
                    "gets 503 (default %(default)s)")
@@ -93,6 +95,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "as past --max-cached-sessions (default %(default)s)")
     add_telemetry_options(p)
     p.set_defaults(func=run)
+
+
+def _limit_options(p: argparse.ArgumentParser, g: dict[str, Any]) -> None:
+    """What one request may ask for."""
+    p.add_argument("--default-max-tokens", type=int, default=g["default_max_tokens"],
+                   metavar="N", help="what a request without max_tokens may sample (at most "
+                   "what the context leaves; default %(default)s). A max_tokens larger than "
+                   "the context leaves gets 400, as OpenAI's API and vLLM answer")
+    p.add_argument("--max-request-tokens", type=int, default=g["max_request_tokens"],
+                   metavar="N", help="n x max_tokens one request may ask for; past it 400 "
+                   "request_too_large, before anything is sampled (default %(default)s)")
+    p.add_argument("--max-n", type=int, default=g["max_n"],
+                   help="samples one request may ask for (n; default %(default)s)")
 
 
 def _keys(args: argparse.Namespace) -> dict[str, str]:
@@ -119,7 +134,9 @@ async def _serve(args: argparse.Namespace) -> None:
     config = GatewayConfig(model=args.model, served_name=args.served_model_name,
                            tool_parser=args.tool_call_parser,
                            request_timeout=args.request_timeout,
-                           max_model_len=args.max_model_len, affinity=args.affinity)
+                           max_model_len=args.max_model_len, affinity=args.affinity,
+                           default_max_tokens=args.default_max_tokens,
+                           max_request_tokens=args.max_request_tokens, max_n=args.max_n)
     opts = ServeOptions(host=args.host, port=args.port, api_keys=_keys(args),
                         max_body_bytes=args.max_body_bytes,
                         session_idle_timeout=args.session_idle_timeout,

@@ -28,6 +28,7 @@ from rlfabric.engines.errors import EngineDied
 from rlfabric.engines.kinds import OPENMP_SPIN
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import RLFabricError
+from rlfabric.worker.admission import MAX_REQUEST_TOKENS
 from rlfabric.worker.runtime import CAPACITY, check_knobs
 
 log = logging.getLogger("rlfabric.worker")
@@ -50,6 +51,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="unique id on the bus (default: <host>-<pid>); letters, digits, _ -")
     p.add_argument("--capacity", type=int, default=CAPACITY,
                    help="requests in flight at most (default %(default)s)")
+    p.add_argument("--max-request-tokens", type=int, default=MAX_REQUEST_TOKENS, metavar="N",
+                   help="tokens one request may ask for, n x max_tokens (default %(default)s): "
+                   "a request past it is refused at once (request_too_large), so no client "
+                   "holds this worker's time and memory without bound")
     p.add_argument("--prefetch", type=int, default=0, metavar="N",
                    help="requests taken beyond --capacity and held until the engine has room, "
                    "so its next batch is in hand when one ends rather than one pull later "
@@ -105,7 +110,7 @@ async def _serve(args: argparse.Namespace, engine: Engine, worker_id: str) -> No
     async with Bus.connect(connect_options(args, f"rlfabric-worker-{worker_id}"),
                            prefix=args.prefix) as bus:
         worker = Worker(bus, engine, worker_id, capacity=args.capacity, prefetch=args.prefetch,
-                        poll_max=args.poll_max)
+                        poll_max=args.poll_max, max_request_tokens=args.max_request_tokens)
         # NOTE: signals are caught before the worker joins: a SIGTERM that lands while it
         # takes its first requests still drains it
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -4,7 +4,10 @@ keys, body limits, and every error in OpenAI's shape (never a bare 500 for bad i
     POST /v1/chat/completions                    a turn (session: header X-Session-ID)
     POST /sessions/{id}/v1/chat/completions      a turn of session {id}
     POST /v1/completions                         a prompt (text or token ids) completed
-    GET  /v1/models, GET /health
+    GET  /v1/models
+    GET  /health                                 liveness: 200 while the bus is reachable
+    GET  /ready                                  readiness: 503 until a worker serving the
+                                                 model is a member
     GET  /v1/sessions/{id}/trajectory            the session's segments (token ids, loss mask,
                                                  logprobs, weight versions, reasons)
     POST /v1/sessions/{id}/finish                no turn follows
@@ -64,6 +67,7 @@ def create_app(gateway: Gateway, *, api_keys: dict[str, str] | None = None,
     return Starlette(
         routes=[
             Route("/health", api.health, methods=["GET"]),  # open: no key, no metrics
+            Route("/ready", api.ready, methods=["GET"]),  # the same
             Route("/v1/models", guarded("models", api.models), methods=["GET"]),
             Route("/v1/chat/completions", guarded("chat", api.chat), methods=["POST"]),
             Route("/sessions/{session_id}/v1/chat/completions", guarded("chat", api.chat),
@@ -196,6 +200,10 @@ class _Api:
     async def health(self, request: Request) -> Response:
         h = self.gateway.health()
         return _json(h, 200 if h["status"] == "ok" else 503)
+
+    async def ready(self, request: Request) -> Response:
+        r = self.gateway.ready()
+        return _json(r, 200 if r["ready"] else 503)
 
     async def trajectory(self, request: Request, tenant: str) -> Response:
         return _json(await self.gateway.trajectory(request.path_params["session_id"]))

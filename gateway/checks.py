@@ -52,8 +52,9 @@ class RequestChecks:
                   top_k: int | None, max_tokens: int | None, seed: int | None,
                   stop: str | list[str] | None, stop_ids: list[int] | None, logprobs: int,
                   prompt_len: int, max_param: str) -> tuple[SamplingParams, tuple[str, ...]]:
-        if not 1 <= n <= MAX_SAMPLES:
-            raise bad_request(f"n={n}: needs 1 to {MAX_SAMPLES}", "n")
+        limit = min(MAX_SAMPLES, self.config.max_n)
+        if not 1 <= n <= limit:
+            raise bad_request(f"n={n}: needs 1 to {limit} (rlfabric gateway --max-n)", "n")
         if max_tokens is not None and max_tokens < 1:
             raise bad_request(f"{max_param}={max_tokens}: needs at least 1", max_param)
         room = self.context_len - prompt_len
@@ -61,6 +62,17 @@ class RequestChecks:
             raise APIError(413, f"the prompt has {prompt_len} tokens; the model's context is "
                            f"{self.context_len}: no room for a completion", param="messages",
                            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+        if max_tokens is not None and max_tokens > room:
+            raise bad_request(f"{max_param}={max_tokens} is more than the context leaves: the "
+                              f"model's context is {self.context_len} tokens and the prompt "
+                              f"has {prompt_len} ({max_tokens} > {self.context_len} - "
+                              f"{prompt_len})", max_param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+        max_tokens = max_tokens or min(self.config.default_max_tokens, room)
+        if n * max_tokens > self.config.max_request_tokens:
+            raise bad_request(f"n x {max_param} = {n} x {max_tokens} = {n * max_tokens} tokens: "
+                              f"this gateway samples at most {self.config.max_request_tokens} "
+                              "per request (rlfabric gateway --max-request-tokens)", max_param,
+                              ErrorCode.REQUEST_TOO_LARGE)
         t = 1.0 if temperature is None else temperature
         if not 0.0 <= t <= 2.0:
             raise bad_request(f"temperature={temperature}: needs 0 to 2", "temperature")
@@ -81,7 +93,7 @@ class RequestChecks:
         vocab = self.fmt.vocab_size
         if any(not 0 <= i < max(vocab, 1 << 31) for i in ids):
             raise bad_request("stop_token_ids must be token ids", "stop_token_ids")
-        sp = SamplingParams(max_tokens=min(max_tokens or room, room), temperature=t, top_p=p,
+        sp = SamplingParams(max_tokens=max_tokens, temperature=t, top_p=p,
                             top_k=k, stop_token_ids=tuple(sorted(ids)),
                             seed=None if seed is None else seed % _SEED_MOD, n=n,
                             logprobs=logprobs)

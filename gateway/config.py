@@ -17,6 +17,9 @@ class GatewayConfig:
     request_timeout: float = 600.0  # --request-timeout
     max_model_len: int = 0  # --max-model-len (0: the model's own)
     affinity: bool = True  # --no-affinity: every turn to the shared queue
+    default_max_tokens: int = 1024  # --default-max-tokens: a request without max_tokens
+    max_request_tokens: int = 16384  # --max-request-tokens: n x max_tokens at most
+    max_n: int = 16  # --max-n
     gateway_id: str = ""
 
     @property

@@ -34,6 +34,7 @@ from rlfabric.gateway.api import (
     Usage,
 )
 from rlfabric.gateway.checks import RequestChecks
+from rlfabric.gateway.claims import SessionTurns
 from rlfabric.gateway.config import GatewayConfig
 from rlfabric.gateway.errors import APIError, bad_request, unsupported
 from rlfabric.gateway.output import Final, OutputRules, StreamText, logprob_rows
@@ -72,6 +73,8 @@ class Gateway:
         self.config = config
         #: what a request must be to be sampled (checked before anything is sent)
         self.checks = RequestChecks(fmt, config, watcher)
+        #: one turn of a session in flight, across every gateway of the job
+        self.turns = SessionTurns(bus, store, config)
         self.created = int(time.time())
 
     # ---- plain endpoints ----
@@ -89,6 +92,16 @@ class Gateway:
                 "workers": len(members),
                 "versions": sorted({m.weight_version for m in members.values()}),
                 **self.store.load()}
+
+    def ready(self) -> dict[str, Any]:
+        """Whether a request would be served now: the bus reachable and a worker serving the
+        model a member (what an orchestrator's readiness probe asks)."""
+        serving = sorted(w for w, m in self.watcher.members.items()
+                         if m.model in (self.config.model, self.config.name))
+        up = self.bus.nc.is_connected
+        why = ("" if up and serving else "the bus is unreachable" if not up
+               else f"no worker serving {self.config.name!r} is a member yet")
+        return {"ready": not why, "workers": serving, **({"why": why} if why else {})}
 
     @staticmethod
     def _check_not_ended(s: Session) -> None:
@@ -119,7 +132,13 @@ class Gateway:
                         tools=tools, prompt_text=s.prompt_text, prefill=prefill,
                         texts=s.texts, **kwargs)
 
-        session, p, planned_on = await self._planned(session_id, make_plan)
+        if session_id:
+            await self.turns.claim(session_id)  # 409 at once if a turn of it is in flight
+        try:
+            session, p, planned_on = await self._planned(session_id, make_plan)
+        except BaseException:
+            await self.turns.end(self.store.entry(session_id) if session_id else None)
+            raise
         self.store.begin(session)
         try:
             return await self._chat_turn(req, Turn(
@@ -131,7 +150,7 @@ class Gateway:
                                        adapter=adapter)), parse,
                 only_tool=tools[0]["function"]["name"] if tools and len(tools) == 1 else "")
         except BaseException:
-            self.store.done(session)
+            await self.turns.end(session)
             raise
 
     async def _chat_turn(self, req: ChatRequest, turn: Turn, parse: bool, *,
@@ -153,9 +172,11 @@ class Gateway:
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return self._stream_chat(turn, logprobs=req.logprobs, include_usage=usage)
-        finals = await self._generate(turn)
-        await self._record(turn, finals)
-        self.store.done(turn.session)
+        try:
+            finals = await self._generate(turn)
+            await self._record(turn, finals)
+        finally:
+            await self.turns.end(turn.session)
         return chat_response(self.fmt, turn, finals, logprobs=req.logprobs)
 
     async def _planned(self, session_id: str | None, make_plan: Callable[[Session], Plan]
@@ -266,7 +287,7 @@ class Gateway:
         except APIError as exc:
             yield b"data: " + exc.body() + b"\n\n"
         finally:
-            self.store.done(turn.session)
+            await self.turns.end(turn.session)
         yield b"data: [DONE]\n\n"
 
     # ---- completions ----

@@ -9,8 +9,9 @@
   that alternate between gateways cost one.
 - A turn is planned against this copy; a new segment is declared only against the freshest
   state (`refresh`): the caller reads the bus again and plans again if it changed.
-- Two requests of one session on one gateway are served one after the other (its lock); across
-  gateways the conditional append refuses the second (`SessionConflict`).
+- One turn of a session at a time, on any gateway: a turn claims its session before anything is
+  sampled (`rlfabric.bus.turns`), and a second one is refused at once (409
+  `session_conflict`); the conditional append (`SessionConflict`) stays as the last guard.
 - Idle sessions end (`SessionEnd(reason="expired")`) after the idle timeout. The cache holds at
   most `max_cached` sessions and about `max_bytes` of their tokens: to take a new one it drops
   the least recently used sessions with no turn in progress (expired ones first, as they are
@@ -37,6 +38,8 @@ from rlfabric.schemas import ErrorCode, SessionEnd, SessionFold, SessionRecord, 
 from rlfabric.telemetry import instruments
 
 log = logging.getLogger("rlfabric.gateway")
+#: `Session.claim` while the claim is being taken
+PENDING = object()
 #: what a held token costs the gateway, about: its id, mask and logprob as Python objects
 TOKEN_BYTES = 96
 MIB = 1024 * 1024
@@ -58,6 +61,8 @@ class Session:
     stale: bool = True
     #: set once this gateway's last write of it is stored (or failed)
     written: anyio.Event | None = None
+    #: its turn in flight: the claim on the bus (`rlfabric.bus.turns`), PENDING while taken
+    claim: object | None = None
     #: moves whenever `fold` does: a turn planned on one state records only onto it
     changes: int = 0
     #: turns of it in progress here, and when the last began (a turn whose end was never
@@ -142,7 +147,8 @@ class SessionStore:
         s.active = max(0, s.active - 1)
 
     def _busy(self, s: Session) -> bool:
-        if s.lock.locked() or (s.written is not None and not s.written.is_set()):
+        if s.lock.locked() or s.claim is not None or (
+                s.written is not None and not s.written.is_set()):
             return True
         return s.active > 0 and time.monotonic() - s.began < self.wait_timeout
 

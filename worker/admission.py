@@ -36,11 +36,18 @@ log = logging.getLogger("rlfabric.worker.rollouts")
 HAND_BACK: tuple[type[Exception], ...] = (EngineDied, *TRANSIENT)
 
 
+#: sampled tokens one request may ask for (n x max_tokens), unless told
+#: (`rlfabric worker --max-request-tokens`): no client holds a worker without bound
+MAX_REQUEST_TOKENS = 1 << 18
+
+
 class Admission:
-    def __init__(self, bus: Bus, engine: Engine, worker_id: str) -> None:
+    def __init__(self, bus: Bus, engine: Engine, worker_id: str, *,
+                 max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
         self.bus = bus
         self.engine = engine
         self.worker_id = worker_id
+        self.max_request_tokens = max_request_tokens
         self._result_subjects: dict[str, str] = {}
         self._codec = codec_for(RolloutRequest)
         self._batch_codec = codec_for(RolloutRequests)
@@ -72,6 +79,15 @@ class Admission:
         if req.deadline and time.time() > req.deadline:  # nobody waits for it: out of the queue
             await self.reply_error(msg, req, ErrorCode.DEADLINE_EXCEEDED,
                                    f"request {req.request_id} expired before a worker took it")
+            return None
+        asked = req.sampling.n * req.sampling.max_tokens
+        if asked > self.max_request_tokens:
+            await self.reply_error(msg, req, ErrorCode.REQUEST_TOO_LARGE,
+                                   f"request {req.request_id} asks for n x max_tokens = "
+                                   f"{req.sampling.n} x {req.sampling.max_tokens} = {asked} "
+                                   f"tokens; {self.worker_id} serves at most "
+                                   f"{self.max_request_tokens} per request "
+                                   "(rlfabric worker --max-request-tokens): split it")
             return None
         if not await self._version_ready(d, req):
             return None

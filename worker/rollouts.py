@@ -38,7 +38,7 @@ from rlfabric.bus import Bus, Registration
 from rlfabric.bus.pull import Puller
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import ErrorCode, SchemaError
-from rlfabric.worker.admission import Admission
+from rlfabric.worker.admission import MAX_REQUEST_TOKENS, Admission
 from rlfabric.worker.credits import Credits
 from rlfabric.worker.delivery import Delivery
 from rlfabric.worker.liveness import KeepAlive, LoadReport
@@ -52,13 +52,15 @@ log = logging.getLogger("rlfabric.worker.rollouts")
 
 class RolloutServer:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, reg: Registration, *,
-                 capacity: int, prefetch: int = 0, status: WorkerStatus | None = None) -> None:
+                 capacity: int, prefetch: int = 0, status: WorkerStatus | None = None,
+                 max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.status = status or WorkerStatus()
         self.credits = Credits(capacity, prefetch)
         self.credits.on_room = self._unpark
-        self.admission = Admission(bus, engine, worker_id)
+        self.admission = Admission(bus, engine, worker_id,
+                                   max_request_tokens=max_request_tokens)
         self.alive = KeepAlive(bus.limits.rollout_ack_wait)
         self.report = LoadReport(self.credits, reg, worker_id)
         self.deltas = DeltaSender(bus)

@@ -60,6 +60,7 @@ from rlfabric.schemas import (
     WorkerInfo,
 )
 from rlfabric.telemetry import instruments, spans
+from rlfabric.worker.admission import MAX_REQUEST_TOKENS
 from rlfabric.worker.rollouts import RolloutServer
 from rlfabric.worker.state import WorkerStatus
 from rlfabric.worker.weights import WeightSync
@@ -81,8 +82,8 @@ def check_knobs(*, capacity: int, prefetch: int, poll_max: float) -> None:
 
 class Worker:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, capacity: int = CAPACITY,
-                 prefetch: int = 0, poll_max: float = POLL_MAX, drain_grace: float = 120.0
-                 ) -> None:
+                 prefetch: int = 0, poll_max: float = POLL_MAX, drain_grace: float = 120.0,
+                 max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
         check_knobs(capacity=capacity, prefetch=prefetch, poll_max=poll_max)
         self.bus = bus
         self.engine = engine
@@ -98,6 +99,7 @@ class Worker:
         #: the worker's one state: membership, the engine calls and the rollout server read it
         self.status = WorkerStatus()
         self.rollouts = RolloutServer(bus, engine, self.worker_id, self.reg, capacity=capacity,
+                                      max_request_tokens=max_request_tokens,
                                       prefetch=prefetch, status=self.status)
         self._checksum_cache: tuple[int, str] | None = None
         self._drain = anyio.Event()
