@@ -129,3 +129,26 @@ def test_ready_is_503_until_a_worker_joins_while_health_reports_liveness(
         assert time.monotonic() < deadline, r.text  # the gateway hears membership changes
         time.sleep(0.1)
     assert r.json() == {"ready": True, "workers": ["w0"]}
+
+
+def test_a_stream_cut_by_its_client_releases_the_sessions_turn(new_fleet, client) -> None:
+    fleet = new_fleet()
+    fleet.workers(["w0"])
+    base = fleet.gateway()
+    sid = "cut-1"
+    body = {"model": MODEL, "messages": HI, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{base}/chat/completions", json=body, timeout=60,
+                      headers={"X-Session-ID": sid}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first chunk came: the turn is in flight; then hang up
+    c = client(base)
+    deadline = time.monotonic() + 10
+    while True:  # the gateway lets the turn go once it sees the client gone
+        try:
+            nxt = c.chat.completions.create(model=MODEL, messages=HI, max_tokens=2,
+                                            extra_headers={"X-Session-ID": sid})
+            break
+        except openai.ConflictError:
+            assert time.monotonic() < deadline, "the cut stream kept its session's turn"
+            time.sleep(0.1)
+    assert nxt.choices[0].finish_reason in ("length", "stop")
