@@ -100,6 +100,24 @@ class Limits:
     #: 1 on a single server (`cluster_size`)
     replicas: int | None = None
 
+    @classmethod
+    def for_store(cls, budget: int) -> Limits:
+        """Caps for a job on a store of `budget` bytes (`--store-budget`): half of it split
+        across the streams and buckets as the defaults split theirs (1 MiB at least each), the
+        other half left for the weights stream, which sets aside what each push needs."""
+        d = cls()
+        total = sum(getattr(d, n) for n in _CAPS)
+        caps = {n: max(MIB, getattr(d, n) * (budget // 2) // total) for n in _CAPS}
+        if sum(caps.values()) > budget:
+            raise ValueError(f"a store budget of {budget / MIB:.0f} MiB is too small for a job: "
+                             f"give it at least {2 * len(_CAPS)} MiB")
+        return cls(**caps)
+
+
+#: the caps `Limits.for_store` splits a budget across
+_CAPS = ("control_max_bytes", "results_max_bytes", "rollout_max_bytes", "members_max_bytes",
+         "state_max_bytes", "sessions_max_bytes", "affinity_max_bytes")
+
 
 @dataclass(slots=True)
 class Buckets:
@@ -232,6 +250,13 @@ async def _set_aside(what: str, max_bytes: int | None, create: Awaitable[T]) -> 
 
 
 async def _ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
+    """The bucket as the job has it, else created as `cfg` says: a process joining a job takes
+    the job's settings, and asks the store for nothing (a job sized for a small store is
+    joined by processes started with the defaults)."""
+    try:
+        return await js.key_value(cfg.bucket)
+    except NotFoundError:
+        pass
     try:
         return await _set_aside(f"KV bucket {cfg.bucket}", cfg.max_bytes,
                                 js.create_key_value(cfg))

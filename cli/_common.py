@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 from typing import TYPE_CHECKING
 
-from rlfabric.bus import ConnectOptions
+from rlfabric.bus import ConnectOptions, Limits
 
 if TYPE_CHECKING:
     from rlfabric.telemetry import Telemetry
@@ -39,7 +40,27 @@ def add_bus_options(p: argparse.ArgumentParser, *,
     g.add_argument("--tls-key", help="client certificate key")
     g.add_argument("--wait", type=float, default=5.0, metavar="S",
                    help="seconds to keep trying to reach the server (default %(default)s)")
+    g.add_argument("--store-budget", type=size, default=None, metavar="SIZE",
+                   help="a job this process creates fits a JetStream store of SIZE (e.g. "
+                   "64MB): half split across its streams and buckets, half for weight pushes "
+                   "(default: about 1 GiB of caps, plus the pushes). Joining an existing job "
+                   "takes that job's sizes whatever this says")
     return g
+
+
+def size(text: str) -> int:
+    """`64MB`, `64MiB`, `1G`, `1048576` as bytes (MB and MiB alike: binary)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size such as 64MB, 1GiB or 1048576")
+    scale = 1024 ** " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * scale)
+
+
+def limits_of(args: argparse.Namespace) -> Limits | None:
+    """The job sizes these flags ask for (None: the defaults)."""
+    budget = getattr(args, "store_budget", None)
+    return None if budget is None else Limits.for_store(budget)
 
 
 def connect_options(args: argparse.Namespace, name: str, *,

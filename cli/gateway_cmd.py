@@ -14,6 +14,7 @@ from rlfabric.cli._common import (
     add_bus_options,
     add_telemetry_options,
     connect_options,
+    limits_of,
     settle_heap,
     start_telemetry,
 )
@@ -146,7 +147,7 @@ async def _serve(args: argparse.Namespace) -> None:
     async with anyio.create_task_group() as tg:
         port = await tg.start(lambda task_status: serve(
             connect_options(args, "rlfabric-gateway"), config, opts, prefix=args.prefix,
-            handle_signals=True, task_status=task_status))
+            handle_signals=True, limits=limits_of(args), task_status=task_status))
         settle_heap()
         keys = "bearer key required" if opts.api_keys else "no key required"
         print(f"rlfabric gateway: serving {config.name} at http://{args.host}:{port}/v1 "

@@ -31,6 +31,7 @@ from rlfabric.cli._common import (
     add_bus_options,
     add_telemetry_options,
     connect_options,
+    limits_of,
     start_telemetry,
 )
 from rlfabric.cli.up_fleet import ProcessFleet, RayActorFleet
@@ -248,7 +249,7 @@ async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None)
                       + (f"starting ({fleet.where()})" if fleet is not None
                          else "joining from elsewhere"))
     async with FabricClient.connect(connect_options(args, "rlfabric-up", url=url),
-                                    prefix=args.prefix) as fabric:
+                                    prefix=args.prefix, limits=limits_of(args)) as fabric:
         await _wait_workers(fabric, fleet, args.workers, args.join_timeout)
         pids = await anyio.to_thread.run_sync(fleet.pids) if fleet is not None else []
         (run.run_dir / "pids.json").write_text(json.dumps(

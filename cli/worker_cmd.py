@@ -19,6 +19,7 @@ from rlfabric.cli._common import (
     add_bus_options,
     add_telemetry_options,
     connect_options,
+    limits_of,
     settle_heap,
     start_telemetry,
 )
@@ -108,7 +109,7 @@ async def _serve(args: argparse.Namespace, engine: Engine, worker_id: str) -> No
     from rlfabric.worker import Worker
 
     async with Bus.connect(connect_options(args, f"rlfabric-worker-{worker_id}"),
-                           prefix=args.prefix) as bus:
+                           prefix=args.prefix, limits=limits_of(args)) as bus:
         worker = Worker(bus, engine, worker_id, capacity=args.capacity, prefetch=args.prefetch,
                         poll_max=args.poll_max, max_request_tokens=args.max_request_tokens)
         # NOTE: signals are caught before the worker joins: a SIGTERM that lands while it

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
-from rlfabric.bus import Bus, ConnectOptions, MembershipWatcher
+from rlfabric.bus import Bus, ConnectOptions, Limits, MembershipWatcher
 from rlfabric.bus.affinity import Affinity
 from rlfabric.bus.rollouts import RolloutPlane
 from rlfabric.concurrency.sync import beside
@@ -51,7 +51,7 @@ def _server(app: Any, ready: anyio.Event) -> Any:
 
 
 async def serve(url: str | ConnectOptions, config: GatewayConfig, opts: ServeOptions, *,
-                prefix: str = "rl", handle_signals: bool = False,
+                prefix: str = "rl", handle_signals: bool = False, limits: Limits | None = None,
                 task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
     """Run the gateway; started (with the port it listens on) once it takes requests. With
     `handle_signals`, SIGINT / SIGTERM stop it: requests in flight finish (10 s at most)."""
@@ -59,7 +59,8 @@ async def serve(url: str | ConnectOptions, config: GatewayConfig, opts: ServeOpt
         lambda: load_chat_format(config.model, template=opts.chat_template))
     if not config.gateway_id:
         config.gateway_id = f"gw-{socket.gethostname()[:24]}-{uuid.uuid4().hex[:6]}"
-    async with Bus.connect(url, prefix=prefix) as bus, beside(cancel_at_exit=True) as tg:
+    async with Bus.connect(url, prefix=prefix, limits=limits) as bus, \
+            beside(cancel_at_exit=True) as tg:
         watcher = MembershipWatcher(bus)
         plane = RolloutPlane(bus, f"g{uuid.uuid4().hex[:12]}",
                              affinity=Affinity(bus, watcher) if config.affinity else None)

@@ -156,3 +156,58 @@ async def test_a_full_request_queue_refuses_a_submit_and_takes_the_next_that_fit
     print(f"\nrequest queue full: submit refused in {refused_s:.3f} s")
     assert refused_s < 5.0 and queued == 0  # refused whole: nothing half-queued
     assert answered_once(after, "a", 20)
+
+
+async def test_a_job_sized_for_a_small_store_is_joined_by_processes_with_the_defaults() -> None:
+    async with EmbeddedNats(max_file_store=64 * MIB) as srv:
+        async with Bus.connect(srv.url, prefix="small", limits=SMALL):
+            pass  # the job, sized for the store by its first process
+        # a worker and a trainer started with the defaults take the job's settings
+        async with Bus.connect(srv.url, prefix="small") as bus, anyio.create_task_group() as tg:
+            await tg.start(Worker(bus, NullEngine(), "d0", capacity=4).run)
+            async with FabricClient.connect(srv.url, prefix="small") as fabric:
+                await fabric.wait_for_workers(1, timeout=30)
+                out = await collect(fabric, [req("r0", max_tokens=4)], timeout=30)
+            tg.cancel_scope.cancel()
+    assert [type(r) for r in out] == [RolloutResult]
+
+
+def test_a_fleet_started_from_the_cli_for_a_64mb_store_serves_and_refuses_a_big_push(
+        spawn, tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("starlette", reason="the gateway extra is not installed")
+    import httpx
+
+    async def main() -> None:
+        async with EmbeddedNats(max_file_store=64 * MIB) as srv:
+            budget = ("--nats", srv.url, "--prefix", "tiny", "--store-budget", "64MB")
+            # the tools task's model: its trainer (`up`) and an agent's gateway share it
+            spawn("worker", *budget, "--worker-id", "s0", "--model", "tinychat",
+                  module="rlfabric").wait_for(r"ready \(", timeout=120)
+            gw = spawn("gateway", *budget, "--model", "tinychat", "--tool-call-parser",
+                       "tinychat", "--port", "0", module="rlfabric")
+            base = gw.wait_for(r"serving \S+ at (http://\S+/v1)", timeout=60).group(1)
+            up = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-m", "rlfabric", "up", *budget, "--workers-external",
+                 "--task", "tools", "--workers", "1", "--steps", "2", "--no-live", "--json",
+                 "--out",
+                 str(tmp_path)], capture_output=True, text=True, timeout=300))
+            assert up.stdout.strip().endswith("}"), up.stdout[-1500:] + up.stderr[-1500:]
+            summary = json.loads(up.stdout.strip().splitlines()[-1])
+            assert summary["final_version"] == 2 and summary["all_workers_on_final"], up.stderr
+            async with FabricClient.connect(srv.url, prefix="tiny",
+                                            policy=QuorumPolicy(timeout=60)) as fabric:
+                t0 = time.monotonic()
+                with pytest.raises((StorageFull, TransportError)):
+                    await fabric.update_weights(3, weights(48), transport="nats")
+                assert time.monotonic() - t0 < 10
+            async with httpx.AsyncClient(timeout=60) as http:
+                r = await http.post(f"{base}/chat/completions", json={
+                    "model": "tinychat", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+
+    anyio.run(main)
