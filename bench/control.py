@@ -117,6 +117,9 @@ class _Path:
     server_cpu: float = 0.0
     responders_cpu: float = 0.0
     done: int = 0  # calls made so far (pause on even, resume on odd)
+    #: a baseline (the HTTP clients) whose call raised: its row says so, the bench goes on
+    may_fail: bool = False
+    failed: str = ""
 
     async def unmeasured(self, calls: int) -> None:
         for _ in range(calls):
@@ -147,6 +150,10 @@ class _Path:
             b / o for b, o in zip(self.block_p50, other.block_p50, strict=False))
 
     def row(self, fabric: _Path, floor: _Path) -> dict[str, Any]:
+        if self.failed:
+            return {"path": f"{self.name} (failed: {self.failed})", **dict.fromkeys(
+                ("rounds", "blocks", "p50_ms", "p99_ms", "mean_ms", "cpu_us", "server_cpu_us",
+                 "responders_cpu_us", "x_vs_fabric", "x_floor"), math.nan)}
         per_call = 1e6 / len(self.lat)
         return {"path": self.name, "rounds": len(self.lat), "blocks": len(self.block_p50),
                 "p50_ms": pct(self.lat, 0.5), "p99_ms": pct(self.lat, 0.99),
@@ -176,12 +183,17 @@ async def interleave(paths: list[_Path], blocks: int) -> None:
     paths' `quiet` processes stopped (`_alone`). The host's speed swings within a minute; this
     way a slow stretch hits a block of every path, not one path's whole row."""
     for p in paths:
-        await p.unmeasured(10)  # warm-up
+        try:
+            await p.unmeasured(10)  # warm-up
+        except Exception as exc:
+            if not p.may_fail:
+                raise
+            p.failed = f"{type(exc).__name__}: {exc}"[:120]
     plan = [(p, block_sizes(p.calls, blocks)) for p in paths]
     try:
         for b, order in enumerate(rotations(plan, max(len(sizes) for _, sizes in plan))):
             for p, sizes in order:
-                if b < len(sizes):
+                if b < len(sizes) and not p.failed:
                     await _alone(p, [pid for q in paths if q is not p for pid in q.quiet],
                                  sizes[b])
     finally:
@@ -201,8 +213,13 @@ async def _alone(p: _Path, quiet: list[int], calls: int) -> None:
 
             if quiet:
                 tg.start_soon(thaw)
-            await p.unmeasured(SETTLE_CALLS)  # p's fleet catches up if it was stopped
-            await p.block(calls)
+            try:
+                await p.unmeasured(SETTLE_CALLS)  # p's fleet catches up if it was stopped
+                await p.block(calls)
+            except Exception as exc:
+                if not p.may_fail:
+                    raise
+                p.failed = f"{type(exc).__name__}: {exc}"[:120]
             tg.cancel_scope.cancel()
     finally:
         _signal(quiet, signal.SIGCONT)
@@ -475,10 +492,10 @@ async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0,
                 paths.append(_Path("nats-py floor, same work", r, call, single, pids))
                 clients = ["aiohttp", *(["httpx"] if n <= HTTPX_MAX else [])]
                 calls, pids = await fleets.enter_async_context(http_fleet(n, procs, clients))
-                paths.append(_Path("aiohttp", r, calls["aiohttp"], [], pids))
+                paths.append(_Path("aiohttp", r, calls["aiohttp"], [], pids, may_fail=True))
                 if "httpx" in calls:
                     hr = max(10, r // (4 if n >= 32 else 1))
-                    paths.append(_Path("httpx", hr, calls["httpx"], [], pids))
+                    paths.append(_Path("httpx", hr, calls["httpx"], [], pids, may_fail=True))
                 await interleave(paths, blocks)
             for p in paths:
                 rows.append({"responders": n, "processes": procs, **p.row(paths[0], floor)})

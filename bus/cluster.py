@@ -59,7 +59,7 @@ class EmbeddedCluster:
     def __init__(self, n: int = 3, *, host: str = "127.0.0.1", port: int = 0,
                  store_dir: str | None = None, name: str = "rlfabric",
                  max_payload: int = DEFAULT_MAX_PAYLOAD, extra_config: str = "",
-                 ready_timeout: float = 30.0) -> None:
+                 ready_timeout: float = 30.0, sync: str = "") -> None:
         if n < 3:
             raise ValueError(f"a JetStream cluster needs at least 3 nodes (a quorum survives "
                              f"one loss); got {n}. One server: EmbeddedNats")
@@ -71,6 +71,7 @@ class EmbeddedCluster:
         self._max_payload = max_payload
         self._store_dir = store_dir
         self._extra_config = extra_config
+        self._sync = sync
         self.nodes = self._make_nodes()
 
     def _make_nodes(self) -> list[EmbeddedNats]:
@@ -82,7 +83,7 @@ class EmbeddedCluster:
             EmbeddedNats(port=client[i], host=host, max_payload=self._max_payload,
                          store_dir=os.path.join(store, f"n{i}") if store else None,
                          extra_config=self._config(i, routes) + self._extra_config,
-                         ready_timeout=self.ready_timeout)
+                         ready_timeout=self.ready_timeout, sync=self._sync)
             for i in range(n)
         ]
 

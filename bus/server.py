@@ -62,19 +62,30 @@ def find_nats_server() -> str:
     )
 
 
+def check_sync(sync: str) -> str:
+    """`sync` if nats-server takes it as `sync_interval` ("always", or a duration such as
+    "500ms", "10s", "2m"); else ValueError saying what it takes."""
+    if sync and sync != "always" and not re.fullmatch(r"\d+(ms|s|m|h)", sync):
+        raise ValueError(f"sync {sync!r}: use always, or a duration such as 500ms, 10s or 2m")
+    return sync
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream in its own store dir.
 
     Use as `async with EmbeddedNats() as nats: nats.url` (or `with`, or `start()`/`stop()`).
     `store_dir=None` makes a temp dir that `stop()` removes; a given `store_dir` is kept.
-    `extra_config` is appended to the generated config file verbatim.
+    `extra_config` is appended to the generated config file verbatim. `sync`: JetStream's
+    `sync_interval`, how often stored messages are flushed to disk: "always" (before each is
+    acknowledged), a duration ("10s", "2m"), or "" (the server's default, every two minutes).
     """
 
     def __init__(self, *, port: int = 0, host: str = "127.0.0.1", store_dir: str | None = None,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, extra_config: str = "",
                  ready_timeout: float = 10.0, binary: str | None = None,
-                 max_file_store: int | None = None) -> None:
+                 max_file_store: int | None = None, sync: str = "") -> None:
         self.host = host
+        self.sync = check_sync(sync)
         self.requested_port = port
         self.max_payload = max_payload
         self.max_file_store = max_file_store  # JetStream's file storage, bytes (None: its own)
@@ -110,6 +121,8 @@ class EmbeddedNats:
             f"max_payload: {self.max_payload}\n"
             f'jetstream {{\n  store_dir: "{self.store_dir}"\n'
             + (f"  max_file_store: {self.max_file_store}\n" if self.max_file_store else "")
+            + (f"  sync_interval: {self.sync}\n" if self.sync == "always"
+               else f'  sync_interval: "{self.sync}"\n' if self.sync else "")
             + "}\n"
             f"{self.extra_config}\n"
         )

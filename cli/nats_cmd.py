@@ -13,6 +13,7 @@ from types import FrameType
 from rlfabric.bus import EmbeddedNats, InvalidName, NatsServerError
 from rlfabric.bus.auth import write_auth
 from rlfabric.bus.cluster import EmbeddedCluster
+from rlfabric.bus.server import check_sync
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="start N >= 3 servers routed into one JetStream cluster instead (client "
                    "ports --port, --port+1, ...; each node's store under --store-dir/n<i>); "
                    "jobs on it keep 3 copies of every stream and bucket")
+    p.add_argument("--sync", default="", metavar="always|DURATION",
+                   help="how often JetStream flushes what it stored to disk: always (before it "
+                   "acknowledges each message: an acknowledged write survives a crash of every "
+                   "node), or a duration such as 10s (default: the server's, every 2 minutes; "
+                   "docs/reliability.md)")
     p.add_argument("--json", action="store_true",
                    help="with --cluster: one JSON object per node and line (name, url, pid, "
                    "store), then nothing until stopped")
@@ -60,10 +66,15 @@ def run(args: argparse.Namespace) -> int:
         extra = setup.config
         for role, path in setup.seed_files.items():
             print(f"rlfabric nats: {role} key {path} (pass it with --nkey)", flush=True)
+    try:
+        check_sync(args.sync)
+    except ValueError as exc:
+        print(f"rlfabric nats: --{exc}", file=sys.stderr)
+        return 2
     if args.cluster:
         return _run_cluster(args, extra)
     srv = EmbeddedNats(port=args.port, host=args.host, store_dir=args.store_dir,
-                       extra_config=extra)
+                       extra_config=extra, sync=args.sync)
     try:
         srv.start()
     except NatsServerError as exc:
@@ -84,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_cluster(args: argparse.Namespace, extra: str) -> int:
     try:
         cluster = EmbeddedCluster(args.cluster, host=args.host, port=args.port,
-                                  store_dir=args.store_dir, extra_config=extra)
+                                  store_dir=args.store_dir, extra_config=extra, sync=args.sync)
     except ValueError as exc:
         print(f"rlfabric nats: --cluster: {exc}", file=sys.stderr)
         return 2

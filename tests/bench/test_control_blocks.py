@@ -109,3 +109,25 @@ def test_every_path_answers_in_every_block_with_every_fleet_up(monkeypatch) -> N
         1 / by_path["nats-py floor"]["x_vs_fabric"], rel=0.5)  # medians of per-block ratios
     assert "idle_server_pct" in by_path["rlfabric"]
     assert "idle_server_pct" not in by_path["aiohttp"]
+
+
+def test_a_baseline_that_fails_marks_its_row_failed_and_the_others_go_on() -> None:
+    calls = {"rlfabric": 0, "httpx": 0}
+
+    def path(name: str, fail_at: int | None = None) -> _Path:
+        async def call(i: int) -> None:
+            calls[name] += 1
+            if fail_at is not None and i >= fail_at:
+                raise ConnectionResetError("peer closed the connection")
+
+        return _Path(name, 6, call, [], [], may_fail=fail_at is not None and name == "httpx")
+
+    fabric, httpx = path("rlfabric"), path("httpx", fail_at=12)
+    anyio.run(interleave, [fabric, httpx], 3)
+    assert len(fabric.lat) == 6  # every block of the others ran
+    assert httpx.failed == "ConnectionResetError: peer closed the connection"
+    row = httpx.row(fabric, fabric)
+    assert row["path"].startswith("httpx (failed: ConnectionResetError")
+    assert calls["httpx"] == 13  # no call after the one that failed
+    with pytest.raises(ConnectionResetError):  # a path that may not fail still raises
+        anyio.run(interleave, [path("rlfabric", fail_at=0)], 1)
