@@ -196,3 +196,22 @@ def test_a_two_turn_tool_episode_reaches_trl_with_tool_and_template_tokens_maske
         assert between > 0 and mask == [1] * len(c1) + [0] * between + [1] * len(c2)
         assert all(lp == 0.0 for lp, m in zip(lps, mask, strict=True) if not m)
     assert set(out["weight_version"]) == {0}
+
+
+def test_a_step_whose_weights_no_worker_took_stops_training_naming_the_worker(
+        tmp_path: Path, workers, nats_url: str, prefix: str) -> None:
+    from rlfabric.integrations.trl import WeightSyncFailed
+
+    ckpt = write_checkpoint("tinychat", str(tmp_path / "tinychat"))
+    with TrlFabric(nats_url, prefix=prefix, policy=QuorumPolicy(timeout=60)) as fabric:
+        workers(["m0"], "--model", "tiny")  # another model: it cannot load TRL's weights
+        fabric.call(fabric.client.wait_for_workers, 1, 120)
+        trainer = trl.GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(ckpt), reward_funcs=shorter,
+            args=config(tmp_path / "out", 2), train_dataset=dataset(),
+            processing_class=AutoTokenizer.from_pretrained(ckpt),
+            rollout_func=fabric.rollout_func, callbacks=[fabric.sync])
+        with pytest.raises(WeightSyncFailed) as stopped:
+            trainer.train()
+    assert "m0" in str(stopped.value) and "load_failed" in str(stopped.value)
+    assert trainer.state.global_step == 0 and fabric.version == -1  # nothing was sampled
