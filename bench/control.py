@@ -60,6 +60,7 @@ import msgspec
 from rlfabric.bench._util import children, cpu_seconds, pct, table
 from rlfabric.bus import EmbeddedCluster, EmbeddedNats, QuorumPolicy
 from rlfabric.bus.cluster import free_ports
+from rlfabric.bus.server import check_sync
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     SCHEMA_HEADER,
@@ -460,7 +461,7 @@ async def http_fleet(n: int, processes: int, clients: list[str]
 
 
 async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0,
-              blocks: int = BLOCKS) -> list[dict]:
+              blocks: int = BLOCKS, sync: str = "") -> list[dict]:
     """Per size, every path's fleet is started once (all up together), warmed, then measured
     in `blocks` interleaved blocks (`interleave`). A row's latencies and CPU are over all its
     calls; its ratio to rlfabric is the median of the per-block ratios of p50s."""
@@ -469,6 +470,8 @@ async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0,
         nats = await stack.enter_async_context(EmbeddedNats())
         nodes = (await stack.enter_async_context(EmbeddedCluster(cluster)) if cluster
                  else None)
+        synced = (await stack.enter_async_context(EmbeddedNats(sync=sync)) if sync
+                  else None)
         for n in sizes:
             procs = min(n, max(processes, n // PER_PROCESS))
             r = max(20, rounds if n < 128 else rounds // 2)
@@ -483,6 +486,12 @@ async def run(sizes: list[int], rounds: int, processes: int, cluster: int = 0,
                         fabric_fleet(nodes.url, n, procs, nodes_pids, f"ctl{n}c"))
                     paths.append(_Path(f"rlfabric {cluster}-node cluster R{min(3, cluster)}",
                                        r, call, nodes_pids, pids, idle, quiet=pids))
+                if synced is not None:  # the same job on a server flushing as --sync says
+                    spid = [synced.pid or 0]
+                    call, pids, idle = await fleets.enter_async_context(
+                        fabric_fleet(synced.url, n, procs, spid, f"ctl{n}s"))
+                    paths.append(_Path(f"rlfabric, sync {sync}", r, call, spid, pids, idle,
+                                       quiet=pids))
                 call, pids = await fleets.enter_async_context(
                     floor_fleet(nats.url, n, procs))
                 floor = _Path("nats-py floor", r, call, single, pids)
@@ -513,6 +522,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="also run rlfabric on an N-node (>= 3) loopback NATS cluster, every "
                    "stream and bucket with 3 copies: a row beside the single server's")
+    p.add_argument("--sync", default="", metavar="always|DURATION",
+                   help="also run rlfabric on a server that flushes to disk as `rlfabric nats "
+                   "--sync` says (always: before acking each write): a row beside the default's")
     p.add_argument("--json", action="store_true")
 
 
@@ -520,8 +532,13 @@ def main(args: argparse.Namespace) -> int:
     if args.blocks < 1 or args.rounds < 1:
         print("rlfabric bench control: --blocks and --rounds must be >= 1", file=sys.stderr)
         return 2
+    try:
+        check_sync(args.sync)
+    except ValueError as exc:
+        print(f"rlfabric bench control: --{exc}", file=sys.stderr)
+        return 2
     rows = anyio.run(run, [int(x) for x in args.sizes.split(",")], args.rounds, args.processes,
-                     args.cluster, args.blocks)
+                     args.cluster, args.blocks, args.sync)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
