@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 import tempfile
 import time
 from typing import Any
@@ -170,7 +171,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         import trl  # noqa: F401
     except ImportError:
-        print("rlfabric bench trl: TRL is not installed: pip install 'rlfabric[trl]'")
+        print("rlfabric bench trl: TRL is not installed: pip install 'rlfabric[trl]'",
+              file=sys.stderr)
         return 2
     rows = bench(args.steps, args.seed, args.threshold,
                  [int(x) for x in args.workers.split(",") if x])
