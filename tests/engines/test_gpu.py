@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import collect, perturbed, req, taken_logprobs
+from helpers import collect, packed, perturbed, req, taken_logprobs
 
 from rlfabric.engines import make_engine, running
 from rlfabric.schemas import RolloutResult
@@ -101,8 +101,6 @@ async def test_sleep_level_2_drops_the_weights_on_the_gpu_and_a_load_brings_them
         await engine.sleep(2)
         dropped = torch.cuda.memory_allocated()
         await engine.wake()
-        from helpers import packed
-
         with packed(state) as weights:
             await engine.load_weights(weights, 1)
         after = await sample(engine, "after")
