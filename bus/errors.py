@@ -33,6 +33,10 @@ TRANSIENT: tuple[type[Exception], ...] = (
     nats.js.errors.NoStreamResponseError,
     nats.js.errors.ServiceUnavailableError,
 )
+#: "duplicate message id is in process": a retry reached the stream while the first copy, sent
+#: before a reconnect or a partition, is still being agreed on by its replicas; retried, it
+#: ends stored once (a duplicate) or refused as that first copy was
+JS_MSG_ID_IN_PROCESS = 10158
 #: JetStream's answers when its storage has no room (insufficient resources; storage or memory
 #: resources exceeded): a refusal to report at once, never a transient error to retry
 JS_STORAGE_FULL = frozenset({10023, 10047, 10028})
@@ -48,6 +52,12 @@ def storage_refused(exc: BaseException) -> bool:
     if exc.err_code in JS_STORAGE_FULL:
         return True
     return exc.err_code == JS_STREAM_STORE_FAILED and "maximum" in (exc.description or "")
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a JetStream publish that raised `exc` is worth sending again as it was."""
+    return isinstance(exc, TRANSIENT) or (isinstance(exc, nats.js.errors.APIError)
+                                           and exc.err_code == JS_MSG_ID_IN_PROCESS)
 
 
 #: what reading a stored message by sequence raises when it cannot be read now or at all (the

@@ -36,10 +36,17 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import msgspec
+import nats.js.errors
 from anyio.abc import TaskGroup, TaskStatus
 from nats.js.api import PubAck
 
-from rlfabric.bus.errors import TRANSIENT, PayloadTooLarge, StorageFull, storage_refused
+from rlfabric.bus.errors import (
+    TRANSIENT,
+    PayloadTooLarge,
+    StorageFull,
+    retryable,
+    storage_refused,
+)
 from rlfabric.bus.session import Bus
 from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import TRACEPARENTS_HEADER, encode
@@ -248,7 +255,10 @@ class Outbox:
                     await self.bus.pub_ack(sent, timeout=2.0)
                 else:
                     await self.bus.publish_stored(subject, data, hdrs, timeout=2.0)
-            except TRANSIENT:  # a reconnect or a broker restart: until stored
+            except (*TRANSIENT, nats.js.errors.APIError) as exc:
+                if not retryable(exc):
+                    raise
+                # a reconnect, a broker restart, a partition: until stored
                 untils = [i.ticket.until for i in batch]
                 until = None if None in untils else max(u for u in untils if u is not None)
                 await self.bus.persist(subject, data, hdrs, until=until)

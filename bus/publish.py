@@ -12,12 +12,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js.api import PubAck
 from opentelemetry import propagate, trace
 
 from rlfabric.bus.connect import Link
-from rlfabric.bus.errors import TRANSIENT, storage_refused
+from rlfabric.bus.errors import TRANSIENT, retryable
 from rlfabric.bus.puback import PubAcks
 from rlfabric.bus.refusals import Refusals
 from rlfabric.bus.subjects import Subjects
@@ -85,8 +86,8 @@ class Publisher:
                     # timeout
                     return await self.refusals.guard(subject, lambda: self.publish_stored(
                         subject, data, headers, timeout=attempt_timeout), cleared_as=cleared_as)
-                except TRANSIENT as exc:
-                    if storage_refused(exc):  # no room: it will not store on a retry either
+                except (*TRANSIENT, nats.js.errors.APIError) as exc:
+                    if not retryable(exc):  # e.g. no room: it will not store on a retry either
                         raise
                     last = exc
                     if on_retry is not None:
@@ -146,8 +147,10 @@ class Publisher:
             if fut is not None:
                 try:
                     return await self.pub_ack(fut, PUB_ACK_TIMEOUT)
-                except TRANSIENT:
-                    pass  # sent again below; a stored copy is dropped as a duplicate
+                except (*TRANSIENT, nats.js.errors.APIError) as exc:
+                    if not retryable(exc):
+                        raise
+                    # sent again below; a stored copy is dropped as a duplicate
             return await self.persist(subject, data, headers, cleared_as=cleared_as)
         return stored
 

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -31,6 +31,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from rlfabric.bus.errors import (
+    TRANSIENT,
     BusError,
     MembershipChanged,
     QuorumNotReached,
@@ -369,8 +370,16 @@ class Broadcaster:
         hdrs = self.bus.headers({CMD_ID_HEADER: cmd.cmd_id, "Nats-Msg-Id": cmd.cmd_id})
         if self.bus.state.mark is not None:  # a joiner waits for that state (see `Bus`)
             hdrs[STATE_MARK_HEADER] = self.bus.state.mark
-        ack = await self.bus.persist(s.control(op), data, hdrs, until=cmd.deadline or None,
-                                     on_retry=retried.append)
+        try:
+            ack = await self.bus.persist(s.control(op), data, hdrs,
+                                         until=cmd.deadline or None, on_retry=retried.append)
+        except TRANSIENT as exc:
+            raise BusError(
+                f"{op} {cmd.cmd_id} not sent: the control stream did not store it before its "
+                f"deadline ({type(exc).__name__}: {exc}; this client is connected to "
+                f"{_server(self.bus.nc)}). A server cut off from its cluster, or "
+                "a stream electing a new leader, stores nothing for seconds: retry the call"
+            ) from exc
         if ack.duplicate and not retried:
             raise BusError(
                 f"{op} {cmd.cmd_id}: this cmd_id was already published (control stream seq "
@@ -414,3 +423,9 @@ class Broadcaster:
                         phase: Literal["ready", "done"] = "done") -> FanoutReport:
         async with self.open(cmd) as fo:
             return await fo.wait(phase, policy)
+
+
+def _server(nc: Any) -> str:
+    """The server `nc` is connected to, for an error message."""
+    url = getattr(nc, "connected_url", None)
+    return url.geturl() if url is not None else "no server"

@@ -30,6 +30,9 @@ Per command, in stream order:
   does not run;
 - past its deadline: an error Ack (code `deadline_exceeded`); the handler does not run;
 - otherwise the handler runs and its Ack is published.
+A command not applied (past its deadline, or its handler failed) is then passed to
+`on_not_applied(cmd, ack)`: the fleet may have gone on without this worker, which may have to
+catch up before the next command.
 """
 
 from __future__ import annotations
@@ -122,13 +125,16 @@ class CommandReceiver:
     # slots: a process can hold many receivers (simulated fleets), each read every command
     __slots__ = ("_buffer", "_busy", "_codec", "_decode_raw", "_flood", "_queue", "_queued",
                  "_sync_queued", "acks", "applied_live", "applied_seq", "bus", "caught_up",
-                 "handled", "handler", "live_sub", "next_seq", "poll", "poll_max", "rejected",
-                 "start_end", "stream_reads", "worker_id")
+                 "handled", "handler", "live_sub", "next_seq", "on_not_applied", "poll", "poll_max",
+                 "rejected", "start_end", "stream_reads", "worker_id")
 
     def __init__(self, bus: Bus, worker_id: str, handler: Handler, *,
                  state: StateFn = lambda: (-1, ""), poll: float = 1.0,
-                 poll_max: float = POLL_MAX, remember: int = 4096, buffer: int = 4096) -> None:
+                 poll_max: float = POLL_MAX, remember: int = 4096, buffer: int = 4096,
+                 on_not_applied: Callable[[Command, Ack], Awaitable[None]] | None = None
+                 ) -> None:
         self.bus = bus
+        self.on_not_applied = on_not_applied
         self.worker_id = check_token(worker_id, "worker id")
         self.handler = handler
         self.acks = Acks(bus, self.worker_id, state, remember=remember)
@@ -354,6 +360,8 @@ class CommandReceiver:
             await acks.send(cmd, ack, traced=traced)
         except nats.errors.Error as exc:
             acks.not_sent(cmd_id, exc)
+        if ack.status != "ok" and self.on_not_applied is not None:
+            await self.on_not_applied(cmd, ack)
         if ctx._after_done:
             for fn in ctx._after_done:
                 fn()

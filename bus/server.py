@@ -78,13 +78,17 @@ class EmbeddedNats:
     `extra_config` is appended to the generated config file verbatim. `sync`: JetStream's
     `sync_interval`, how often stored messages are flushed to disk: "always" (before each is
     acknowledged), a duration ("10s", "2m"), or "" (the server's default, every two minutes).
+    `launcher`: a command the server runs under, e.g. `["ip", "netns", "exec", NS]` (it must
+    exec the server in its own process, so signals and `pid` reach the server itself).
     """
 
     def __init__(self, *, port: int = 0, host: str = "127.0.0.1", store_dir: str | None = None,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, extra_config: str = "",
                  ready_timeout: float = 10.0, binary: str | None = None,
-                 max_file_store: int | None = None, sync: str = "") -> None:
+                 max_file_store: int | None = None, sync: str = "",
+                 launcher: list[str] | None = None) -> None:
         self.host = host
+        self.launcher = list(launcher or [])
         self.sync = check_sync(sync)
         self.requested_port = port
         self.max_payload = max_payload
@@ -142,7 +146,7 @@ class EmbeddedNats:
         Path(conf).write_text(self._config_text())
         ready = threading.Event()
         self._proc = subprocess.Popen(
-            [binary, "-c", conf],
+            [*self.launcher, binary, "-c", conf],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -212,8 +212,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
 def _spawner(request: pytest.FixtureRequest) -> Iterator[Callable[..., Spawned]]:
     procs: list[Spawned] = []
 
-    def _spawn(*args: str, module: str = "rlfabric.bench.sim") -> Spawned:
-        proc = Spawned([sys.executable, "-m", module, *args])
+    def _spawn(*args: str, module: str = "rlfabric.bench.sim", under: list[str] | None = None
+               ) -> Spawned:
+        proc = Spawned([*(under or []), sys.executable, "-m", module, *args])
         procs.append(proc)
         return proc
 

@@ -23,7 +23,7 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import APIError
 
 from rlfabric import tensors
-from rlfabric.bus.errors import TRANSIENT, storage_refused
+from rlfabric.bus.errors import TRANSIENT, BusError, storage_refused
 from rlfabric.schemas import ErrorCode, Nats, TensorMeta
 from rlfabric.transports.protocol import Received, ReceiveJob, Staged, StageJob, TransportError
 
@@ -79,10 +79,17 @@ class NatsTransport:
     async def stage(self, job: StageJob) -> Staged:
         s = self.bus.subjects
         subject = s.weights(job.version)
-        await self._purge(subject)  # a re-send starts clean
         chunk = self.chunk_bytes()
         chunks = -(-job.size // chunk)
-        await self._make_room(job.size + chunks * CHUNK_OVERHEAD, job.size)
+        try:
+            await self._purge(subject)  # a re-send starts clean
+            await self._make_room(job.size + chunks * CHUNK_OVERHEAD, job.size)
+        except TRANSIENT as exc:
+            raise BusError(
+                f"v{job.version} not sent: the weights stream {s.weights_stream} did not answer "
+                f"({type(exc).__name__}: {exc}). On a NATS cluster, a stream whose leader was "
+                "lost (a node down or cut off) answers again once it has elected another, in "
+                "seconds: retry the push") from exc
         buf, dg = await self._pack(job.state, job.tensors, job.size)
 
         async def send() -> None:

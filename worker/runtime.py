@@ -35,12 +35,14 @@ from rlfabric.bus import (
     Registration,
     new_worker_info,
 )
+from rlfabric.bus.errors import READ_FAILED
 from rlfabric.bus.receiver import POLL_MAX
 from rlfabric.bus.subjects import check_token
 from rlfabric.concurrency.sync import beside
 from rlfabric.engines.errors import EngineDied, EngineError
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import (
+    Ack,
     CheckpointClaim,
     Command,
     Describe,
@@ -67,6 +69,8 @@ from rlfabric.worker.weights import WeightSync
 
 log = logging.getLogger("rlfabric.worker")
 STATE_WRITE_S = 1.0  # how long a command waits for the worker's state to be written
+#: how long a worker that missed a command keeps trying to read the desired state
+MISSED_STATE_WAIT_S = 60.0
 
 
 #: requests a worker holds in flight at most, unless told (`rlfabric worker --capacity`)
@@ -91,7 +95,7 @@ class Worker:
         self.drain_grace = drain_grace
         self.weights = WeightSync(bus, engine, self.worker_id)
         self.receiver = CommandReceiver(bus, self.worker_id, self._handle_command,
-                                        poll_max=poll_max,
+                                        poll_max=poll_max, on_not_applied=self._missed,
                                         state=lambda: (engine.version, self._checksum()))
         self.reg = Registration(bus, new_worker_info(self.worker_id, engine=engine.name,
                                                      model=engine.model, capacity=capacity))
@@ -282,6 +286,43 @@ class Worker:
             await self.engine.pause("keep")
         await self._publish(asleep=False)
         return None
+
+    async def _missed(self, cmd: Command, ack: Ack) -> None:
+        """`cmd` was not applied here: it came past its deadline (this worker was cut off or
+        reconnecting), or its weights could not be fetched. The fleet may have gone on
+        without this worker, so take the desired state that followed (its weights, paused or
+        not), as a joiner does. Commands stored after it are applied after this, in order."""
+        late = ack.error_code == ErrorCode.DEADLINE_EXCEEDED
+        unfetched = isinstance(cmd, UpdateWeights) and ack.error_code == ErrorCode.FETCH_FAILED
+        if not (unfetched or (late and isinstance(cmd, Pause | Resume | UpdateWeights))):
+            return
+        desired = None
+        with anyio.move_on_after(MISSED_STATE_WAIT_S):
+            while desired is None:
+                try:  # no older than what it missed
+                    desired = await self.bus.state.after(cmd.seq)
+                except READ_FAILED as exc:  # a node just back answers once it has caught up
+                    log.debug("%s: desired state not read yet: %s", self.worker_id, exc)
+                    await anyio.sleep(0.5)
+        if desired is None:
+            log.error("%s: missed %s %s and could not read the desired state within %ss; the "
+                      "next command brings it back in line", self.worker_id,
+                      type(cmd).__name__, cmd.cmd_id, MISSED_STATE_WAIT_S)
+            return
+        log.warning("%s: %s %s not applied (%s); taking the desired state (v%d, %s)",
+                    self.worker_id, type(cmd).__name__, cmd.cmd_id, ack.error_code,
+                    desired.weight_version,
+                    "paused" if desired.paused else "running")
+        await self.weights.load_current(desired)
+        self._checksum_cache = None
+        if desired.paused and not self.status.paused:
+            await self._publish(paused=True)
+            if not self.status.asleep:
+                await self.engine.pause("keep")
+        elif not desired.paused and self.status.paused:
+            await self._resume()
+        else:
+            await self._publish()
 
     def _describe(self) -> AckFields:
         d = self.engine.describe()

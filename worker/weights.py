@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import msgspec
 
 from rlfabric import tensors
 from rlfabric.bus import AckFields, Bus, CommandContext, CommandFailed
@@ -73,7 +74,8 @@ class WeightSync:
                      what, name_of(cmd.transport))
             return
         try:
-            await self._apply(cmd)
+            # the push's deadline bounded its sender's wait; a joiner loading it later is not
+            await self._apply(msgspec.structs.replace(cmd, deadline=0.0))
         except (CommandFailed, EngineError) as exc:
             # e.g. the shm segment of a trainer that died: join anyway, on the weights we
             # have, say so, and take the next push (requests for it wait)
