@@ -8,9 +8,11 @@ import math
 import re
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -156,8 +158,11 @@ class _ConnLog:
 
 def _not_connected(opts: ConnectOptions, exc: Exception, seen: list[Exception]
                    ) -> NatsAuthFailed | NatsUnavailable:
-    """What a failed first connect means to the user: refused credentials, or no server."""
+    """What a failed first connect means to the user: refused credentials, TLS that does not
+    match, or no server."""
     where = ", ".join(opts.servers)
+    if (tls := next((e for e in reversed([*seen, exc]) if isinstance(e, ssl.SSLError)), None)):
+        return NatsUnavailable(_tls_refusal(opts, where, tls))
     if isinstance(exc, (nats.errors.NoServersError, OSError, TimeoutError)):
         refusal = next((e for e in reversed(seen) if _is_auth_error(e)), None)
         if refusal is not None:
@@ -176,6 +181,21 @@ def _not_connected(opts: ConnectOptions, exc: Exception, seen: list[Exception]
                            "credentials / TLS options")
 
 
+def _tls_refusal(opts: ConnectOptions, where: str, exc: ssl.SSLError) -> str:
+    said = f"{type(exc).__name__}: {exc}"
+    if opts.tls_context() is None:
+        return (f"NATS at {where} requires TLS, and this client asked for none ({said}): "
+                "connect to tls://HOST:PORT with --tls-ca, the CA that signed the server's "
+                "certificate (DIR/ca.pem of `rlfabric nats --tls DIR`)")
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (f"NATS at {where} presented a certificate this client does not trust ({said}): "
+                "pass --tls-ca with the CA that signed it (DIR/ca.pem of `rlfabric nats --tls "
+                "DIR`), and reach the server at a name its certificate holds (--tls-host)")
+    return (f"NATS at {where} refused this client's TLS ({said}): it requires a client "
+            "certificate its CA signed; pass --tls-cert and --tls-key (DIR/client-cert.pem and "
+            "client-key.pem of `rlfabric nats --tls DIR --tls-verify`)")
+
+
 async def connect(opts: ConnectOptions | str, *, link: Link | None = None) -> NATS:
     """Open a NATS connection, or raise `NatsUnavailable` naming the URLs tried. `link` (if
     given) follows the connection's state from then on."""
@@ -192,27 +212,10 @@ async def connect(opts: ConnectOptions | str, *, link: Link | None = None) -> NA
 
     attempts = max(1, math.ceil(opts.connect_wait / max(opts.reconnect_wait, 0.01)))
     try:
-        nc = await nats.connect(
-            servers=opts.servers,
-            name=opts.name,
-            user=opts.user,
-            password=opts.password,
-            token=opts.token,
-            user_credentials=opts.creds_file,
-            nkeys_seed=opts.nkey_seed_file,
-            tls=opts.tls_context(),
-            tls_hostname=opts.tls_hostname,
-            connect_timeout=opts.connect_timeout,
-            reconnect_time_wait=opts.reconnect_wait,
-            max_reconnect_attempts=attempts,
-            allow_reconnect=True,
-            pending_size=opts.pending_size,
-            ping_interval=opts.ping_interval,
-            max_outstanding_pings=opts.max_outstanding_pings,
-            error_cb=on_error,
-            disconnected_cb=conn_log.disconnected,
-            reconnected_cb=conn_log.reconnected,
-        )
+        # bounded: after a failed TLS handshake nats-py (2.16) can wait forever for the
+        # socket to close
+        with anyio.fail_after(opts.connect_wait + 2 * opts.connect_timeout + 1):
+            nc = await _nats_connect(opts, attempts, on_error, conn_log)
     except (nats.errors.NoServersError, OSError, TimeoutError, nats.errors.Error) as exc:
         raise _not_connected(opts, exc, seen) from exc
     # NOTE: the initial-connect budget above reuses nats-py's reconnect counter; from here on
@@ -221,3 +224,29 @@ async def connect(opts: ConnectOptions | str, *, link: Link | None = None) -> NA
     conn_log.up, conn_log.nc = True, nc
     link.up, link.since = True, time.monotonic()
     return nc
+
+
+async def _nats_connect(opts: ConnectOptions, attempts: int,
+                        on_error: Callable[[Exception], Awaitable[None]],
+                        conn_log: _ConnLog) -> NATS:
+    return await nats.connect(
+        servers=opts.servers,
+        name=opts.name,
+        user=opts.user,
+        password=opts.password,
+        token=opts.token,
+        user_credentials=opts.creds_file,
+        nkeys_seed=opts.nkey_seed_file,
+        tls=opts.tls_context(),
+        tls_hostname=opts.tls_hostname,
+        connect_timeout=opts.connect_timeout,
+        reconnect_time_wait=opts.reconnect_wait,
+        max_reconnect_attempts=attempts,
+        allow_reconnect=True,
+        pending_size=opts.pending_size,
+        ping_interval=opts.ping_interval,
+        max_outstanding_pings=opts.max_outstanding_pings,
+        error_cb=on_error,
+        disconnected_cb=conn_log.disconnected,
+        reconnected_cb=conn_log.reconnected,
+    )

@@ -14,6 +14,7 @@ from rlfabric.bus import EmbeddedNats, InvalidName, NatsServerError
 from rlfabric.bus.auth import write_auth
 from rlfabric.bus.cluster import EmbeddedCluster
 from rlfabric.bus.server import check_sync
+from rlfabric.bus.tls import write_tls
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +50,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "acknowledges each message: an acknowledged write survives a crash of every "
                    "node), or a duration such as 10s (default: the server's, every 2 minutes; "
                    "docs/reliability.md)")
+    p.add_argument("--tls", metavar="DIR", default=None,
+                   help="serve TLS: write DIR/ca.pem (clients pass it with --tls-ca), a server "
+                   "certificate for --tls-host, and DIR/client-cert.pem + client-key.pem "
+                   "(--tls-cert / --tls-key); existing ones are kept. Plaintext clients are "
+                   "refused; clients connect to tls://HOST:PORT")
+    p.add_argument("--tls-host", action="append", default=[], metavar="NAME",
+                   help="a DNS name or IP address clients reach the server at, for its "
+                   "certificate (repeatable; default: 127.0.0.1, localhost and --host)")
+    p.add_argument("--tls-verify", action="store_true",
+                   help="with --tls: also require a client certificate signed by DIR/ca.pem")
     p.add_argument("--json", action="store_true",
                    help="with --cluster: one JSON object per node and line (name, url, pid, "
                    "store), then nothing until stopped")
@@ -71,6 +82,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rlfabric nats: --{exc}", file=sys.stderr)
         return 2
+    if args.tls:
+        try:
+            extra += _tls(args)
+        except OSError as exc:
+            print(f"rlfabric nats: cannot write the certificates to {args.tls}: {exc}",
+                  file=sys.stderr)
+            return 2
+    elif args.tls_verify or args.tls_host:
+        print("rlfabric nats: --tls-verify and --tls-host go with --tls DIR", file=sys.stderr)
+        return 2
     if args.cluster:
         return _run_cluster(args, extra)
     srv = EmbeddedNats(port=args.port, host=args.host, store_dir=args.store_dir,
@@ -82,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     def announce() -> None:
-        print(f"rlfabric nats: ready at {srv.url} (JetStream store {srv.store_dir}); "
-              "Ctrl-C to stop", flush=True)
+        print(f"rlfabric nats: ready at {_scheme(srv.url, args)} (JetStream store "
+              f"{srv.store_dir}); Ctrl-C to stop", flush=True)
 
     rc = _foreground(announce, srv.wait, srv.stop)
     if rc:
@@ -108,14 +129,16 @@ def _run_cluster(args: argparse.Namespace, extra: str) -> int:
     def announce() -> None:
         for i, (node, url) in enumerate(zip(cluster.nodes, cluster.urls, strict=True)):
             if args.json:
-                print(json.dumps({"name": f"n{i}", "url": url, "pid": node.pid,
+                print(json.dumps({"name": f"n{i}", "url": _scheme(url, args), "pid": node.pid,
                                   "store": node.store_dir}), flush=True)
             else:
-                print(f"rlfabric nats: node n{i} ready at {url} (pid {node.pid}, JetStream "
+                print(f"rlfabric nats: node n{i} ready at {_scheme(url, args)} (pid {node.pid}, "
+                      f"JetStream "
                       f"store {node.store_dir})", flush=True)
         if not args.json:
+            urls = ",".join(_scheme(u, args) for u in cluster.urls)
             print(f"rlfabric nats: cluster of {cluster.n} ready; clients take --nats "
-                  f"{cluster.url}; Ctrl-C stops every node", flush=True)
+                  f"{urls}; Ctrl-C stops every node", flush=True)
 
     def wait() -> int:
         while True:  # a node that exits by itself ends the cluster
@@ -128,6 +151,23 @@ def _run_cluster(args: argparse.Namespace, extra: str) -> int:
             time.sleep(0.5)  # nothing to await: the servers are child processes
 
     return _foreground(announce, wait, cluster.stop)
+
+
+def _tls(args: argparse.Namespace) -> str:
+    """Write (or keep) the certificates in --tls DIR, say where they are; the server's
+    `tls` block."""
+    hosts = args.tls_host or list(dict.fromkeys(
+        ["127.0.0.1", "localhost"] + ([args.host] if args.host not in ("0.0.0.0", "::") else [])))
+    setup = write_tls(args.tls, hosts=hosts)
+    print(f"rlfabric nats: TLS on; clients pass --tls-ca {setup.ca}"
+          + (f" --tls-cert {setup.client_cert} --tls-key {setup.client_key}"
+             if args.tls_verify else "")
+          + f" (server certificate for {', '.join(hosts)})", flush=True)
+    return setup.config(verify=args.tls_verify)
+
+
+def _scheme(url: str, args: argparse.Namespace) -> str:
+    return url.replace("nats://", "tls://", 1) if args.tls else url
 
 
 def _foreground(announce: Callable[[], None], wait: Callable[[], int],

@@ -26,11 +26,12 @@ _SERVING = re.compile(r"serving \S+ at (http://\S+/v1)")
 
 
 @contextlib.asynccontextmanager
-async def gateway(url: str, prefix: str, run_dir: Path, *,
+async def gateway(url: str, prefix: str, run_dir: Path, *, connect: list[str] | None = None,
                   timeout: float = 120.0) -> AsyncIterator[str]:
-    """An `rlfabric gateway` serving `tinychat` on a free port; its base URL."""
+    """An `rlfabric gateway` serving `tinychat` on a free port (`connect`: its key and TLS
+    options); its base URL."""
     log = run_dir / "gateway.log"
-    proc, reader, found, ready = _spawn(url, prefix, log)
+    proc, reader, found, ready = _spawn(url, prefix, log, connect or [])
     try:
         if not await anyio.to_thread.run_sync(ready.wait, timeout) or not found:
             tail = log.read_text(errors="replace").strip().splitlines()[-5:]
@@ -42,11 +43,11 @@ async def gateway(url: str, prefix: str, run_dir: Path, *,
             await anyio.to_thread.run_sync(_stop, proc, reader)
 
 
-def _spawn(url: str, prefix: str, log: Path,
+def _spawn(url: str, prefix: str, log: Path, connect: list[str],
            ) -> tuple[subprocess.Popen[str], threading.Thread, list[str], threading.Event]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlfabric", "gateway", "--nats", url, "--prefix", prefix,
-         "--model", "tinychat", "--tool-call-parser", "tinychat", "--port", "0"],
+         "--model", "tinychat", "--tool-call-parser", "tinychat", "--port", "0", *connect],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
         preexec_fn=die_with_parent)
     found: list[str] = []
@@ -82,7 +83,8 @@ def _copy(out: IO[str], log: Path, found: list[str], ready: threading.Event) -> 
 
 @contextlib.asynccontextmanager
 async def agent_rollouts(fabric: FabricClient, url: str, prefix: str, run_dir: Path, *,
-                         turn_tokens: int) -> AsyncIterator[AgentRollouts]:
+                         turn_tokens: int, connect: list[str] | None = None
+                         ) -> AsyncIterator[AgentRollouts]:
     try:
         import openai  # noqa: F401  # the agents' client
     except ImportError:
@@ -90,7 +92,7 @@ async def agent_rollouts(fabric: FabricClient, url: str, prefix: str, run_dir: P
                           "pip install 'rlfabric[gateway]'") from None
     from rlfabric.trainer.tools import AgentRollouts, ToolTask
 
-    async with gateway(url, prefix, run_dir) as base:
+    async with gateway(url, prefix, run_dir, connect=connect) as base:
         agents = AgentRollouts(fabric.bus, base, task=ToolTask(turn_tokens=turn_tokens))
         try:
             yield agents

@@ -79,6 +79,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="start no workers: wait for --workers of them to join the job (started "
                    "elsewhere with `rlfabric worker --nats URL --prefix PREFIX`); they are "
                    "left running at the end")
+    g.add_argument("--gateway-nkey", default=None, metavar="PATH",
+                   help="--task tools on a server with per-role keys: the key of the gateway "
+                   "up starts (DIR/gateway.nk of `rlfabric nats --auth DIR`); it takes up's "
+                   "--tls-* options too")
     g.add_argument("--join-timeout", type=float, default=180.0, metavar="S",
                    help="seconds to wait for the workers to join (default %(default)s)")
     r = p.add_argument_group("launcher", "how up starts its workers")
@@ -276,8 +280,12 @@ async def _agents(run: _Run, fabric: FabricClient, url: str) -> AsyncIterator[An
         return
     from rlfabric.cli.up_agent import agent_rollouts
 
-    async with agent_rollouts(fabric, url, run.args.prefix, run.run_dir,
-                              turn_tokens=run.cfg.max_tokens) as agents:
+    a = run.args
+    connect = [arg for flag, value in (("--nkey", a.gateway_nkey), ("--tls-ca", a.tls_ca),
+                                       ("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key))
+               if value for arg in (flag, value)]
+    async with agent_rollouts(fabric, url, a.prefix, run.run_dir, turn_tokens=run.cfg.max_tokens,
+                              connect=connect) as agents:
         run.console.print(f"rlfabric up: agents through the gateway at {agents.base_url}")
         yield agents
 
@@ -434,6 +442,9 @@ def _refused(args: argparse.Namespace) -> str:
         return (f"{', '.join(auth)}: the workers up starts would connect without them; start "
                 "workers with their own role's key (`rlfabric worker --nkey DIR/worker.nk ...`) "
                 "and pass --workers-external")
+    if args.nkey and args.task == "tools" and not args.gateway_nkey:
+        return ("--task tools with --nkey: the gateway up starts needs its own role's key; "
+                "pass --gateway-nkey DIR/gateway.nk")
     if args.workers_external and args.launcher != "process":
         return "--workers-external starts no workers; drop --launcher"
     if args.launcher != "ray" and (args.ray_address or args.gpus_per_worker):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rlfabric.bus.tls import write_tls
 from rlfabric.telemetry.report import by_trace, process_of, read_spans
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
@@ -185,6 +186,43 @@ def test_attached_with_the_trainer_role_on_a_server_with_auth(tmp_path: Path, sp
     anon = subprocess.run([*base, "--workers-external", "--steps", "1", "--join-timeout", "5"],
                           capture_output=True, text=True, timeout=120)
     assert anon.returncode != 0 and "refused this client" in anon.stdout + anon.stderr
+
+
+@pytest.mark.timeout(420)
+def test_a_fleet_with_a_gateway_on_tls_and_role_keys(tmp_path: Path, spawn, prefix: str) -> None:
+    # `rlfabric nats --tls --tls-verify --auth`: two workers, the trainer and up's gateway
+    # each connect with the CA, the client certificate and their own role's key
+    tls, keys = tmp_path / "tls", tmp_path / "keys"
+    srv = spawn("nats", "--port", "0", "--tls", str(tls), "--tls-verify", "--auth", str(keys),
+                "--prefix", prefix, module="rlfabric")
+    url = srv.wait_for(r"ready at (tls://\S+)", timeout=30).group(1)
+    certs = ["--tls-ca", str(tls / "ca.pem"), "--tls-cert", str(tls / "client-cert.pem"),
+             "--tls-key", str(tls / "client-key.pem")]
+    for i in range(2):
+        spawn("worker", "--nats", url, "--prefix", prefix, "--nkey", str(keys / "worker.nk"),
+              *certs, "--worker-id", f"s{i}", "--model", "tinychat", "--threads", "1",
+              module="rlfabric").wait_for(r"ready \(", timeout=120)
+    out = subprocess.run([EXE, "up", "--nats", url, "--prefix", prefix, "--task", "tools",
+                          "--workers", "2", "--workers-external", "--steps", "2",
+                          "--threshold", "0", "--nkey", str(keys / "trainer.nk"),
+                          "--gateway-nkey", str(keys / "gateway.nk"), *certs, "--no-live",
+                          "--json", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=360)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workers_on_final"] == {"s0": 2, "s1": 2}
+    assert summary["turns_per_episode"] >= 1.0  # the episodes went through the gateway
+    status = [EXE, "status", "--nats", url, "--prefix", prefix, "--wait", "1"]
+    plain = subprocess.run([*status[:3], url.replace("tls://", "nats://"), *status[4:]],
+                           capture_output=True, text=True, timeout=60)
+    assert plain.returncode != 0 and "requires TLS" in plain.stderr, plain.stderr
+    stranger = tmp_path / "stranger"  # certificates another CA signed
+    write_tls(stranger, hosts=["127.0.0.1"])
+    untrusted = subprocess.run([*status, "--tls-ca", str(tls / "ca.pem"), "--tls-cert",
+                                str(stranger / "client-cert.pem"), "--tls-key",
+                                str(stranger / "client-key.pem")],
+                               capture_output=True, text=True, timeout=60)
+    assert untrusted.returncode != 0 and "refused this client's TLS" in untrusted.stderr
 
 
 def test_colocated_the_workers_sleep_through_training_and_wake_into_each_update(

@@ -1,0 +1,120 @@
+"""TLS for a job's server: a CA of its own, a server certificate and a client certificate it
+signed, and the nats-server `tls` block that serves them.
+
+    setup = write_tls("/etc/rlfabric/tls", hosts=["127.0.0.1", "nats.internal"])
+    EmbeddedNats(extra_config=setup.config(verify=True))   # client certificates required
+
+DIR holds `ca.pem` (give it to every client: `--tls-ca`), `server-cert.pem`/`server-key.pem`
+(the server's, for the `hosts` given: IP addresses and DNS names) and `client-cert.pem`/
+`client-key.pem` (`--tls-cert`/`--tls-key`, when the server requires client certificates).
+Files already there are kept: a restarted server serves the same certificates, and the
+clients holding them keep connecting. Keys are written owner-only. TLS combines with the
+per-role nkeys of `rlfabric.bus.auth`: TLS says who the server is (and, with `verify`, that
+the client holds a certificate the CA signed), the nkey which role the client plays.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+#: how long the certificates `write_tls` makes are valid
+VALID_DAYS = 825
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSetup:
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+    def config(self, *, verify: bool = False) -> str:
+        """The nats-server `tls` block; `verify`: refuse a client without a certificate the
+        CA signed."""
+        return (f'tls {{\n  cert_file: "{self.server_cert}"\n  key_file: "{self.server_key}"\n'
+                f'  ca_file: "{self.ca}"\n  verify: {str(verify).lower()}\n  timeout: 5\n}}\n')
+
+
+def write_tls(directory: str | os.PathLike[str], *, hosts: list[str]) -> TlsSetup:
+    """Make (or keep) the CA, server and client certificates in `directory`; the server's is
+    valid for `hosts`. Raises ValueError for an empty host list."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if not hosts:
+        raise ValueError("write_tls needs at least one host (an IP address or a DNS name) the "
+                         "server is reached at")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    out = TlsSetup(*(str((d / n).resolve()) for n in (
+        "ca.pem", "server-cert.pem", "server-key.pem", "client-cert.pem", "client-key.pem")))
+    if all(Path(p).is_file() for p in (out.ca, out.server_cert, out.server_key,
+                                       out.client_cert, out.client_key)):
+        return out
+    now = dt.datetime.now(dt.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "rlfabric"),
+                          x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject: str, key: ec.EllipticCurvePrivateKey, *, ca: bool = False,
+             usage: list[x509.ObjectIdentifier] | None = None,
+             sans: list[x509.GeneralName] | None = None) -> x509.Certificate:
+        b = (x509.CertificateBuilder().subject_name(name(subject))
+             .issuer_name(name("rlfabric CA") if not ca else name(subject))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - dt.timedelta(minutes=5))
+             .not_valid_after(now + dt.timedelta(days=VALID_DAYS))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if ca:
+            b = b.add_extension(x509.KeyUsage(
+                digital_signature=True, key_cert_sign=True, crl_sign=True,
+                content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        if usage:
+            b = b.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+        if sans:
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return b.sign(ca_key, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = cert("rlfabric CA", ca_key, ca=True)
+    server_cert = cert(hosts[0], server_key, usage=[ExtendedKeyUsageOID.SERVER_AUTH],
+                       sans=[_san(h) for h in hosts])
+    client_cert = cert("rlfabric client", client_key,
+                       usage=[ExtendedKeyUsageOID.CLIENT_AUTH])
+
+    def pem(c: x509.Certificate) -> bytes:
+        return c.public_bytes(serialization.Encoding.PEM)
+
+    def key_pem(k: ec.EllipticCurvePrivateKey) -> bytes:
+        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                               serialization.NoEncryption())
+
+    for path, data in ((out.ca, pem(ca_cert)), (out.server_cert, pem(server_cert)),
+                       (out.client_cert, pem(client_cert))):
+        Path(path).write_bytes(data)
+    for path, data in ((out.server_key, key_pem(server_key)),
+                       (out.client_key, key_pem(client_key))):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    return out
+
+
+def _san(host: str):  # -> x509.GeneralName
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
