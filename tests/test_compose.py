@@ -8,17 +8,22 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import time
 import tomllib
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from rlfabric.bus.cluster import free_ports
+from rlfabric.bus.server import find_nats_server
 from rlfabric.cli import build_parser
 
 ROOT = Path(__file__).parents[1]
@@ -105,6 +110,44 @@ def test_what_compose_mounts_exists_and_nats_runs_jetstream() -> None:
     conf = (ROOT / "deploy" / "nats.conf").read_text()
     assert re.search(r"^jetstream\s*\{", conf, re.M)
     assert "max_payload: 8388608" in conf  # as the embedded server: weight chunks fit
+
+
+@pytest.mark.parametrize(("sync", "always", "interval_s"),
+                         [("always", True, None), ("120s", False, 120), ("500ms", False, 0.5)])
+def test_the_compose_server_flushes_as_rlfabric_sync_says(tmp_path, sync: str, always: bool,
+                                                          interval_s: float | None) -> None:
+    # deploy/nats.conf as compose runs it (its store and ports moved here), on the binary
+    # rlfabric uses: a stock server takes the file and RLFABRIC_SYNC
+    env = compose()["services"]["nats"]["environment"]
+    assert env["RLFABRIC_SYNC"] == "${RLFABRIC_SYNC:-120s}"
+    (client, http) = free_ports(2)
+    conf = (ROOT / "deploy" / "nats.conf").read_text()
+    conf = conf.replace("store_dir: /data", f"store_dir: {tmp_path}").replace(
+        "0.0.0.0:4222", f"127.0.0.1:{client}").replace("http_port: 8222", f"http_port: {http}")
+    (tmp_path / "nats.conf").write_text(conf)
+    proc = subprocess.Popen([find_nats_server(), "-c", str(tmp_path / "nats.conf")],
+                            env={**os.environ, "RLFABRIC_SYNC": sync},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        cfg = _varz_jetstream(http)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert bool(cfg.get("sync_always")) is always
+    if interval_s is not None:
+        assert cfg["sync_interval"] == int(interval_s * 10**9)
+
+
+def _varz_jetstream(port: int) -> dict:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=2) as r:
+                return dict(json.load(r)["jetstream"]["config"])
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)  # the server is starting: nothing to await
 
 
 def test_docker_compose_accepts_the_file() -> None:
