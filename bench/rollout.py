@@ -23,6 +23,10 @@ not the engines' model threads, nor vLLM's EngineCore process), `nats` its nats-
 the processes' CPU clocks and the threads' scheduler counts, to the nanosecond; NaN where a
 path has none, for the traced row, or off Linux).
 
+With `--sync always|DURATION`, `rlfabric sync=...` is the rlfabric row again on a server that
+flushes what it stores to disk as that says (always: before each acknowledgement), the cost of
+that durability (docs/reliability.md).
+
 With `--trace DIR`, `rlfabric traced` is the rlfabric row again with OpenTelemetry spans on in
 the client and every worker, written to a file (its `spans` column counts them). Every path
 runs `--lanes` lanes, each sending one request at a time, so latency is one
@@ -45,6 +49,7 @@ its engine. The request count grows with the lanes, so a run holds as many batch
                            [--max-tokens N]
     rlfabric bench rollout --engine torch --workers 1 --lanes 128 --capacity 64 [--prefetch 64]
     rlfabric bench rollout --engine vllm --workers 1,2
+    rlfabric bench rollout --engine null,torch --workers 1,4 --sync always
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ import anyio.lowlevel
 from rlfabric.bench._util import child_pids, children, cpu_seconds, named, pct, table
 from rlfabric.bus import EmbeddedNats
 from rlfabric.bus.cluster import free_ports
+from rlfabric.bus.server import check_sync
 from rlfabric.engines import make_engine, registry, running
 from rlfabric.schemas import PackedI32, RolloutRequest, RolloutResult, SamplingParams
 from rlfabric.trainer import FabricClient
@@ -159,13 +165,13 @@ async def http_path(engine_kind: str, workers: int, conc: int,
 
 @contextlib.asynccontextmanager
 async def fabric_path(engine_kind: str, workers: int, conc: int, torch_threads: int,
-                      trace: str | None = None, *, capacity: int = 0, prefetch: int = 0
-                      ) -> AsyncIterator[One]:
+                      trace: str | None = None, *, capacity: int = 0, prefetch: int = 0,
+                      sync: str = "") -> AsyncIterator[One]:
     """`trace`: the workers write their spans to that file (`--trace`; the client's are this
     process's telemetry, configured by the caller). `capacity` (0: `conc`) and `prefetch`:
-    each worker's `--capacity` and `--prefetch`."""
-    async with EmbeddedNats() as nats:
-        prefix = f"bench{engine_kind}{workers}{'t' if trace else ''}"
+    each worker's `--capacity` and `--prefetch`. `sync`: the server's (`EmbeddedNats`)."""
+    async with EmbeddedNats(sync=sync) as nats:
+        prefix = f"bench{engine_kind}{workers}{'t' if trace else ''}{'s' if sync else ''}"
         model = registry.kind(engine_kind).default_model
         per_engine = (["--threads", str(torch_threads)] if engine_kind != "vllm"
                       else ["--threads-bind", "nobind"])
@@ -372,6 +378,7 @@ class _Load:
     torch_threads: int  # 0: by fleet size (`threads`)
     capacity: int = 0  # each worker's; 0: `conc`
     prefetch: int = 0
+    sync: str = ""  # a second rlfabric row on a server flushing as this says ("": none)
 
     def threads(self, k: int) -> int:
         return self.torch_threads or threads(k)
@@ -379,15 +386,16 @@ class _Load:
 
 async def run(engines: list[str], sizes: list[int], scale: float, rounds: int = 1,
               trace_dir: str | None = None, torch_threads: int = 0,
-              completion: int = 0, lanes: int = 0, capacity: int = 0, prefetch: int = 0
-              ) -> list[dict[str, Any]]:
+              completion: int = 0, lanes: int = 0, capacity: int = 0, prefetch: int = 0,
+              sync: str = "") -> list[dict[str, Any]]:
     """Per engine and fleet size, every path's fleet is started and warmed once; then
     `rounds` rounds each run every path once, in an order that rotates from round to round,
     so every path meets the same host (these machines are shared: a slow second hits one
     round of each path, not one path). A row gives the median over its rounds; its ratios
     are the medians of the per-round ratios. `completion` (0: the workload's) is every
     request's `max_tokens`. `lanes` (0: the workload's) is every path's; the request count
-    grows with it. `capacity` / `prefetch`: every rlfabric worker's (0 capacity: the lanes)."""
+    grows with it. `capacity` / `prefetch`: every rlfabric worker's (0 capacity: the lanes).
+    `sync`: an `rlfabric sync=...` row, the same fleet on a server flushing as it says."""
     rows = []
     for eng in engines:
         n, default_lanes, default_tokens = WORKLOAD[eng]
@@ -395,7 +403,8 @@ async def run(engines: list[str], sizes: list[int], scale: float, rounds: int = 
         n = int(n * scale * conc / default_lanes)
         load = _Load(eng=eng, n=max(conc, n), conc=conc,
                      max_tokens=completion or default_tokens, rounds=rounds,
-                     torch_threads=torch_threads, capacity=capacity, prefetch=prefetch)
+                     torch_threads=torch_threads, capacity=capacity, prefetch=prefetch,
+                     sync=sync)
         direct, blocks = await _engine(load, sizes, trace_dir)
         rows += _rows(load, direct, blocks)
     return rows
@@ -448,6 +457,10 @@ async def _block(load: _Load, k: int, direct_one: One | None, direct: _Runs
             await start("http", http_path(load.eng, k, load.conc, load.threads(k)))
         await start("rlfabric", fabric_path(load.eng, k, load.conc, load.threads(k),
                                             capacity=load.capacity, prefetch=load.prefetch))
+        if load.sync:  # the same fleet on a server that flushes as --sync says
+            await start(f"rlfabric sync={load.sync}", fabric_path(
+                load.eng, k, load.conc, load.threads(k), capacity=load.capacity,
+                prefetch=load.prefetch, sync=load.sync))
         if load.eng != "vllm":  # the same messages with nats-py alone (and the same engine)
             await start("nats-py floor", floor_path(
                 k, "" if load.eng == "null" else load.eng, load.threads(k)))
@@ -518,8 +531,13 @@ def main(args: argparse.Namespace) -> int:
         print("rlfabric bench rollout: --rounds must be >= 1; --threads, --max-tokens, --lanes, "
               "--capacity and --prefetch >= 0", file=sys.stderr)
         return 2
+    try:
+        check_sync(args.sync)
+    except ValueError as exc:
+        print(f"rlfabric bench rollout: --{exc}", file=sys.stderr)
+        return 2
     rows = anyio.run(run, engines, sizes, args.scale, args.rounds, args.trace, args.threads,
-                     args.max_tokens, args.lanes, args.capacity, args.prefetch)
+                     args.max_tokens, args.lanes, args.capacity, args.prefetch, args.sync)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -570,4 +588,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run rlfabric with tracing on (client and workers writing spans to "
                    "DIR/spans-<engine>-<workers>.jsonl): a `rlfabric traced` row beside the "
                    "untraced one")
+    p.add_argument("--sync", default="", metavar="always|DURATION",
+                   help="also run rlfabric on a server that flushes to disk as --sync says "
+                   "(always: before acknowledging each write): a row beside the default's")
     p.add_argument("--json", action="store_true")

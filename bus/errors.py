@@ -54,6 +54,10 @@ def storage_refused(exc: BaseException) -> bool:
     return exc.err_code == JS_STREAM_STORE_FAILED and "maximum" in (exc.description or "")
 
 
+#: what a JetStream publish raises when not stored: `retryable` says which to send again
+PUBLISH_FAILED: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
+
+
 def retryable(exc: BaseException) -> bool:
     """Whether a JetStream publish that raised `exc` is worth sending again as it was."""
     return isinstance(exc, TRANSIENT) or (isinstance(exc, nats.js.errors.APIError)

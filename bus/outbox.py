@@ -36,12 +36,11 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import msgspec
-import nats.js.errors
 from anyio.abc import TaskGroup, TaskStatus
 from nats.js.api import PubAck
 
 from rlfabric.bus.errors import (
-    TRANSIENT,
+    PUBLISH_FAILED,
     PayloadTooLarge,
     StorageFull,
     retryable,
@@ -255,7 +254,7 @@ class Outbox:
                     await self.bus.pub_ack(sent, timeout=2.0)
                 else:
                     await self.bus.publish_stored(subject, data, hdrs, timeout=2.0)
-            except (*TRANSIENT, nats.js.errors.APIError) as exc:
+            except PUBLISH_FAILED as exc:
                 if not retryable(exc):
                     raise
                 # a reconnect, a broker restart, a partition: until stored

@@ -18,7 +18,7 @@ from nats.js.api import PubAck
 from opentelemetry import propagate, trace
 
 from rlfabric.bus.connect import Link
-from rlfabric.bus.errors import TRANSIENT, retryable
+from rlfabric.bus.errors import PUBLISH_FAILED, TRANSIENT, retryable
 from rlfabric.bus.puback import PubAcks
 from rlfabric.bus.refusals import Refusals
 from rlfabric.bus.subjects import Subjects
@@ -86,7 +86,7 @@ class Publisher:
                     # timeout
                     return await self.refusals.guard(subject, lambda: self.publish_stored(
                         subject, data, headers, timeout=attempt_timeout), cleared_as=cleared_as)
-                except (*TRANSIENT, nats.js.errors.APIError) as exc:
+                except PUBLISH_FAILED as exc:
                     if not retryable(exc):  # e.g. no room: it will not store on a retry either
                         raise
                     last = exc
@@ -147,7 +147,7 @@ class Publisher:
             if fut is not None:
                 try:
                     return await self.pub_ack(fut, PUB_ACK_TIMEOUT)
-                except (*TRANSIENT, nats.js.errors.APIError) as exc:
+                except PUBLISH_FAILED as exc:
                     if not retryable(exc):
                         raise
                     # sent again below; a stored copy is dropped as a duplicate

@@ -20,6 +20,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: how long the certificates `write_tls` makes are valid
 VALID_DAYS = 825
@@ -43,10 +44,8 @@ class TlsSetup:
 def write_tls(directory: str | os.PathLike[str], *, hosts: list[str]) -> TlsSetup:
     """Make (or keep) the CA, server and client certificates in `directory`; the server's is
     valid for `hosts`. Raises ValueError for an empty host list."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID
 
     if not hosts:
         raise ValueError("write_tls needs at least one host (an IP address or a DNS name) the "
@@ -58,60 +57,68 @@ def write_tls(directory: str | os.PathLike[str], *, hosts: list[str]) -> TlsSetu
     if all(Path(p).is_file() for p in (out.ca, out.server_cert, out.server_key,
                                        out.client_cert, out.client_key)):
         return out
-    now = dt.datetime.now(dt.UTC)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "rlfabric"),
-                          x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def cert(subject: str, key: ec.EllipticCurvePrivateKey, *, ca: bool = False,
-             usage: list[x509.ObjectIdentifier] | None = None,
-             sans: list[x509.GeneralName] | None = None) -> x509.Certificate:
-        b = (x509.CertificateBuilder().subject_name(name(subject))
-             .issuer_name(name("rlfabric CA") if not ca else name(subject))
-             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - dt.timedelta(minutes=5))
-             .not_valid_after(now + dt.timedelta(days=VALID_DAYS))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if ca:
-            b = b.add_extension(x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True,
-                content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-        if usage:
-            b = b.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
-        if sans:
-            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        return b.sign(ca_key, hashes.SHA256())
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    client_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = cert("rlfabric CA", ca_key, ca=True)
-    server_cert = cert(hosts[0], server_key, usage=[ExtendedKeyUsageOID.SERVER_AUTH],
-                       sans=[_san(h) for h in hosts])
-    client_cert = cert("rlfabric client", client_key,
-                       usage=[ExtendedKeyUsageOID.CLIENT_AUTH])
-
-    def pem(c: x509.Certificate) -> bytes:
-        return c.public_bytes(serialization.Encoding.PEM)
-
-    def key_pem(k: ec.EllipticCurvePrivateKey) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                               serialization.NoEncryption())
-
-    for path, data in ((out.ca, pem(ca_cert)), (out.server_cert, pem(server_cert)),
-                       (out.client_cert, pem(client_cert))):
-        Path(path).write_bytes(data)
-    for path, data in ((out.server_key, key_pem(server_key)),
-                       (out.client_key, key_pem(client_key))):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+    ca_key, server_key, client_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    _write(out.ca, _cert("rlfabric CA", ca_key, ca_key))
+    _write(out.server_cert, _cert(hosts[0], server_key, ca_key,
+                                  usage=ExtendedKeyUsageOID.SERVER_AUTH,
+                                  sans=[_san(h) for h in hosts]))
+    _write(out.client_cert, _cert("rlfabric client", client_key, ca_key,
+                                  usage=ExtendedKeyUsageOID.CLIENT_AUTH))
+    _write(out.server_key, server_key)
+    _write(out.client_key, client_key)
     return out
 
 
-def _san(host: str):  # -> x509.GeneralName
+def _name(cn: str) -> Any:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "rlfabric"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(subject: str, key: Any, ca_key: Any, *, usage: Any = None,
+          sans: list[Any] | None = None) -> Any:
+    """A certificate for `key`, signed by `ca_key` (the CA's own when `key` is `ca_key`)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    ca = key is ca_key
+    now = dt.datetime.now(dt.UTC)
+    b = (x509.CertificateBuilder().subject_name(_name(subject))
+         .issuer_name(_name("rlfabric CA")).public_key(key.public_key())
+         .serial_number(x509.random_serial_number())
+         .not_valid_before(now - dt.timedelta(minutes=5))
+         .not_valid_after(now + dt.timedelta(days=VALID_DAYS))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if ca:
+        b = b.add_extension(x509.KeyUsage(
+            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+            key_encipherment=False, data_encipherment=False, key_agreement=False,
+            encipher_only=False, decipher_only=False), critical=True)
+    if usage is not None:
+        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    if sans:
+        b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return b.sign(ca_key, hashes.SHA256())
+
+
+def _write(path: str, obj: Any) -> None:
+    """A certificate, or a private key (owner-only), as PEM."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    if isinstance(obj, x509.Certificate):
+        Path(path).write_bytes(obj.public_bytes(serialization.Encoding.PEM))
+        return
+    data = obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _san(host: str) -> Any:
     from cryptography import x509
 
     try:
