@@ -44,6 +44,20 @@ JS_STORAGE_FULL = frozenset({10023, 10047, 10028})
 JS_STREAM_STORE_FAILED = 10077
 
 
+#: what a JetStream publish raises when not stored: `retryable` says which to send again
+PUBLISH_FAILED: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a JetStream publish that raised `exc` is worth sending again as it was: a
+    transient error (a stream with no room answers with one too: not that) or a copy still
+    in process."""
+    if storage_refused(exc):
+        return False
+    return isinstance(exc, TRANSIENT) or (isinstance(exc, nats.js.errors.APIError)
+                                           and exc.err_code == JS_MSG_ID_IN_PROCESS)
+
+
 def storage_refused(exc: BaseException) -> bool:
     """Whether `exc` is JetStream saying it has no room to store the message: the server's
     or account's store, or the stream's own cap."""
@@ -52,16 +66,6 @@ def storage_refused(exc: BaseException) -> bool:
     if exc.err_code in JS_STORAGE_FULL:
         return True
     return exc.err_code == JS_STREAM_STORE_FAILED and "maximum" in (exc.description or "")
-
-
-#: what a JetStream publish raises when not stored: `retryable` says which to send again
-PUBLISH_FAILED: tuple[type[Exception], ...] = (*TRANSIENT, nats.js.errors.APIError)
-
-
-def retryable(exc: BaseException) -> bool:
-    """Whether a JetStream publish that raised `exc` is worth sending again as it was."""
-    return isinstance(exc, TRANSIENT) or (isinstance(exc, nats.js.errors.APIError)
-                                           and exc.err_code == JS_MSG_ID_IN_PROCESS)
 
 
 #: what reading a stored message by sequence raises when it cannot be read now or at all (the
