@@ -12,6 +12,10 @@ Start order (each step is live before the next):
 3. membership (ping responder + heartbeated key);
 4. the rollout data plane (`RolloutServer`).
 
+A command the worker did not apply (it came past its deadline: the worker was cut off; or the
+weights of an update could not be fetched) is followed by the desired state, read again and
+taken as at join (`_missed`): the fleet may have gone on without this worker.
+
 `drain()` (SIGTERM, or a `Shutdown` command) stops fetching, lets in-flight requests finish,
 then `run()` returns: the key is deleted, the control consumer removed, the engine stopped.
 """

@@ -25,21 +25,29 @@ def net() -> Iterator[Net]:
 @dataclass
 class Site:
     """A cluster of 3 nodes; worker `w<i>` in host `w<i>` talks to node i; the trainer in
-    host `tr` knows every node."""
+    host `tr` and the gateway (if asked for) in host `gw` know every node."""
 
     net: Net
     cluster: NsCluster
     workers: list = field(default_factory=list)
+    gateway: str = ""  # the base URL of the gateway in host `gw` ("": none)
 
 
 @pytest.fixture
 def site(net: Net, spawn, tmp_path, prefix: str) -> Callable[..., Site]:
-    def _start(*, sync: str = "", workers: int = 3, engine: str = "null") -> Site:
+    def _start(*, sync: str = "", workers: int = 3, engine: str = "null",
+               gateway: bool = False) -> Site:
         cluster = NsCluster(net, 3, str(tmp_path / "store"), sync=sync)
         net.host("tr")
         hosts = [net.host(f"w{i}") for i in range(workers)]
+        gw = net.host("gw") if gateway else None
         cluster.start()
         out = Site(net, cluster)
+        if gw is not None:  # a gateway of its own, knowing every node, as the trainer does
+            proc = spawn("gateway", "--nats", cluster.url, "--prefix", prefix, "--model",
+                         "tinyqwen", "--host", gw.addr, "--port", "8000", module="rlfabric",
+                         under=gw.argv())
+            out.gateway = proc.wait_for(r"serving \S+ at (http://\S+/v1)", timeout=120).group(1)
         for i, h in enumerate(hosts):
             out.workers.append(spawn(
                 "worker", "--nats", cluster.urls[i % 3], "--prefix", prefix, "--worker-id",
