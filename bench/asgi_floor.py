@@ -50,7 +50,8 @@ async def serve(port: int, model: str) -> None:
                                            lifespan="off"))
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))  # bound before the line that says so
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)  # connections queue from here on: the line below may be acted on at once
     print(f"serving on {port}", flush=True)
     await server.serve(sockets=[sock])
 
