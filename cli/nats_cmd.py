@@ -27,7 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "a role's key connect, each limited to its role's subjects: DIR/trainer.nk (control, "
         "desired state, weights, requests), DIR/worker.nk (its consumers, results, acks, "
         "events, membership; never control commands or the desired state), "
-        "DIR/observer.nk (read-only: `rlfabric status`). Pass one to a command with --nkey.",
+        "DIR/observer.nk (read-only: `rlfabric status`). Pass one to a command with --nkey. "
+        "With --tls DIR it serves TLS only, with a CA and certificates it writes to DIR "
+        "(docs/reliability.md); the two combine.",
     )
     p.add_argument("--port", type=int, default=4222,
                    help="client port (0 = any free port; default %(default)s)")
