@@ -47,6 +47,15 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def route_config(cluster: str, i: int, routes: list[str]) -> str:
+    """The config lines of node `n<i>` of `cluster`: it listens for routes on `routes[i]`
+    ("host:port") and routes to every other node's."""
+    peers = ", ".join(f'"nats-route://{r}"' for j, r in enumerate(routes) if j != i)
+    return (f"server_name: n{i}\n"
+            f"cluster {{\n  name: {cluster}\n  listen: \"{routes[i]}\"\n"
+            f"  routes: [{peers}]\n}}\n")
+
+
 def knows_meta_leader(log_lines: list[str]) -> bool:
     """Whether a node's log (`EmbeddedNats.log_lines`: its last 200 lines) last named a
     JetStream metadata leader elected, not lost. A JetStream API request sent to a node that
@@ -88,11 +97,7 @@ class EmbeddedCluster:
         ]
 
     def _config(self, i: int, routes: list[int]) -> str:
-        peers = ", ".join(f'"nats-route://{self.host}:{p}"' for j, p in enumerate(routes)
-                          if j != i)
-        return (f"server_name: n{i}\n"
-                f"cluster {{\n  name: {self.name}\n  listen: \"{self.host}:{routes[i]}\"\n"
-                f"  routes: [{peers}]\n}}\n")
+        return route_config(self.name, i, [f"{self.host}:{p}" for p in routes])
 
     @property
     def urls(self) -> list[str]:

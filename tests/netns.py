@@ -6,7 +6,7 @@ cluster across three of them, and the faults a real network has.
     net.cut("n0") / net.heal()           # its link down (cut off from every host) / all back
     net.split(["n0", "w0"])              # those hosts keep each other, lose the rest
     with a.entered(): ...                # this thread's sockets are made inside `a`
-    net.close()                          # processes stopped, every namespace removed
+    net.close()                          # its servers stopped, every namespace removed
 
 A cut or a split drops packets silently, as a pulled cable does: no host is told. Only
 namespaces and addresses this harness creates are touched; `close()` removes them however the
@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Iterator
 
 from rlfabric.bus import EmbeddedNats
-from rlfabric.bus.cluster import knows_meta_leader
+from rlfabric.bus.cluster import knows_meta_leader, route_config
 
 CLONE_NEWNET = 0x40000000
 CLIENT_PORT, ROUTE_PORT, HTTP_PORT = 4222, 6222, 8222
@@ -101,7 +101,6 @@ class Net:
         self.subnet = f"10.{200 + int(self.tag[:2], 16) % 50}.{int(self.tag[2:4], 16)}"
         self.hub = f"rlf{self.tag}hub"
         self.hosts: dict[str, Host] = {}
-        self.procs: list[subprocess.Popen[str]] = []
         self.servers: list[EmbeddedNats] = []
         ip("netns", "add", self.hub)
         try:
@@ -142,21 +141,11 @@ class Net:
             ip("-n", self.hub, "link", "set", f"p-{name}", "master", "br0")
             ip("-n", self.hub, "link", "set", f"p-{name}", "up")
 
-    def popen(self, host: str, *cmd: str, **kw: object) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(self.hosts[host].argv(*cmd), **kw)  # type: ignore[call-overload]
-        self.procs.append(proc)
-        return proc
-
     def close(self) -> None:
         for srv in self.servers:
             with contextlib.suppress(Exception):
                 resume(srv)
                 srv.stop(timeout=5)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=10)
         for ns in [h.ns for h in self.hosts.values()] + [self.hub]:
             with contextlib.suppress(RuntimeError):
                 ip("netns", "del", ns)
@@ -176,18 +165,17 @@ def resume(srv: EmbeddedNats) -> None:
 
 class NsCluster:
     """Three or more nats-server nodes (JetStream on), node i in host `n<i>` of `net`, routed
-    into one cluster; each keeps its store in `store_dir/n<i>` (kept across `kill`/`start`)."""
+    into one cluster; each keeps its store in `store_dir/n<i>` (kept across a node's `kill()`
+    and `start()`)."""
 
     def __init__(self, net: Net, n: int, store_dir: str, *, sync: str = "") -> None:
         self.net = net
         hosts = [net.host(f"n{i}") for i in range(n)]
         self.hosts = hosts
         self.nodes = []
+        routes = [f"{h.addr}:{ROUTE_PORT}" for h in hosts]
         for i, h in enumerate(hosts):
-            peers = ", ".join(f'"nats-route://{o.addr}:{ROUTE_PORT}"' for o in hosts if o is not h)
-            conf = (f"server_name: n{i}\nhttp: \"{h.addr}:{HTTP_PORT}\"\n"
-                    f"cluster {{\n  name: part\n  listen: \"{h.addr}:{ROUTE_PORT}\"\n"
-                    f"  routes: [{peers}]\n}}\n")
+            conf = f'http: "{h.addr}:{HTTP_PORT}"\n' + route_config("part", i, routes)
             node = EmbeddedNats(port=CLIENT_PORT, host=h.addr, extra_config=conf,
                                 store_dir=os.path.join(store_dir, f"n{i}"), sync=sync,
                                 ready_timeout=30, launcher=h.argv(), max_file_store=1 << 32)
@@ -238,6 +226,3 @@ class NsCluster:
                 return int(seen[0][1:])
             time.sleep(0.1)  # the nodes elect on their own clock; nothing here to await
         raise TimeoutError(f"no metadata leader agreed within {timeout}s: {seen}")
-
-    def kill(self, i: int) -> None:
-        self.nodes[i].kill()
