@@ -36,6 +36,7 @@ from rlfabric.cli._common import (
 )
 from rlfabric.cli.up_fleet import ProcessFleet, RayActorFleet
 from rlfabric.engines import registry
+from rlfabric.engines.kinds import DTYPES
 from rlfabric.errors import LaunchError
 from rlfabric.trainer import config
 
@@ -115,6 +116,9 @@ def _grpo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, metavar="DEV",
                    help="the trainer's torch device, and the torch workers' (e.g. cuda; "
                    "default: the trainer on cpu, torch workers on cuda if there is one)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="the trainer's and the workers' weights dtype (default %(default)s; "
+                   "bfloat16 as RL runs on GPUs train: the mismatch column shows what it costs)")
     p.add_argument("--colocate", action="store_true",
                    help="trainer and workers share the device: each step the workers sleep "
                    "while the trainer trains, wake, take the update and resume (the per-step "
@@ -236,6 +240,8 @@ def _threshold(args: argparse.Namespace) -> float:
 async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None) -> None:
     """Start the workers, train, and wait (10 s at most) for every one to serve the last
     version."""
+    import torch
+
     from rlfabric.tensors.models import build_model
     from rlfabric.trainer import FabricClient
     from rlfabric.trainer.grpo import GRPOTrainer
@@ -247,6 +253,10 @@ async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None)
         extra: tuple[str, ...] = ("--max-adapters", "1") if args.lora else ()
         if args.device and args.engine == "torch":
             extra += ("--device", args.device)
+        if args.dtype != "float32":
+            extra += ("--dtype", args.dtype)
+        if args.engine == "vllm" and run.cfg.transport == "cuda_ipc":
+            extra += ("--weight-transfer", "ipc")  # pushes enter vLLM through its ipc backend
         await anyio.to_thread.run_sync(fleet.start, args.workers, url, args.prefix,
                                        args.engine, model, args.trace, args.metrics, extra)
     run.console.print(f"rlfabric up: NATS at {url}, {args.workers} workers "
@@ -260,7 +270,8 @@ async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None)
             {"up": os.getpid(), "nats": nats_pid, "workers": pids}))
         live = run.console.is_terminal and not args.no_live
         async with _agents(run, fabric, url) as agent:
-            trainer = GRPOTrainer(fabric, build_model(model), run.cfg, agent=agent,
+            trainer = GRPOTrainer(fabric, build_model(model, dtype=getattr(torch, args.dtype)),
+                                  run.cfg, agent=agent,
                                   on_step=functools.partial(_on_step, run, live))
             await _drive(run, trainer, fabric, live)
         run.final, run.full_bytes = trainer.version, trainer.full_bytes

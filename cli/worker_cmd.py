@@ -26,7 +26,7 @@ from rlfabric.cli._common import (
 from rlfabric.concurrency.sync import beside
 from rlfabric.engines import registry
 from rlfabric.engines.errors import EngineDied
-from rlfabric.engines.kinds import OPENMP_SPIN
+from rlfabric.engines.kinds import DTYPES, OPENMP_SPIN
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import RLFabricError
 from rlfabric.worker.admission import MAX_REQUEST_TOKENS
@@ -77,6 +77,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=registry.MAX_BATCH,
                    help="sequences decoded together (torch engine; vLLM's max_num_seqs) "
                    "(default %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="the engine's weights and compute dtype (default %(default)s: logprobs "
+                   "equal to a float32 trainer's forward pass); pushes must carry it too "
+                   "(a bfloat16 trainer: --dtype bfloat16)")
     p.add_argument("--max-adapters", type=int, default=None, metavar="N",
                    help=f"LoRA adapters (by name) held at once (default: {registry.MAX_ADAPTERS} "
                    "on torch; 0, LoRA off, on vllm); one more is refused (adapter_limit)")

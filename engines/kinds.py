@@ -26,7 +26,7 @@ class VllmOptions:
     max_model_len: int = 512  # --max-model-len
     kv_cache_gib: float = 1.0  # --kv-cache-gib (CPU: VLLM_CPU_KVCACHE_SPACE)
     block_size: int = 0  # --block-size: tokens a KV block holds (0: vLLM's own, 128 on CPU)
-    dtype: str = "float32"  # --dtype
+    dtype: str = "float32"  # --dtype (the worker's, shared with torch)
     threads_bind: str = "nobind"  # --threads-bind (CPU: VLLM_CPU_OMP_THREADS_BIND)
     in_process: bool = True  # --no-in-process: vLLM's default 3-process layout
     max_num_seqs: int = MAX_BATCH  # --max-batch (the worker's, shared with torch)
@@ -39,6 +39,9 @@ class VllmOptions:
     #: the class vLLM mixes into its worker processes: RLFabricWorkerExtension or a subclass
     #: of it (one that adds RPCs, or instruments loads: tests inject failures this way)
     worker_extension: str = "rlfabric.engines.vllm.extension.RLFabricWorkerExtension"
+    #: CUDA: vLLM's weight-transfer backend, "nccl" (collective updates from VllmNcclSync) or
+    #: "ipc" (every full-weights update enters vLLM through its CUDA IPC backend)
+    weight_transfer: str = "nccl"  # --weight-transfer
 
 
 def _torch(model: str, **options: Any) -> Engine:
@@ -46,6 +49,9 @@ def _torch(model: str, **options: Any) -> Engine:
 
     return TorchEngine(model, **options)
 
+
+#: the engines' weights and compute dtypes (`rlfabric worker --dtype`, `rlfabric up --dtype`)
+DTYPES = ("float32", "bfloat16", "float16")
 
 #: iterations an idle OpenMP thread spins before it sleeps (libgomp's `GOMP_SPINCOUNT`)
 OPENMP_SPIN = "20000"
@@ -83,8 +89,6 @@ def _vllm_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=d["block_size"],
                    help="tokens per KV-cache block, the unit the prefix cache reuses (0: "
                    "vLLM's own, 128 on CPU; CPU takes multiples of 32)")
-    g.add_argument("--dtype", default=d["dtype"],
-                   help="weights and compute dtype (default %(default)s: logprob parity)")
     g.add_argument("--threads-bind", default=d["threads_bind"],
                    help="CPU: VLLM_CPU_OMP_THREADS_BIND ('auto' binds every engine to the same "
                    "cores; give each its own, e.g. 0-3, or nobind; default %(default)s)")
@@ -97,6 +101,18 @@ def _vllm_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-extension", default=d["worker_extension"], metavar="CLASS",
                    help="the class vLLM mixes into its worker processes, as module.Class: "
                    "rlfabric's own or a subclass of it (default %(default)s)")
+    g.add_argument("--weight-transfer", choices=("nccl", "ipc"), default=d["weight_transfer"],
+                   help="CUDA only: the weight-transfer backend vLLM starts with. nccl: "
+                   "collective updates from rlfabric.trainer.VllmNcclSync (trainer on its own "
+                   "GPU). ipc: for a trainer on this host's GPUs (colocated): cuda_ipc pushes, "
+                   "and shm/filesystem/nats pushes staged to the GPU, enter vLLM through its "
+                   "own IPC backend, device to device (default %(default)s)")
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
 
 
 def _or(value: int | None, default: int) -> int:
@@ -111,7 +127,8 @@ def _null(model: str, **options: Any) -> Engine:
 
 TORCH = register(EngineKind(
     name="torch", help="the reference engine", factory=_torch, add_options=_torch_options,
-    options=lambda a: {"device": a.device, "max_batch": a.max_batch,
+    options=lambda a: {"device": a.device, "dtype": _torch_dtype(a.dtype),
+                       "max_batch": a.max_batch,
                        "max_adapters": _or(a.max_adapters, MAX_ADAPTERS),
                        "adapter_versions": a.adapter_versions}, torch_threads=True,
     up_worker_args=("--threads", "1"), prepare=_torch_prepare))
@@ -123,7 +140,8 @@ VLLM = register(EngineKind(
         block_size=a.block_size, threads_bind=a.threads_bind, in_process=a.in_process,
         max_num_seqs=a.max_batch,
         max_adapters=_or(a.max_adapters, 0), adapter_versions=a.adapter_versions,
-        max_lora_rank=a.max_lora_rank, worker_extension=a.worker_extension)},
+        max_lora_rank=a.max_lora_rank, worker_extension=a.worker_extension,
+        weight_transfer=a.weight_transfer)},
     # vLLM's CPU build takes 64-wide heads only
     default_model="tiny64", up_worker_args=("--kv-cache-gib", "1")))
 NULL = register(EngineKind(

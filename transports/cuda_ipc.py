@@ -165,16 +165,19 @@ def _local_index(uuid: str) -> int | None:
 
 
 def _open(b: CudaIpcBucket, worker_id: str) -> torch.Tensor:
-    import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from rlfabric.tensors.ipc import rebuild_args
 
     index = _local_index(b.device_uuid)
     if index is None:
         raise TransportError(ErrorCode.UNSUPPORTED,
                              f"{worker_id} cannot see the trainer's GPU {b.device_uuid} "
                              "(CUDA_VISIBLE_DEVICES?): cuda_ipc maps memory of that GPU")
-    t: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]  # torch leaves it untyped
-        torch.Tensor, (b.nbytes,), (1,), 0, torch.storage.TypedStorage, torch.uint8, index,
-        b.handle, b.storage_bytes, b.storage_offset, False, b.ref_counter,
-        b.ref_counter_offset, b.event or None, b.event_sync)
+    handle = {"tensor_size": (b.nbytes,), "tensor_stride": (1,), "tensor_offset": 0,
+              "storage_handle": b.handle, "storage_size_bytes": b.storage_bytes,
+              "storage_offset_bytes": b.storage_offset, "requires_grad": False,
+              "ref_counter_handle": b.ref_counter, "ref_counter_offset": b.ref_counter_offset,
+              "event_handle": b.event or None, "event_sync_required": b.event_sync}
+    t: torch.Tensor = rebuild_cuda_tensor(*rebuild_args(handle, index))  # type: ignore[no-untyped-call]  # torch leaves it untyped
     return t

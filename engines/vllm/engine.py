@@ -116,9 +116,17 @@ _NOT_VLLM_GROUP = (
     "rlfabric.trainer.VllmNcclSync, or use the shm, filesystem or nats transport")
 
 
+_IPC_CPU = (
+    "--weight-transfer ipc maps CUDA memory through vLLM's ipc backend, which needs vLLM's "
+    "CUDA build; this is the CPU build: drop --weight-transfer")
+_IPC_NOT_NCCL = (
+    "this vLLM worker runs vLLM's ipc weight transfer (--weight-transfer ipc), for a trainer "
+    "on its host's GPUs: push to it with cuda_ipc, shm, filesystem or nats, or restart it with "
+    "--weight-transfer nccl to join VllmNcclSync's group")
+
+
 class VllmEngine:
     name = "vllm"
-    weights_device = "cpu"  # it loads from a file in its own process
     owns_collective = True
 
     def __init__(self, model: str, *, options: VllmOptions | None = None) -> None:
@@ -147,18 +155,29 @@ class VllmEngine:
         self.prefix_cache = PrefixCacheCounts()
         self.lora = VllmAdapters(self._shapes, max_adapters=self.options.max_adapters,
                                  keep=self.options.adapter_versions)
+        self._ipc = self.options.weight_transfer == "ipc"
+        #: what a restart serves when no copy of a loaded version is kept (NCCL, ipc)
+        self._checkpoint_as, self._checkpoint_checksum = -1, ""
+
+    @property
+    def weights_device(self) -> str:
+        # ipc: every payload reaches vLLM from this process's GPU; else from a file
+        return "cuda" if self._ipc else "cpu"
 
     # ---- lifecycle ----
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         logging.getLogger("vllm").addHandler(self._tail)
         try:
             _check_memory(self.options.kv_cache_gib)
+            if self._ipc and _on_cpu():
+                raise EngineDied(_IPC_CPU, code=ErrorCode.UNSUPPORTED)
             try:
                 await self._start()
             except Exception as exc:
                 raise EngineDied(f"vLLM could not start {self.model}: {type(exc).__name__}: "
                                  f"{exc}; last vLLM log lines: {self._log_tail()}") from exc
             self._checksum = await anyio.to_thread.run_sync(_checkpoint_checksum, self.model)
+            self._checkpoint_checksum = self._checksum
             task_status.started()
             while True:  # the engine answering is what keeps this worker a member
                 await anyio.sleep(1.0)
@@ -210,12 +229,19 @@ class VllmEngine:
             max_num_seqs=o.max_num_seqs, logprobs_mode="raw_logprobs",
             worker_extension_cls=o.worker_extension, disable_log_stats=True,
             **_lora_args(o),
-            enable_sleep_mode=not _on_cpu(), **_weight_transfer_args())
+            enable_sleep_mode=not _on_cpu(), **_weight_transfer_args(o.weight_transfer))
         # NOTE: off the event loop: building the engine blocks for 10-20 s
         build = functools.partial(AsyncLLM.from_engine_args, args,
                                   stat_loggers=[counting_into(self.prefix_cache)])
         self._llm = await anyio.to_thread.run_sync(build)
         await self._llm.check_health()
+        if self._ipc:
+            from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+            from rlfabric.engines.vllm.ipc import INIT_INFO
+
+            await self._llm.init_weight_transfer_engine(
+                WeightTransferInitRequest(init_info=INIT_INFO))
         await self._warm_up()
 
     async def _warm_up(self) -> None:
@@ -248,7 +274,7 @@ class VllmEngine:
 
     async def serve_checkpoint_as(self, version: int) -> None:
         await self._llm.update_weight_version(str(version))
-        self._version = version
+        self._version = self._checkpoint_as = version
 
     # ---- requests ----
     def check(self, request: RolloutRequest) -> None:
@@ -419,6 +445,9 @@ class VllmEngine:
 
     async def load_weights(self, weights: PackedWeights, version: int) -> None:
         self._check_layout(weights)
+        if self._ipc and weights.pieces:
+            await self._load_over_ipc(weights, version)
+            return
         from rlfabric.tensors.checksums import checksum
 
         state = weights.state()
@@ -440,6 +469,37 @@ class VllmEngine:
                          why=f"v{version} failed inside vLLM's loader")
         self._checksum = new_checksum
 
+    async def _load_over_ipc(self, weights: PackedWeights, version: int) -> None:
+        """The verified payload, on this process's GPU, into vLLM through its ipc backend:
+        device to device, nothing kept on disk (a restart serves the checkpoint)."""
+        import torch
+
+        from rlfabric.engines.vllm import ipc
+        from rlfabric.tensors.checksums import checksum
+
+        state = weights.state()
+
+        def take(chunk: dict[str, Any]) -> None:  # from ipc.send's thread
+            anyio.from_thread.run(functools.partial(
+                self._llm.collective_rpc, "rlfabric_update_ipc", kwargs={"chunk": chunk}))
+
+        async def load() -> None:
+            await self._llm.start_weight_update()
+            await anyio.to_thread.run_sync(ipc.send, state, take)
+            await self._llm.finish_weight_update(weight_version=str(version))
+
+        def failed(exc: Exception) -> Exception:
+            return WeightLoadError(f"vLLM's ipc backend did not take v{version} ({exc}); the "
+                                   f"engine was restarted and serves v{self._version}")
+        try:
+            new_checksum = await anyio.to_thread.run_sync(checksum, state)
+            await self._load(load, version, keep=None, layout=weights.tensors, failed=failed,
+                             why=f"v{version} failed inside vLLM's ipc backend")
+        finally:
+            state.clear()
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        self._checksum = new_checksum
+
     async def _load(self, load: Callable[[], Awaitable[None]], version: int, *,
                     keep: str | None, layout: tuple[TensorMeta, ...] | list[TensorMeta],
                     failed: Callable[[Exception], Exception], why: str) -> None:
@@ -457,9 +517,8 @@ class VllmEngine:
             if keep is not None:
                 with contextlib.suppress(OSError):
                     os.remove(keep)
-            error = failed(exc)
             await self._recover(f"{why} ({exc})")
-            raise error from None
+            raise failed(exc) from None
         finally:
             if frozen_here and self._llm is not None and self._paused is None:
                 await self._llm.resume_generation()
@@ -495,6 +554,9 @@ class VllmEngine:
                 await self._llm.collective_rpc("rlfabric_load", kwargs={
                     "path": self._current_file, "tensors": self._current_layout,
                     "version": self._version})
+            else:  # no copy of the version served (NCCL, ipc): the checkpoint again
+                self._version, self._checksum = self._checkpoint_as, self._checkpoint_checksum
+            if self._version >= 0:
                 await self._llm.update_weight_version(str(self._version))
             for held in self.lora.every():
                 await self._llm.add_lora(held.request)
@@ -545,6 +607,8 @@ class VllmEngine:
             raise Unsupported(_NOT_VLLM_GROUP)
         if _on_cpu():
             raise Unsupported(_NO_COLLECTIVE_CPU)
+        if self._ipc:
+            raise Unsupported(_IPC_NOT_NCCL)
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         # NOTE: one rlfabric worker = one vLLM engine; vLLM adds dp_rank * TP * PP +
@@ -702,13 +766,14 @@ def _lora_args(o: VllmOptions) -> dict[str, Any]:
             "max_lora_rank": o.max_lora_rank}
 
 
-def _weight_transfer_args() -> dict[str, Any]:
-    """vLLM's NCCL weight-transfer engine, on CUDA only (the CPU build cannot run NCCL)."""
+def _weight_transfer_args(backend: str) -> dict[str, Any]:
+    """vLLM's weight-transfer engine (`backend`: nccl or ipc), on CUDA only (the CPU build
+    runs neither)."""
     if _on_cpu():
         return {}
     from vllm.config.weight_transfer import WeightTransferConfig
 
-    return {"weight_transfer_config": WeightTransferConfig(backend="nccl")}
+    return {"weight_transfer_config": WeightTransferConfig(backend=backend)}
 
 
 def _digest_of(obj: Any) -> str:

@@ -4,7 +4,8 @@ rlfabric engine reaches with `collective_rpc`.
 Weights never travel through the RPC: the call carries a file path (a POSIX shared-memory
 segment under /dev/shm, the filesystem transport's file, or the spill of a buffer received
 over NATS) and the tensor layout, and this code maps the file and hands views of it to vLLM's
-own in-place loader.
+own in-place loader; or (`--weight-transfer ipc`) a CUDA IPC handle that vLLM's ipc backend
+maps.
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ class RLFabricWorkerExtension:
                 mapped.close()
             except BufferError:  # a view survived in vLLM: unmapped when it goes
                 pass
+
+    def rlfabric_update_ipc(self, chunk: dict[str, Any]) -> int:
+        """One chunk of a load through vLLM's ipc backend (`engines/vllm/ipc.py`), between
+        vLLM's start_weight_update and finish_weight_update; returns the tensors loaded."""
+        from rlfabric.engines.vllm.ipc import update_info
+
+        worker: Any = self
+        worker.update_weights(update_info(chunk))
+        return len(chunk["names"])
 
     def rlfabric_weights(self, items: list[tuple[str, torch.Tensor]], version: int
                          ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlfabric.bus.tls import write_tls
 from rlfabric.telemetry.report import by_trace, process_of, read_spans
+from rlfabric.tensors.models import build_model
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
@@ -225,16 +227,20 @@ def test_a_fleet_with_a_gateway_on_tls_and_role_keys(tmp_path: Path, spawn, pref
     assert untrusted.returncode != 0 and "refused this client's TLS" in untrusted.stderr
 
 
-def test_colocated_the_workers_sleep_through_training_and_wake_into_each_update(
+def test_colocated_in_bfloat16_the_workers_sleep_through_training_and_wake_into_each_update(
         tmp_path: Path) -> None:
     # level 2: the workers drop their weights each step, and each update brings them back
     out = subprocess.run([EXE, "up", "--workers", "2", "--steps", "6", "--threshold", "0.01",
-                          "--colocate", "--sleep-level", "2", "--no-live", "--json",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                          "--colocate", "--sleep-level", "2", "--dtype", "bfloat16",
+                          "--no-live", "--json", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     steps = summary["steps"]
     assert len(steps) == 6 and all(s["sleep_ms"] > 0 and s["wake_ms"] > 0 for s in steps)
-    assert summary["mismatch_max"] <= 1e-4  # served exactly what the trainer pushed
+    bf16 = build_model("tiny", dtype=torch.bfloat16).state_dict()
+    assert summary["update_bytes"] == sum(t.nbytes for t in bf16.values())
+    # served exactly what the trainer pushed, computed in bfloat16 as the trainer computes
+    assert summary["mismatch_max"] <= 1e-4
     assert set(summary["workers_on_final"].values()) == {6}
     assert " sleep " in out.stdout and " wake " in out.stdout  # the phase table's columns

@@ -2,9 +2,14 @@
 machines): digests equal on CPU and GPU; a host payload staged to the GPU intact; sleep gives
 the card back, wake restores it, and sampling after wake is what it was before sleep; a
 `cuda_ipc` push reaches two worker processes on the GPU, which then sample with the trainer's
-logprobs, and leaves nothing allocated on the trainer's side."""
+logprobs, and leaves nothing allocated on the trainer's side; with vLLM's CUDA build, the same
+push enters a vLLM worker through vLLM's own ipc backend."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -30,16 +35,33 @@ async def sample(engine, rid: str) -> list[int]:
     return res.completion_token_ids.tolist()
 
 
+def device_used_mib() -> str:
+    """The device's used memory as the driver counts it (what nvidia-smi shows), and this
+    process's line of nvidia-smi where it lists one."""
+    free, total = torch.cuda.mem_get_info()
+    try:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True,
+                              text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        apps = ""
+    mine = [line.split(",")[1].strip() for line in apps.splitlines()
+            if line.split(",")[0].strip() == str(os.getpid())]
+    return f"{(total - free) >> 20} MiB used (nvidia-smi, this process: {mine or 'not listed'})"
+
+
 async def test_sleep_level_1_frees_the_cards_memory_and_wake_restores_it() -> None:
     async with running(make_engine("torch", "small64", device="cuda")) as engine:
         before = await sample(engine, "before")
         torch.cuda.synchronize()
-        reserved = torch.cuda.memory_reserved()
+        reserved, smi = torch.cuda.memory_reserved(), [device_used_mib()]
         await engine.sleep(1)
-        asleep = torch.cuda.memory_reserved()
+        asleep, smi = torch.cuda.memory_reserved(), [*smi, device_used_mib()]
         await engine.wake()
         after = await sample(engine, "after")
-        woken = torch.cuda.memory_reserved()
+        woken, smi = torch.cuda.memory_reserved(), [*smi, device_used_mib()]
+    print(f"\nsleep level 1, torch reserved: {reserved >> 20} MiB -> {asleep >> 20} asleep -> "
+          f"{woken >> 20} woken; device: " + " -> ".join(smi))
     assert reserved > 0 and asleep <= 0.1 * reserved, (reserved, asleep)
     assert woken >= 0.9 * reserved, (reserved, woken)
     assert after == before
@@ -82,13 +104,33 @@ async def test_cuda_ipc_reaches_two_workers_which_sample_with_the_trainers_logpr
                 for i in range(8)]
         out = await collect(fabric, reqs, timeout=120)
     assert {r.worker_id for r in out} == {"g0", "g1"}
+    assert gap(model, reqs, out) <= 1e-5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM's CUDA build is not installed (docs/vllm.md)")
+async def test_cuda_ipc_enters_vllm_through_its_own_ipc_backend(workers, client) -> None:
+    model = perturbed(4, model_name="tiny64").cuda()
+    workers(["v0"], "--model", "tiny64", "--weight-transfer", "ipc", engine="vllm")
+    async with client() as fabric:
+        await fabric.wait_for_workers(1, timeout=280)
+        rep = await fabric.update_weights(1, module=model, transport="cuda_ipc")
+        assert set(rep.ok) == {"v0"}
+        assert rep.acks["v0"].weights_checksum == checksum(dict(model.state_dict()))
+        reqs = [req(f"r{i}", [256, 5 + i, 6], min_version=1, max_tokens=24, seed=i)
+                for i in range(4)]
+        out = await collect(fabric, reqs, timeout=120)
+    assert gap(model, reqs, out) <= 1e-5
+
+
+def gap(model: torch.nn.Module, reqs: list, out: list) -> float:
+    """The largest |worker logprob - the model's forward pass| over every sampled token."""
     cpu = model.cpu()
     prompts = {r.request_id: r.prompt_token_ids.tolist() for r in reqs}
-    gap = max(float(np.abs(taken_logprobs(cpu, prompts[r.request_id],
-                                          r.completion_token_ids.tolist())
-                           - r.logprobs.numpy()).max())
-              for r in out if len(r.completion_token_ids))
-    assert gap <= 1e-5, gap
+    return max(float(np.abs(taken_logprobs(cpu, prompts[r.request_id],
+                                           r.completion_token_ids.tolist())
+                            - r.logprobs.numpy()).max())
+               for r in out if len(r.completion_token_ids))
 
 
 async def test_sleep_level_2_drops_the_weights_on_the_gpu_and_a_load_brings_them() -> None:

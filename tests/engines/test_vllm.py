@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -276,6 +277,45 @@ async def test_a_kv_cache_larger_than_the_machine_exits_at_start_naming_the_flag
     assert "GiB of memory available" in log
     assert sorted(rep.ok) == ["vl0", "vl1"] and snap.epoch == epoch
     assert sorted(r.request_id for r in out) == [f"k{i}" for i in range(8)]
+
+
+async def test_the_ipc_weight_transfer_on_the_cpu_build_exits_at_start_naming_the_flag(
+        two_vllm: Fleet) -> None:
+    t0 = time.monotonic()
+    proc = two_vllm.start("ipc", "--weight-transfer", "ipc")
+    rc = await anyio.to_thread.run_sync(lambda: proc.wait(timeout=120))
+    with open(f"{os.environ.get('TMPDIR', '/tmp')}/rlf-{two_vllm.prefix}-ipc.log") as f:
+        log = f.read()
+    assert rc == 3 and time.monotonic() - t0 < 60, (rc, log[-2000:])
+    assert "--weight-transfer ipc" in log and "CPU build" in log, log[-2000:]
+
+
+def test_an_ipc_chunk_is_what_vllms_ipc_backend_parses() -> None:
+    """The chunk as vLLM's msgpack RPC delivers it to the worker extension, turned into the
+    update info of vLLM's own ipc backend (its dataclass validates it)."""
+    import msgspec
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCWeightTransferInitInfo,
+        IPCWeightTransferUpdateInfo,
+    )
+
+    from rlfabric.engines.vllm.ipc import INIT_INFO, update_info
+    from rlfabric.tensors.ipc import plain_handle
+
+    shared = (torch.Tensor, (32,), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0,
+              b"handle", 512, 0, False, b"/torch_1_2", 3, None, False)
+    chunk = {"names": ["a.weight", "b.bias"], "dtype_names": ["float32", "bfloat16"],
+             "shapes": [[2, 3], [4]], "tensor_sizes": [24, 8], "gpu_uuid": "GPU-1",
+             "handle": plain_handle(shared)}
+    info = IPCWeightTransferUpdateInfo(
+        **update_info(msgspec.msgpack.decode(msgspec.msgpack.encode(chunk))))
+    assert IPCWeightTransferInitInfo(**INIT_INFO).packed
+    assert info.names == ["a.weight", "b.bias"] and info.tensor_sizes == [24, 8]
+    assert isinstance(info.ipc_handles, dict)
+    assert info.ipc_handles["GPU-1"] == shared
+    assert len(info.ipc_handles["GPU-1"]) == len(
+        inspect.signature(rebuild_cuda_tensor).parameters)
 
 
 async def test_vllm_nccl_bridge_commands_reach_every_worker_and_cpu_refuses_at_once(
