@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 #: vLLM's init info for its ipc backend: the packed layout, which `send` produces
 INIT_INFO = {"packed": True}
-#: the reused IPC buffer vLLM's producer packs into (its own default)
+#: the reused IPC buffer vLLM's producer packs into (its own default), or the largest tensor
+#: where one is larger (a 7B model's embedding in bf16 is)
 BUFFER_BYTES = 1 << 30
 
 
@@ -48,9 +49,10 @@ def send(state: Mapping[str, torch.Tensor], take: Callable[[dict[str, Any]], Non
     import torch
 
     device = next(iter(state.values())).device
+    largest = max(t.nbytes for t in state.values())
     n = 0
     with torch.cuda.device(device):
-        for chunk in chunks(state):
+        for chunk in chunks(state, max(BUFFER_BYTES, largest)):
             take(chunk)
             n += 1
     return n
