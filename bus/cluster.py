@@ -7,7 +7,8 @@
 Each node is an `EmbeddedNats` with a server name (`n0`, `n1`, ...), its own JetStream store
 (`<store_dir>/n<i>` when a store dir is given; kept), and routes to every other node. JetStream
 clustering needs a quorum of nodes: N >= 3. Streams and buckets a job provisions on a
-cluster get `replicas = min(3, N)` (`Limits.replicas`).
+cluster get `replicas = min(3, N)` (`Limits.replicas`). With `route_tls`
+(`TlsSetup.route_config()`) the nodes route to each other over mutual TLS.
 """
 
 from __future__ import annotations
@@ -47,13 +48,14 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def route_config(cluster: str, i: int, routes: list[str]) -> str:
+def route_config(cluster: str, i: int, routes: list[str], tls: str = "") -> str:
     """The config lines of node `n<i>` of `cluster`: it listens for routes on `routes[i]`
-    ("host:port") and routes to every other node's."""
+    ("host:port") and routes to every other node's; `tls`: the routes' `tls` block
+    (`TlsSetup.route_config`), or plaintext."""
     peers = ", ".join(f'"nats-route://{r}"' for j, r in enumerate(routes) if j != i)
     return (f"server_name: n{i}\n"
             f"cluster {{\n  name: {cluster}\n  listen: \"{routes[i]}\"\n"
-            f"  routes: [{peers}]\n}}\n")
+            f"  routes: [{peers}]\n{tls}}}\n")
 
 
 def knows_meta_leader(log_lines: list[str]) -> bool:
@@ -68,7 +70,7 @@ class EmbeddedCluster:
     def __init__(self, n: int = 3, *, host: str = "127.0.0.1", port: int = 0,
                  store_dir: str | None = None, name: str = "rlfabric",
                  max_payload: int = DEFAULT_MAX_PAYLOAD, extra_config: str = "",
-                 ready_timeout: float = 30.0, sync: str = "") -> None:
+                 ready_timeout: float = 30.0, sync: str = "", route_tls: str = "") -> None:
         if n < 3:
             raise ValueError(f"a JetStream cluster needs at least 3 nodes (a quorum survives "
                              f"one loss); got {n}. One server: EmbeddedNats")
@@ -81,23 +83,24 @@ class EmbeddedCluster:
         self._store_dir = store_dir
         self._extra_config = extra_config
         self._sync = sync
+        self._route_tls = route_tls
+        #: each node's route listener, "host:port"
+        self.routes: list[str] = []
         self.nodes = self._make_nodes()
 
     def _make_nodes(self) -> list[EmbeddedNats]:
         """The nodes, on the given client ports or on free ones, and on free route ports."""
         n, host, store = self.n, self.host, self._store_dir
         client = [self._port + i for i in range(n)] if self._port else free_ports(n, host)
-        routes = free_ports(n, host)
+        self.routes = [f"{host}:{p}" for p in free_ports(n, host)]
         return [
             EmbeddedNats(port=client[i], host=host, max_payload=self._max_payload,
                          store_dir=os.path.join(store, f"n{i}") if store else None,
-                         extra_config=self._config(i, routes) + self._extra_config,
+                         extra_config=route_config(self.name, i, self.routes, self._route_tls)
+                         + self._extra_config,
                          ready_timeout=self.ready_timeout, sync=self._sync)
             for i in range(n)
         ]
-
-    def _config(self, i: int, routes: list[int]) -> str:
-        return route_config(self.name, i, [f"{self.host}:{p}" for p in routes])
 
     @property
     def urls(self) -> list[str]:

@@ -5,7 +5,8 @@ signed, and the nats-server `tls` block that serves them.
     EmbeddedNats(extra_config=setup.config(verify=True))   # client certificates required
 
 DIR holds `ca.pem` (give it to every client: `--tls-ca`), `server-cert.pem`/`server-key.pem`
-(the server's, for the `hosts` given: IP addresses and DNS names) and `client-cert.pem`/
+(the server's, for the `hosts` given: IP addresses and DNS names; a cluster's nodes also
+present it to each other, `route_config`) and `client-cert.pem`/
 `client-key.pem` (`--tls-cert`/`--tls-key`, when the server requires client certificates).
 Files already there are kept: a restarted server serves the same certificates, and the
 clients holding them keep connecting. Keys are written owner-only. TLS combines with the
@@ -40,6 +41,21 @@ class TlsSetup:
         return (f'tls {{\n  cert_file: "{self.server_cert}"\n  key_file: "{self.server_key}"\n'
                 f'  ca_file: "{self.ca}"\n  verify: {str(verify).lower()}\n  timeout: 5\n}}\n')
 
+    def route_config(self) -> str:
+        """The `tls` block of a cluster's routes (inside `cluster {}`): each node presents the
+        server certificate and takes only a peer whose certificate the CA signed. Raises
+        ValueError for a server certificate made before routes used it (no client use)."""
+        from cryptography import x509
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+
+        cert = x509.load_pem_x509_certificate(Path(self.server_cert).read_bytes())
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        if ExtendedKeyUsageOID.CLIENT_AUTH not in usage:
+            raise ValueError(f"{self.server_cert} was made for clients only, so the nodes of a "
+                             "cluster cannot present it to each other: remove the files in "
+                             f"{Path(self.ca).parent} and start again (new ones are written)")
+        return self.config(verify=True)
+
 
 def write_tls(directory: str | os.PathLike[str], *, hosts: list[str]) -> TlsSetup:
     """Make (or keep) the CA, server and client certificates in `directory`; the server's is
@@ -59,11 +75,13 @@ def write_tls(directory: str | os.PathLike[str], *, hosts: list[str]) -> TlsSetu
         return out
     ca_key, server_key, client_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
     _write(out.ca, _cert("rlfabric CA", ca_key, ca_key))
+    # a cluster's nodes present the server certificate to each other: both uses
     _write(out.server_cert, _cert(hosts[0], server_key, ca_key,
-                                  usage=ExtendedKeyUsageOID.SERVER_AUTH,
+                                  usage=[ExtendedKeyUsageOID.SERVER_AUTH,
+                                         ExtendedKeyUsageOID.CLIENT_AUTH],
                                   sans=[_san(h) for h in hosts]))
     _write(out.client_cert, _cert("rlfabric client", client_key, ca_key,
-                                  usage=ExtendedKeyUsageOID.CLIENT_AUTH))
+                                  usage=[ExtendedKeyUsageOID.CLIENT_AUTH]))
     _write(out.server_key, server_key)
     _write(out.client_key, client_key)
     return out
@@ -77,7 +95,7 @@ def _name(cn: str) -> Any:
                       x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _cert(subject: str, key: Any, ca_key: Any, *, usage: Any = None,
+def _cert(subject: str, key: Any, ca_key: Any, *, usage: list[Any] | None = None,
           sans: list[Any] | None = None) -> Any:
     """A certificate for `key`, signed by `ca_key` (the CA's own when `key` is `ca_key`)."""
     from cryptography import x509
@@ -96,8 +114,8 @@ def _cert(subject: str, key: Any, ca_key: Any, *, usage: Any = None,
             digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
             key_encipherment=False, data_encipherment=False, key_agreement=False,
             encipher_only=False, decipher_only=False), critical=True)
-    if usage is not None:
-        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    if usage:
+        b = b.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
     if sans:
         b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     return b.sign(ca_key, hashes.SHA256())

@@ -14,7 +14,7 @@ from rlfabric.bus import EmbeddedNats, InvalidName, NatsServerError
 from rlfabric.bus.auth import write_auth
 from rlfabric.bus.cluster import EmbeddedCluster
 from rlfabric.bus.server import check_sync
-from rlfabric.bus.tls import write_tls
+from rlfabric.bus.tls import TlsSetup, write_tls
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve TLS: write DIR/ca.pem (clients pass it with --tls-ca), a server "
                    "certificate for --tls-host, and DIR/client-cert.pem + client-key.pem "
                    "(--tls-cert / --tls-key); existing ones are kept. Plaintext clients are "
-                   "refused; clients connect to tls://HOST:PORT")
+                   "refused; clients connect to tls://HOST:PORT. With --cluster the nodes "
+                   "also route to each other over mutual TLS (the server certificate)")
     p.add_argument("--tls-host", action="append", default=[], metavar="NAME",
                    help="a DNS name or IP address clients reach the server at, for its "
                    "certificate (repeatable; default: 127.0.0.1, localhost and --host)")
@@ -84,18 +85,24 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rlfabric nats: --{exc}", file=sys.stderr)
         return 2
+    route_tls = ""
     if args.tls:
         try:
-            extra += _tls(args)
+            tls = _tls(args)
+            extra += tls.config(verify=args.tls_verify)
+            route_tls = tls.route_config() if args.cluster else ""
         except OSError as exc:
             print(f"rlfabric nats: cannot write the certificates to {args.tls}: {exc}",
                   file=sys.stderr)
+            return 2
+        except ValueError as exc:  # certificates kept from before, unfit for routes
+            print(f"rlfabric nats: --tls --cluster: {exc}", file=sys.stderr)
             return 2
     elif args.tls_verify or args.tls_host:
         print("rlfabric nats: --tls-verify and --tls-host go with --tls DIR", file=sys.stderr)
         return 2
     if args.cluster:
-        return _run_cluster(args, extra)
+        return _run_cluster(args, extra, route_tls)
     srv = EmbeddedNats(port=args.port, host=args.host, store_dir=args.store_dir,
                        extra_config=extra, sync=args.sync)
     try:
@@ -115,10 +122,11 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
-def _run_cluster(args: argparse.Namespace, extra: str) -> int:
+def _run_cluster(args: argparse.Namespace, extra: str, route_tls: str) -> int:
     try:
         cluster = EmbeddedCluster(args.cluster, host=args.host, port=args.port,
-                                  store_dir=args.store_dir, extra_config=extra, sync=args.sync)
+                                  store_dir=args.store_dir, extra_config=extra, sync=args.sync,
+                                  route_tls=route_tls)
     except ValueError as exc:
         print(f"rlfabric nats: --cluster: {exc}", file=sys.stderr)
         return 2
@@ -155,17 +163,17 @@ def _run_cluster(args: argparse.Namespace, extra: str) -> int:
     return _foreground(announce, wait, cluster.stop)
 
 
-def _tls(args: argparse.Namespace) -> str:
-    """Write (or keep) the certificates in --tls DIR, say where they are; the server's
-    `tls` block."""
+def _tls(args: argparse.Namespace) -> TlsSetup:
+    """Write (or keep) the certificates in --tls DIR and say where they are."""
     hosts = args.tls_host or list(dict.fromkeys(
         ["127.0.0.1", "localhost"] + ([args.host] if args.host not in ("0.0.0.0", "::") else [])))
     setup = write_tls(args.tls, hosts=hosts)
     print(f"rlfabric nats: TLS on; clients pass --tls-ca {setup.ca}"
           + (f" --tls-cert {setup.client_cert} --tls-key {setup.client_key}"
              if args.tls_verify else "")
-          + f" (server certificate for {', '.join(hosts)})", flush=True)
-    return setup.config(verify=args.tls_verify)
+          + f" (server certificate for {', '.join(hosts)})"
+          + ("; the nodes route to each other over TLS" if args.cluster else ""), flush=True)
+    return setup
 
 
 def _scheme(url: str, args: argparse.Namespace) -> str:

@@ -1,17 +1,22 @@
 """TLS on a real nats-server: the certificates `write_tls` makes serve, a client holding the CA
 (and, where the server requires one, a client certificate) connects, and a plaintext client, a
 client that does not trust the server, and one whose certificate another CA signed are each
-refused with an error that says which and what to pass."""
+refused with an error that says which and what to pass; a cluster's nodes route to each other
+over mutual TLS."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import socket
+import ssl
 from pathlib import Path
 
 import pytest
 
-from rlfabric.bus import Bus, EmbeddedNats, NatsUnavailable
+from rlfabric.bus import Bus, EmbeddedCluster, EmbeddedNats, NatsUnavailable
 from rlfabric.bus.connect import ConnectOptions
-from rlfabric.bus.tls import write_tls
+from rlfabric.bus.tls import TlsSetup, write_tls
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -59,3 +64,48 @@ async def test_verify_requires_a_client_certificate_the_ca_signed(certs) -> None
         for given in ({}, {"tls_cert": other.client_cert, "tls_key": other.client_key}):
             with pytest.raises(NatsUnavailable, match=r"refused this client's TLS.*--tls-cert"):
                 await _connect(url, tls_ca=ours.ca, **given)
+
+
+async def test_a_clusters_nodes_route_to_each_other_over_mutual_tls(certs, tmp_path) -> None:
+    ours, _ = certs
+    async with EmbeddedCluster(3, extra_config=ours.config(),
+                               route_tls=ours.route_config()) as cluster:
+        # started: every node knows the metadata leader and all 3 nodes, over its routes
+        for route in cluster.routes:
+            host, _, port = route.rpartition(":")
+            assert _route_info(host, int(port), ours, cert=True)["tls_verify"] is True
+            with pytest.raises(ssl.SSLError, match="CERTIFICATE_REQUIRED"):
+                _route_info(host, int(port), ours, cert=False)
+            with socket.create_connection((host, int(port)), timeout=2) as plain, \
+                    pytest.raises(TimeoutError):
+                plain.recv(1)  # a plaintext peer is told nothing
+        await _connect(",".join(u.replace("nats://", "tls://") for u in cluster.urls),
+                       tls_ca=ours.ca)
+    # a server certificate made for clients only cannot serve routes: said at once
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    from rlfabric.bus.tls import _cert, _write
+
+    old = tmp_path / "old"
+    shutil.copytree(Path(ours.ca).parent, old)
+    key = ec.generate_private_key(ec.SECP256R1())
+    _write(str(old / "server-cert.pem"),
+           _cert("127.0.0.1", key, key, usage=[ExtendedKeyUsageOID.SERVER_AUTH]))
+    kept = TlsSetup(*(str(old / Path(p).name) for p in (
+        ours.ca, ours.server_cert, ours.server_key, ours.client_cert, ours.client_key)))
+    with pytest.raises(ValueError, match=r"made for clients only.*remove the files"):
+        kept.route_config()
+
+
+def _route_info(host: str, port: int, tls: TlsSetup, *, cert: bool) -> dict:
+    """The INFO a node's route listener sends a peer that holds the CA (and, with `cert`, the
+    nodes' certificate), after the TLS handshake."""
+    ctx = ssl.create_default_context(cafile=tls.ca)
+    if cert:
+        ctx.load_cert_chain(tls.server_cert, tls.server_key)
+    with socket.create_connection((host, port), timeout=5) as raw, \
+            ctx.wrap_socket(raw, server_hostname=host) as sock:
+        line = sock.makefile("rb").readline()
+    assert line.startswith(b"INFO "), line[:100]
+    return dict(json.loads(line[5:]))
