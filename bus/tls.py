@@ -51,8 +51,8 @@ class TlsSetup:
         cert = x509.load_pem_x509_certificate(Path(self.server_cert).read_bytes())
         usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
         if ExtendedKeyUsageOID.CLIENT_AUTH not in usage:
-            raise ValueError(f"{self.server_cert} was made for clients only, so the nodes of a "
-                             "cluster cannot present it to each other: remove the files in "
+            raise ValueError(f"{self.server_cert} was made for server use only, so the nodes "
+                             "of a cluster cannot present it to each other: remove the files in "
                              f"{Path(self.ca).parent} and start again (new ones are written)")
         return self.config(verify=True)
 

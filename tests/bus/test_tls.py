@@ -81,7 +81,7 @@ async def test_a_clusters_nodes_route_to_each_other_over_mutual_tls(certs, tmp_p
                 plain.recv(1)  # a plaintext peer is told nothing
         await _connect(",".join(u.replace("nats://", "tls://") for u in cluster.urls),
                        tls_ca=ours.ca)
-    # a server certificate made for clients only cannot serve routes: said at once
+    # a server certificate made for server use only cannot serve routes: said at once
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
@@ -94,7 +94,7 @@ async def test_a_clusters_nodes_route_to_each_other_over_mutual_tls(certs, tmp_p
            _cert("127.0.0.1", key, key, usage=[ExtendedKeyUsageOID.SERVER_AUTH]))
     kept = TlsSetup(*(str(old / Path(p).name) for p in (
         ours.ca, ours.server_cert, ours.server_key, ours.client_cert, ours.client_key)))
-    with pytest.raises(ValueError, match=r"made for clients only.*remove the files"):
+    with pytest.raises(ValueError, match=r"made for server use only.*remove the files"):
         kept.route_config()
 
 
