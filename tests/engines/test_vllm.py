@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import inspect
 import json
 import logging
 import os
@@ -294,7 +293,6 @@ def test_an_ipc_chunk_is_what_vllms_ipc_backend_parses() -> None:
     """The chunk as vLLM's msgpack RPC delivers it to the worker extension, turned into the
     update info of vLLM's own ipc backend (its dataclass validates it)."""
     import msgspec
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
     from vllm.distributed.weight_transfer.ipc_engine import (
         IPCWeightTransferInitInfo,
         IPCWeightTransferUpdateInfo,
@@ -314,8 +312,6 @@ def test_an_ipc_chunk_is_what_vllms_ipc_backend_parses() -> None:
     assert info.names == ["a.weight", "b.bias"] and info.tensor_sizes == [24, 8]
     assert isinstance(info.ipc_handles, dict)
     assert info.ipc_handles["GPU-1"] == shared
-    assert len(info.ipc_handles["GPU-1"]) == len(
-        inspect.signature(rebuild_cuda_tensor).parameters)
 
 
 async def test_vllm_nccl_bridge_commands_reach_every_worker_and_cpu_refuses_at_once(
