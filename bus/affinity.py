@@ -17,6 +17,9 @@
   result came, the client puts the request in the shared queue (`lost`); a worker that hands
   an offered request back puts it there itself. Either way its submission id makes the copies
   one request: the stream drops the second, the client keeps the first result.
+- A request a worker took from the shared queue is told to its client (`pulled`): if that
+  worker leaves before answering, the client queues it again at once (`lost_pulled`), not
+  after the stream's ack wait; the first result of either copy is kept.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class Affinity:
         self.kv = bus.buckets.affinity
         #: request id -> the worker that took it, until its result comes
         self.taken: dict[str, str] = {}
+        #: request id -> the worker that pulled it from the shared queue, until answered
+        self.pulled: dict[str, str] = {}
         self._offered: Counter[str] = Counter()  # requests per worker sent, not answered
         #: turns routed: to their bound worker (bound), to another (moved: the bound one
         #: left; new: no binding), to the shared queue (queued: refused or unanswered)
@@ -154,23 +159,38 @@ class Affinity:
         wid = self.taken.pop(request_id, None)
         if wid is not None:
             self.release(wid)
+        self.pulled.pop(request_id, None)
 
-    async def run(self, lost: Callable[[list[str]], None], *,
+    def held_by(self, request_id: str, worker_id: str) -> None:
+        """`worker_id` took `request_id` from the shared queue."""
+        if request_id not in self.taken:
+            self.pulled[request_id] = worker_id
+
+    async def run(self, lost: Callable[[list[str]], None],
+                  lost_pulled: Callable[[list[str]], None] | None = None, *,
                   task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Hand `lost` the requests whose worker left before answering, as it leaves."""
+        """Hand `lost` the offered requests whose worker left before answering, and
+        `lost_pulled` those it pulled from the queue, as it leaves."""
         joins_leaves = Signal()
         with self.watcher.firing_on_join_or_leave(joins_leaves):
             task_status.started()
             while True:
                 changed = joins_leaves.event()
-                self._rescue(lost)
+                self._rescue(lost, lost_pulled)
                 await changed.wait()
 
-    def _rescue(self, lost: Callable[[list[str]], None]) -> None:
-        alive = set(self.watcher.snapshot().worker_ids)
+    def _rescue(self, lost: Callable[[list[str]], None],
+                lost_pulled: Callable[[list[str]], None] | None) -> None:
+        alive = self.watcher.members
         gone = [rid for rid, wid in self.taken.items() if wid not in alive]
+        pulled = [rid for rid, wid in self.pulled.items() if wid not in alive]
         for rid in gone:
             self.answered(rid)
+        for rid in pulled:
+            self.pulled.pop(rid, None)
         if gone:
             self.counts["rescued"] += len(gone)
             lost(gone)
+        if pulled and lost_pulled is not None:
+            self.counts["rescued"] += len(pulled)
+            lost_pulled(pulled)

@@ -47,8 +47,14 @@ class Sink(Protocol):
     def send_nowait(self, item: RolloutReply, /) -> None: ...
 
 
-#: what a `generate` call's inbox holds: results, errors, and token deltas when asked for
-Item = RolloutReply | TokenDelta
+class NoMembers:
+    """Put in a waiting call's inbox when the job's last worker left (`RolloutPlane`)."""
+
+
+NO_MEMBERS = NoMembers()
+#: what a `generate` call's inbox holds: results, errors, token deltas when asked for, and
+#: word that the job has no member left
+Item = RolloutReply | TokenDelta | NoMembers
 
 
 class Inbox:
@@ -102,9 +108,12 @@ class _Waiting:
 
 
 class Awaited:
-    def __init__(self, answered: Callable[[str], None] | None = None) -> None:
+    def __init__(self, answered: Callable[[str], None] | None = None,
+                 taken: Callable[[str, str], None] | None = None) -> None:
         #: told each request id that is awaited no more (answered, or given up)
         self._answered = answered
+        #: told (request id, worker id) when a worker says it took an awaited request
+        self._taken = taken
         self.duplicates_dropped = 0
         self._waiting: dict[str, _Waiting] = {}
         self._codec = codec_for(RolloutReply | RolloutReplies)
@@ -133,6 +142,23 @@ class Awaited:
         for req in prepared:
             waiting[req.request_id] = _Waiting(req, sink, deltas=deltas)
         instruments.current.queue_depth.set(len(waiting), TRAINER)
+
+    def fail(self, ids: Iterable[str], code: str, message: str) -> list[RolloutError]:
+        """An error for each sample of `ids` still awaited; those are awaited no more."""
+        out = []
+        for rid in ids:
+            w = self._waiting.pop(rid, None)
+            if w is None:
+                continue
+            for i in range(w.request.sampling.n):
+                if i not in w.got:
+                    out.append(RolloutError(
+                        request_id=rid, worker_id="", code=code, sample_index=i,
+                        group_id=w.request.group_id, retryable=True,
+                        submission_id=w.request.submission_id, message=message))
+            if self._answered is not None:
+                self._answered(rid)
+        return out
 
     def forget(self, prepared: Iterable[RolloutRequest]) -> None:
         for r in prepared:
@@ -164,6 +190,12 @@ class Awaited:
         except SchemaError:
             return
         waiting = self._waiting
+        if batch.taken and self._taken is not None:
+            for rid, sid in batch.taken.items():
+                w = waiting.get(rid)
+                if w is not None and w.request.submission_id == sid and \
+                        len(w.got) < w.request.sampling.n:
+                    self._taken(rid, batch.worker_id)
         for delta in batch.deltas:
             w = waiting.get(delta.request_id)
             if w is not None and w.deltas is not None and \

@@ -111,6 +111,8 @@ class Link:
         self.since = time.monotonic()  # of the current state
         self.reconnected = Signal()
         self.reconnects = 0
+        #: called at once when the connection drops (before any reconnect)
+        self.on_disconnect: list[Callable[[], None]] = []
         #: subjects (lowercased) the server refused this client, with when and its words
         self.refused: dict[str, tuple[float, str]] = {}
         self.refusals = Signal()
@@ -142,6 +144,8 @@ class _ConnLog:
     async def disconnected(self) -> None:
         if self.link.up:
             self.link.up, self.link.since = False, time.monotonic()
+        for fn in self.link.on_disconnect:
+            fn()
         if self.up and self.nc is not None and not (self.nc.is_closed or self.nc.is_draining):
             log.warning("nats: lost the connection to %s; reconnecting", self.servers)
 

@@ -120,6 +120,8 @@ class Registration:
         self._beater = _beaters.setdefault(bus, _Beater(bus))
         #: called before each write to bring live fields (in-flight, version) up to date
         self.refresh: Callable[[WorkerInfo], WorkerInfo] | None = None
+        #: told why when the key could not be written (the bus may have moved on without us)
+        self.on_unwritten: Callable[[str], None] | None = None
         self._checked_at = -math.inf  # when refuse_if_taken() last found the id free
         self._write_at = math.inf  # when the key is written again if nothing changes
         self._written: WorkerInfo | None = None  # what the key holds
@@ -166,8 +168,10 @@ class Registration:
                 with anyio.fail_after(max(1.0, 2 * self.heartbeat)):
                     await self.flush()
             except Exception as exc:  # the server went meanwhile: the next beat retries
-                log.warning("membership key of %s not written: %s", self.worker_id,
-                            str(exc) or type(exc).__name__)
+                why = str(exc) or type(exc).__name__
+                log.warning("membership key of %s not written: %s", self.worker_id, why)
+                if self.on_unwritten is not None:
+                    self.on_unwritten(f"its membership key could not be written ({why})")
 
     async def _on_ping(self, msg: Msg) -> None:
         info = self.refresh(self.info) if self.refresh else self.info

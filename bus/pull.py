@@ -28,6 +28,8 @@ from rlfabric.bus.session import Bus
 from rlfabric.concurrency.sync import Signal, wait_any
 
 log = logging.getLogger("rlfabric.bus.pull")
+#: pull requests in a row that expire unanswered before the owner is told (`on_silent`)
+SILENT_PULLS = 2
 
 
 @dataclass
@@ -45,8 +47,12 @@ class Puller:
 
     def __init__(self, bus: Bus, stream: str, consumer: str,
                  on_message: Callable[[Msg], Awaitable[None]], *, kick: Signal,
-                 expires: float = 2.0) -> None:
+                 expires: float = 2.0, on_silent: Callable[[str], None] | None = None) -> None:
         self.bus = bus
+        #: told when pull requests in a row went unanswered (no message, no status): the
+        #: server this client talks to may be cut off from the stream's leader
+        self.on_silent = on_silent
+        self._silent = 0
         self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._on_message = on_message
         self.expires = expires
@@ -63,6 +69,9 @@ class Puller:
         now = time.monotonic()
         while self._pulls and self._pulls[0].deadline + 1.0 < now:
             self._pulls.popleft()  # its 408 never came (a reconnect): its credits are back
+            self._silent += 1
+            if self._silent == SILENT_PULLS and self.on_silent is not None:
+                self.on_silent(f"{SILENT_PULLS} pull requests in a row got no answer")
 
     async def want(self, n: int) -> None:
         """Request more messages so that `n` are outstanding (never fewer than now). While the
@@ -75,6 +84,7 @@ class Puller:
         await self.bus.nc.publish(self._next, json.dumps(req).encode(), reply=self._inbox)
 
     async def _on_raw(self, msg: Msg) -> None:
+        self._silent = 0
         status = (msg.headers or {}).get("Status")
         if status is None:
             if self._pulls:

@@ -170,6 +170,19 @@ class Fanout:
                 return
             await news.wait()
 
+    async def heard(self, workers: set[str], phase: Literal["ready", "done"] = "done", *,
+                    timeout: float) -> FanoutReport:
+        """The report once each of `workers` answered `phase` or is no longer a member, or
+        after `timeout` seconds (no quorum: those who matter are named by the caller)."""
+        with self.b.watcher.firing_on_join_or_leave(self._news), anyio.move_on_after(timeout):
+            while True:
+                news = self._news.event()
+                got, members = self._got(phase), self.b.watcher.members
+                if all(w in got or w not in members for w in workers):
+                    break
+                await news.wait()
+        return self.report(phase)
+
     def report(self, phase: str) -> FanoutReport:
         """Acks of `phase` so far; `missing` is every member of the snapshot the command was
         sent to that has not answered (found dead or not)."""

@@ -124,17 +124,20 @@ class CommandReceiver:
 
     # slots: a process can hold many receivers (simulated fleets), each read every command
     __slots__ = ("_buffer", "_busy", "_codec", "_decode_raw", "_flood", "_queue", "_queued",
-                 "_sync_queued", "acks", "applied_live", "applied_seq", "bus", "caught_up",
-                 "handled", "handler", "live_sub", "next_seq", "on_not_applied", "poll", "poll_max",
-                 "rejected", "start_end", "stream_reads", "worker_id")
+                 "_sync_queued", "_sync_waiters", "acks", "applied_live", "applied_seq", "bus",
+                 "caught_up", "handled", "handler", "live_sub", "next_seq", "on_not_applied",
+                 "on_unread", "poll", "poll_max", "rejected", "start_end", "stream_reads",
+                 "worker_id")
 
     def __init__(self, bus: Bus, worker_id: str, handler: Handler, *,
                  state: StateFn = lambda: (-1, ""), poll: float = 1.0,
                  poll_max: float = POLL_MAX, remember: int = 4096, buffer: int = 4096,
-                 on_not_applied: Callable[[Command, Ack], Awaitable[None]] | None = None
-                 ) -> None:
+                 on_not_applied: Callable[[Command, Ack], Awaitable[None]] | None = None,
+                 on_unread: Callable[[str], None] | None = None) -> None:
         self.bus = bus
         self.on_not_applied = on_not_applied
+        #: told why, when the control stream could not be read (commands may be missed)
+        self.on_unread = on_unread
         self.worker_id = check_token(worker_id, "worker id")
         self.handler = handler
         self.acks = Acks(bus, self.worker_id, state, remember=remember)
@@ -161,6 +164,7 @@ class CommandReceiver:
         #: the core subscription to live copies (while running)
         self.live_sub: Subscription | None = None
         self._sync_queued = False
+        self._sync_waiters: list[tuple[anyio.Event, list[bool]]] = []  # (done, [read])
         # what the subscription callbacks queued for the loop (a deque and a signal: an
         # anyio memory stream cost as much per item as applying the command)
         self._queue: deque[_Item] | None = None
@@ -193,7 +197,11 @@ class CommandReceiver:
                     try:
                         if msg is None:
                             self._sync_queued = False
-                            await self._catch_up()
+                            waiters, self._sync_waiters = self._sync_waiters, []
+                            read = await self._catch_up()
+                            for done, out in waiters:
+                                out.append(read)
+                                done.set()
                         elif seq > self.next_seq:
                             await self._catch_up()  # reads up to the stream's end, this too
                         elif seq == self.next_seq:
@@ -228,6 +236,16 @@ class CommandReceiver:
         """Ask the loop for a catch-up from the stream (one queued at a time)."""
         if not self._sync_queued:
             self._sync_queued = self._enqueue((0, "", None))
+
+    async def sync(self, timeout: float = 30.0) -> bool:
+        """Apply every command stored up to now, in order; False if the stream could not be
+        read to its end (within `timeout` seconds)."""
+        done, out = anyio.Event(), list[bool]()
+        self._sync_waiters.append((done, out))
+        self._sync()
+        with anyio.move_on_after(timeout):
+            await done.wait()
+        return bool(out and out[0])
 
     async def _on_live(self, msg: Msg) -> None:
         # `Subjects.live_parts`, inline for the common case: every worker parses every copy
@@ -284,8 +302,9 @@ class CommandReceiver:
                 await anyio.sleep(delay)
                 delay = min(2 * delay, 1.0)
 
-    async def _catch_up(self) -> None:
-        """Apply every command stored from `next_seq` on, in order."""
+    async def _catch_up(self) -> bool:
+        """Apply every command stored from `next_seq` on, in order; False if the stream could
+        not be read to its end."""
         s = self.bus.subjects
         while True:
             self.stream_reads += 1
@@ -293,14 +312,17 @@ class CommandReceiver:
                 raw = await self.bus.js.get_msg(s.control_stream, seq=self.next_seq,
                                                 subject=s.control_all, next=True)
             except NotFoundError:
-                return  # up to date
+                return True  # up to date
             except READ_FAILED as exc:
                 # the next poll, reconnect or probe tries again; nothing applied out of order
                 log.warning("%s: reading commands from seq %d failed (%s); retried shortly",
                             self.worker_id, self.next_seq, exc)
-                return
+                if self.on_unread is not None:
+                    self.on_unread("the control stream could not be read "
+                                   f"({str(exc) or type(exc).__name__})")
+                return False
             if raw.seq is None or raw.seq < self.next_seq:
-                return
+                return True
             self.caught_up += 1
             # nats-py parses a stored message's headers with `email`: a value that is not
             # ASCII comes back as an `email.header.Header`, not a str

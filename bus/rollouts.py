@@ -26,12 +26,14 @@ tokens from the result.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Literal, cast, overload
 
 import anyio
 import anyio.lowlevel
@@ -42,13 +44,16 @@ from nats.js.api import DeliverPolicy
 from opentelemetry.trace import INVALID_SPAN
 
 from rlfabric.bus.affinity import Affinity, affinity_key
-from rlfabric.bus.awaited import Awaited, Inbox, Item, Sink
+from rlfabric.bus.awaited import NO_MEMBERS, Awaited, Inbox, Item, NoMembers, Sink
+from rlfabric.bus.membership import MembershipWatcher
 from rlfabric.bus.outbox import Outbox, Ticket
 from rlfabric.bus.session import Bus
+from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import (
     CLIENT_ID_HEADER,
     COUNT_HEADER,
     REQUEST_ID_HEADER,
+    ErrorCode,
     RolloutReply,
     RolloutRequest,
     RolloutRequests,
@@ -58,6 +63,10 @@ from rlfabric.schemas import (
 )
 from rlfabric.schemas.validation import check_request
 from rlfabric.telemetry import spans
+
+log = logging.getLogger("rlfabric.bus")
+#: seconds a `generate` call waits with no worker in the job before it fails its requests
+NO_WORKER_WAIT = 3.0
 
 
 @dataclass(slots=True)
@@ -75,17 +84,60 @@ class _Rebind:
         await self.affinity.bind(self.key, reply.worker_id)
 
 
+class Vacancy:
+    """Whether the job has no member: every waiting `generate` call is told when the last
+    one leaves (`NO_MEMBERS` in its inbox), and fails its requests once none has been a
+    member for `wait` seconds (a call made while there is none counts from then)."""
+
+    def __init__(self, watcher: MembershipWatcher, wait: float) -> None:
+        self.watcher = watcher
+        self.wait = wait
+        self.inboxes: set[Inbox] = set()
+
+    def join(self, inbox: Inbox) -> float | None:
+        """Tell `inbox` from now on; since when the job has had no member (None: it has)."""
+        self.inboxes.add(inbox)
+        return None if self.watcher.members else time.monotonic()
+
+    def left(self, empty: float) -> tuple[float | None, float | None]:
+        """(since when empty, seconds left before failing), or (None, None): a member came."""
+        if self.watcher.members:
+            return None, None
+        return empty, empty + self.wait - time.monotonic()
+
+    def why(self) -> str:
+        return (f"no worker serves job {self.watcher.bus.subjects.prefix!r}: none has been a "
+                f"member for {self.wait:g} s (the last one left or died, or none started); "
+                "start workers (`rlfabric worker`), then submit again")
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        joins_leaves = Signal()
+        with self.watcher.firing_on_join_or_leave(joins_leaves):
+            task_status.started()
+            while True:
+                changed = joins_leaves.event()
+                if not self.watcher.members:
+                    for inbox in self.inboxes:
+                        inbox.send_nowait(NO_MEMBERS)
+                await changed.wait()
+
+
 class RolloutPlane:
     def __init__(self, bus: Bus, client_id: str, *,
                  max_batch: int | Callable[[int, RolloutRequest], int] = 64,
-                 affinity: Affinity | None = None) -> None:
+                 affinity: Affinity | None = None, watcher: MembershipWatcher | None = None,
+                 no_worker_wait: float = NO_WORKER_WAIT) -> None:
         self.bus = bus
         self.client_id = client_id
-        #: routes the requests of a session (`generate(..., session=)`); None: all go to the
-        #: shared queue
+        #: routes the requests of a session (`generate(..., session=)`), and puts back in the
+        #: queue what a worker that left held; None: all go to the shared queue
         self.affinity = affinity
+        #: a `generate` call fails once the job has had no member for `no_worker_wait` s
+        watcher = watcher or (affinity.watcher if affinity is not None else None)
+        self.vacancy = Vacancy(watcher, no_worker_wait) if watcher is not None else None
         #: each submitted request until answered (results deduplicated there)
-        self.awaited = Awaited(affinity.answered if affinity is not None else None)
+        self.awaited = Awaited(affinity.answered if affinity is not None else None,
+                               affinity.held_by if affinity is not None else None)
         #: request messages go out through it (`outbox.messages`, `.items`: how they packed)
         self.outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs),
                              headers=self._request_headers, max_items=max_batch)
@@ -109,7 +161,9 @@ class RolloutPlane:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.outbox.run)
                 if self.affinity is not None:
-                    await tg.start(self.affinity.run, self._requeue)
+                    await tg.start(self.affinity.run, self._requeue, self._requeue_pulled)
+                if self.vacancy is not None:
+                    await tg.start(self.vacancy.run)
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True):
@@ -162,13 +216,17 @@ class RolloutPlane:
         return prepared
 
     def _send(self, prepared: list[RolloutRequest],
-              on_stored: Callable[[BaseException | None], None]) -> Ticket | None:
+              on_stored: Callable[[BaseException | None], None], *,
+              again: str = "") -> Ticket | None:
+        """Queue `prepared` for the request stream. `again`: a copy of requests already
+        stored, sent under message ids of its own (the stream would drop it as a duplicate
+        of the first within its dedupe window)."""
         if not prepared:
             return None
         deadlines = [r.deadline for r in prepared]
         until = max(deadlines) if all(deadlines) else None
         subject = self._request_subject
-        items = [(r, r.submission_id) for r in prepared]
+        items = [(r, r.submission_id + again) for r in prepared]
         if not spans.enabled():  # the common case: no span, no wrapper of `on_stored`
             return self.outbox.post(subject, items, until=until, on_done=on_stored)
         # the span a worker's `process` span hangs from: ends once the requests are stored
@@ -222,6 +280,14 @@ class RolloutPlane:
         if reqs:
             self._send(reqs, lambda error: None)  # not stored: its deadline answers it
 
+    def _requeue_pulled(self, request_ids: list[str]) -> None:
+        """Requests a worker pulled from the queue and left with (the stream would hand them
+        out again only after its ack wait): into the queue again now."""
+        reqs = [r for rid in request_ids if (r := self.awaited.request(rid)) is not None]
+        if reqs:
+            log.info("%d requests held by a worker that left: queued again", len(reqs))
+            self._send(reqs, lambda error: None, again=f".again{next(self._counter)}")
+
     def _request_headers(self, reqs: list[RolloutRequest]) -> dict[str, str]:
         if len(reqs) == 1:
             return {CLIENT_ID_HEADER: self.client_id, REQUEST_ID_HEADER: reqs[0].request_id}
@@ -265,9 +331,20 @@ class RolloutPlane:
         ids = [r.request_id for r in sent]
         timed = any(r.deadline for r in sent)  # else no wait has a deadline to end it
         yielded = 0
+        vacancy = self.vacancy
+        empty = vacancy.join(inbox) if vacancy is not None else None
         try:
             while yielded < total:
                 wait = self.awaited.next_deadline(ids) if timed else None
+                if empty is not None and vacancy is not None:
+                    empty, left = vacancy.left(empty)
+                    if left is not None and left <= 0:
+                        for err in self.awaited.fail(ids, ErrorCode.NO_WORKERS, vacancy.why()):
+                            yielded += 1
+                            yield err
+                        continue
+                    if left is not None:
+                        wait = left if wait is None else min(wait, left)
                 if wait is None:  # no deadline, no cancel scope (one each costs)
                     reply: Item | None = await inbox.get()
                 else:
@@ -279,12 +356,17 @@ class RolloutPlane:
                         yielded += 1
                         yield err
                     continue
+                if isinstance(reply, NoMembers):
+                    empty = empty or time.monotonic()
+                    continue
                 if type(reply) is not TokenDelta:  # a delta is no sample's answer
                     yielded += 1
                     if rebind is not None:  # before the caller's next turn can read it
                         await rebind.to(reply)
                 yield reply
         finally:
+            if vacancy is not None:
+                vacancy.inboxes.discard(inbox)
             self._given_up(sent, ticket)
             if span.is_recording():
                 span.set_attribute("rlfabric.results", yielded)
@@ -310,13 +392,20 @@ class RolloutPlane:
         sent, ticket = self._post(reqs, inbox, timeout, inbox.stored, inbox if deltas else None)
         return sent, ticket, None
 
-    async def generate_groups(self, requests: Iterable[RolloutRequest], *,
-                              timeout: float | None = None
-                              ) -> AsyncIterator[list[RolloutReply]]:
+    def generate_groups(self, requests: Iterable[RolloutRequest], *,
+                        timeout: float | None = None) -> AsyncIterator[list[RolloutReply]]:
         reqs = list(requests)
-        n_of = {r.request_id: r.sampling.n for r in reqs}
-        groups: dict[str, list[RolloutReply]] = {}
-        async for reply in self.generate(reqs, timeout=timeout):
+        return in_groups(reqs, self.generate(reqs, timeout=timeout))
+
+
+async def in_groups(requests: list[RolloutRequest], replies: AsyncIterator[RolloutReply]
+                    ) -> AsyncIterator[list[RolloutReply]]:
+    """`replies` (of `requests`) a request's n samples together, in sample order; `replies`
+    is closed with this (a caller that stops early gives its requests up at once)."""
+    n_of = {r.request_id: r.sampling.n for r in requests}
+    groups: dict[str, list[RolloutReply]] = {}
+    async with contextlib.aclosing(cast(AsyncGenerator[RolloutReply, None], replies)):
+        async for reply in replies:
             g = groups.setdefault(reply.request_id, [])
             g.append(reply)
             if len(g) == n_of[reply.request_id]:

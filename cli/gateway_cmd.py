@@ -18,6 +18,7 @@ from rlfabric.cli._common import (
     settle_heap,
     start_telemetry,
 )
+from rlfabric.concurrency.sync import beside
 from rlfabric.gateway import config
 from rlfabric.schemas import RLFabricError
 
@@ -144,7 +145,7 @@ async def _serve(args: argparse.Namespace) -> None:
                         max_cached_sessions=args.max_cached_sessions,
                         max_session_bytes=args.max_session_bytes,
                         chat_template=args.chat_template)
-    async with anyio.create_task_group() as tg:
+    async with beside() as tg:  # a failure to start raised as itself
         port = await tg.start(lambda task_status: serve(
             connect_options(args, "rlfabric-gateway"), config, opts, prefix=args.prefix,
             handle_signals=True, limits=limits_of(args), task_status=task_status))

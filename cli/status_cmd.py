@@ -50,6 +50,7 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
                 "capacity": m.capacity,
                 "in_flight": m.in_flight,
                 "checkpoint": m.checkpoint[:12],
+                "policy": m.policy,
                 "adapters": " ".join(f"{n}@{','.join(f'v{v}' for v in vs)}"
                                      for n, vs in sorted(m.adapters.items())) or "-",
                 "note": _note(m, claim),
@@ -59,6 +60,7 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
         "streams": depths,
         "desired_state": {
             "weight_version": desired.weight_version,
+            "policy": desired.policy,
             "paused": desired.paused,
             "pause_mode": desired.pause_mode,
             "group_epoch": desired.group_epoch,
@@ -71,6 +73,8 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _note(m: WorkerInfo, claim: CheckpointClaim | None) -> str:
+    if m.behind:
+        return f"takes no requests: {m.behind}"
     if claim is not None and m.weight_version < 0 and m.checkpoint and \
             m.checkpoint != claim.checksum:
         return (f"checkpoint differs from version 0 (claimed by {claim.worker_id}): not "
@@ -105,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     print("\nstreams (messages held): " + ", ".join(
         f"{k}={'absent' if v is None else v}" for k, v in info["streams"].items()))
     d = info["desired_state"]
-    print(f"desired: version {d['weight_version']}, "
+    print(f"desired: version {d['weight_version']}"
+          + (f" (policy {d['policy']})" if d["policy"] else "") + ", "
           f"{'paused (' + d['pause_mode'] + ')' if d['paused'] else 'running'}, "
           f"transport {d['transport'] or '-'}, group epoch {d['group_epoch']}"
           + "".join(f", adapter {n} v{v}" for n, v in d["adapters"].items()))

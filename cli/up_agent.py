@@ -93,7 +93,8 @@ async def agent_rollouts(fabric: FabricClient, url: str, prefix: str, run_dir: P
     from rlfabric.trainer.tools import AgentRollouts, ToolTask
 
     async with gateway(url, prefix, run_dir, connect=connect) as base:
-        agents = AgentRollouts(fabric.bus, base, task=ToolTask(turn_tokens=turn_tokens))
+        agents = AgentRollouts(fabric.bus, base, task=ToolTask(turn_tokens=turn_tokens),
+                               check=fabric.pushed.check_spans)
         try:
             yield agents
         finally:

@@ -173,9 +173,10 @@ class Engine(Protocol):
 
     async def load_adapter(self, weights: PackedWeights, adapter: Adapter, version: int) -> str:
         """Load `version` of LoRA `adapter` from `weights` (its tensors in PEFT's layout) beside
-        the versions already held; return the checksum of its tensors. The newest
-        `--adapter-versions` versions of each adapter stay loaded; a request running under an
-        older one finishes on it. `WeightLoadError` if the tensors do not fit the model,
+        the versions already held, as its newest (held versions at or after it are dropped: a
+        push taken back); return the checksum of its tensors. The newest `--adapter-versions`
+        versions of each adapter stay loaded; a request running under an older one finishes
+        on it. `WeightLoadError` if the tensors do not fit the model,
         `EngineError` (`adapter_limit`) past `--max-adapters` names, `Unsupported` for an
         engine without LoRA; the adapters held before stay as they were."""
         ...

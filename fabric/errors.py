@@ -35,6 +35,7 @@ from rlfabric.schemas.errors import (
 from rlfabric.schemas.validation import InvalidRequest
 from rlfabric.tensors.errors import CollectiveTimeout
 from rlfabric.trainer.errors import RolloutFailed, TransportInitFailed, WeightsMismatch
+from rlfabric.trainer.policies import PolicyMismatch
 from rlfabric.transports.protocol import TransportError
 
 
@@ -61,6 +62,7 @@ __all__ = [
     "NatsUnavailable",
     "PayloadTooLarge",
     "PermissionDenied",
+    "PolicyMismatch",
     "ProvisioningError",
     "QuorumNotReached",
     "RLFabricError",

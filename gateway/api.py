@@ -154,6 +154,8 @@ class WeightVersion(_Out, kw_only=True):
     version: int
     start: int
     end: int
+    #: the policy's full name (run, version, digest: `rlfabric.schemas.policy`)
+    policy: str = ""
 
 
 class ChatChoice(_Out, kw_only=True):

@@ -52,8 +52,15 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status, media_type=_JSON)
 
 
+#: statuses a client must not send again as they are: a 409 means another turn of the
+#: session is in flight (or it ended); the official `openai` client retries a 409 by default,
+#: and a retry that lands after that turn samples a branch nobody asked for
+_NO_RETRY = {409: {"x-should-retry": "false"}}
+
+
 def _error(exc: APIError) -> Response:
-    return Response(exc.body(), status_code=exc.status, media_type=_JSON)
+    return Response(exc.body(), status_code=exc.status, media_type=_JSON,
+                    headers=_NO_RETRY.get(exc.status))
 
 
 Handler = Callable[[Request, str], Awaitable[Response]]

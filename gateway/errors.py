@@ -47,4 +47,5 @@ WORKER_ERRORS: dict[str, tuple[int, ErrorCode]] = {
     ErrorCode.VERSION_UNAVAILABLE: (503, ErrorCode.NO_WEIGHTS),
     ErrorCode.DEADLINE_EXCEEDED: (503, ErrorCode.TIMEOUT),
     ErrorCode.ENGINE_ERROR: (502, ErrorCode.ENGINE_ERROR),
+    ErrorCode.NO_WORKERS: (503, ErrorCode.NO_WORKERS),
 }

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from rlfabric.gateway.conversation import assistant_digest
 from rlfabric.schemas import VersionSpan
 from rlfabric.text import ChatFormat, ParsedCall
@@ -107,7 +109,7 @@ def finalize(fmt: ChatFormat, ids: list[int], logprobs: list[float], spans: Sequ
         if calls:
             reason = "tool_calls"
     n = len(ids)
-    clipped = [VersionSpan(version=s.version, start=s.start, end=min(s.end, n))
+    clipped = [msgspec.structs.replace(s, end=min(s.end, n))
                for s in spans if s.start < n]
     digest = assistant_digest(content, [(c.name, json.loads(c.arguments)) for c in calls])
     return Final(ids=ids, logprobs=logprobs, spans=clipped, finish_reason=reason,
@@ -126,7 +128,9 @@ class StreamText:
     sent_text: str = ""
     sent_ids: int = 0
     broken: bool = False  # a delta was lost: the rest comes from the result
-    held: bool = False  # a stop string or a tool call began: the rest comes from the result
+    #: a stop string or a tool call began (or the gateway opened one: a forced call): the rest
+    #: comes from the result
+    held: bool = False
     #: the text of the first `base` tokens, which end on a whole character (decoding goes on
     #: from there: a stream costs a decode of its new tokens, not of all of them each time)
     base: int = 0

@@ -9,6 +9,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from rlfabric.gateway.api import (
     ChatChoice,
     ChatCompletion,
@@ -119,9 +121,10 @@ def top_rows(t: TopLogprobs | None) -> list[list[tuple[int, float]]]:
 
 
 def clip(spans: Sequence[VersionSpan], n: int) -> list[VersionSpan]:
-    return [VersionSpan(version=s.version, start=s.start, end=min(s.end, n))
+    return [msgspec.structs.replace(s, end=min(s.end, n))
             for s in spans if s.start < n]
 
 
 def versions(spans: Sequence[VersionSpan]) -> list[WeightVersion]:
-    return [WeightVersion(version=s.version, start=s.start, end=s.end) for s in spans]
+    return [WeightVersion(version=s.version, start=s.start, end=s.end, policy=s.policy)
+            for s in spans]

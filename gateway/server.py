@@ -63,7 +63,8 @@ async def serve(url: str | ConnectOptions, config: GatewayConfig, opts: ServeOpt
             beside(cancel_at_exit=True) as tg:
         watcher = MembershipWatcher(bus)
         plane = RolloutPlane(bus, f"g{uuid.uuid4().hex[:12]}",
-                             affinity=Affinity(bus, watcher) if config.affinity else None)
+                             affinity=Affinity(bus, watcher) if config.affinity else None,
+                             watcher=watcher)
         store = SessionStore(bus, writer=config.gateway_id,
                              idle_timeout=opts.session_idle_timeout,
                              max_cached=opts.max_cached_sessions,

@@ -241,7 +241,7 @@ class Gateway:
         yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))
                      for i in range(n)], prompt_token_ids=turn.plan.prompt,
                     session_id=turn.session.session_id)
-        texts = [StreamText(self.fmt, turn.rules) for _ in range(n)]
+        texts = [StreamText(self.fmt, turn.rules, held=bool(turn.prefill)) for _ in range(n)]
         finals: list[Final | None] = [None] * n
         try:
             async for item in self.plane.generate([turn.request], deltas=True,
@@ -348,7 +348,8 @@ class Gateway:
                               "loss_mask": s.loss_mask.tolist(),
                               "logprobs": s.logprobs.tolist(),
                               "weight_versions": [{"version": v.version, "start": v.start,
-                                                   "end": v.end} for v in s.weight_versions],
+                                                   "end": v.end, "policy": v.policy}
+                                                  for v in s.weight_versions],
                               "reason": s.reason, "detail": s.detail, "turns": list(s.turns)}
                              for s in traj.segments]}
 

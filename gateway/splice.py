@@ -62,12 +62,15 @@ def raw_text(fmt: ChatFormat, choice: TurnChoice,
 
 
 def _as_sampled(fmt: ChatFormat, messages: Sequence[dict[str, Any]], digests: Sequence[str],
-                returned: Mapping[str, TurnChoice],
+                fold: SessionFold | None,
                 cache: dict[tuple[bytes, bytes, str], str] | None) -> list[dict[str, Any]]:
-    """`messages` with every assistant message the session returned rendered from its text."""
+    """`messages` with every assistant message the session returned rendered from its text:
+    the text of the turn at that position (an agent may send two equal messages, such as a
+    tool call it repeated, each from its own turn)."""
     out = []
-    for m, d in zip(messages, digests, strict=True):
-        choice = returned.get(d) if m["role"] == "assistant" else None
+    for i, (m, d) in enumerate(zip(messages, digests, strict=True)):
+        choice = fold.choice_at(i, d) if fold is not None and m["role"] == "assistant" \
+            else None
         out.append(m if choice is None else {"role": "assistant",
                                              "content": raw_text(fmt, choice, cache)})
     return out
@@ -83,7 +86,7 @@ def plan(fmt: ChatFormat, fold: SessionFold | None, messages: Sequence[dict[str,
     turn after the generation prompt (not sampled). `texts` caches the text of returned
     choices (`raw_text`)."""
     returned = fold.returned if fold is not None else {}
-    r = _Render(fmt, _as_sampled(fmt, messages, digests, returned, texts), tools,
+    r = _Render(fmt, _as_sampled(fmt, messages, digests, fold, texts), tools,
                 template_kwargs, list(prefill))
     last = fold.last if fold is not None else None
     if fold is None or last is None:

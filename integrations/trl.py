@@ -6,13 +6,22 @@
         trainer.train()
 
 `rollout_func` renders and tokenizes TRL's prompts as TRL does, sends one request per prompt
-TRL hands it (TRL repeats each prompt `num_generations` times) with TRL's sampling settings and
-`min_weight_version` = the version of the current step, and returns the completions, the
-workers' logprobs of them, and as extra fields (which reward functions and logs can read) the
-`worker_id` and `weight_version` behind each. `sync` (a `TrainerCallback`) pushes the model's
-weights, or its PEFT adapter, to every worker after each optimizer step as version =
-`state.global_step`; a push the quorum did not ack stops training with its report
-(`WeightSyncFailed`), so nothing ever trains on rollouts from weights it did not push.
+TRL hands it (TRL repeats each prompt `num_generations` times) with TRL's sampling settings, its
+end tokens (the tokenizer's and the model's generation config's, as TRL's own generation stops
+at) and `min_weight_version` = the version of the current step, and returns the completions,
+the workers' logprobs of them, and as extra fields (which reward functions and logs can read)
+the `worker_id` and `weight_version` behind each. `sync` (a `TrainerCallback`) pushes the
+model's weights, or its PEFT adapter, to every worker after each optimizer step as version =
+`state.global_step`; a push the quorum did not ack is taken back and stops training with its
+report (`WeightSyncFailed`, saying where each worker is).
+
+Every version this run pushes is named by its run (`TrlFabric.run`, fresh per instance) and
+digest: the workers serve this run's requests with this run's weights only (a second run on the
+same workers, with the same adapter name and versions from 0 again, is never served by the
+first one's adapter), and a completion from any other policy raises `PolicyMismatch` instead of
+being trained on. A PEFT adapter names the base it was trained on: where the workers serve
+another run's trained base, this run pushes its own base weights once before its first
+adapter, and a worker on another base refuses the adapter (`base_mismatch`).
 `agent_rollout_func` runs each prompt as an agent episode against `rlfabric gateway` and returns
 the session's recorded trajectory, with `env_mask` 0 on the tokens the model did not sample.
 
@@ -23,10 +32,12 @@ blocking portal). Install with `pip install 'rlfabric[trl]'`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 try:
@@ -46,6 +57,7 @@ from rlfabric.schemas import (
     RolloutRequest,
     RolloutResult,
     SamplingParams,
+    checkpoint_policy,
 )
 from rlfabric.trainer import FabricClient
 from rlfabric.trainer.errors import RolloutFailed
@@ -55,11 +67,13 @@ from rlfabric.trainer.errors import RolloutFailed
 Episode = Callable[[Any, Any, str], Awaitable[dict[str, Any]]]
 #: the adapter name PEFT models are served under
 ADAPTER = "trl"
+log = logging.getLogger("rlfabric.integrations.trl")
 
 
 class WeightSyncFailed(RLFabricError):
-    """A step's weights did not reach the quorum: training stops rather than sample from
-    weights the trainer no longer holds. `report` names who acked and who did not."""
+    """A step's weights did not reach the quorum: the push is taken back and training stops
+    rather than sample from weights the trainer no longer holds. `report` names who acked and
+    who did not; the message says which version each worker serves now."""
 
     def __init__(self, message: str, report: Any = None) -> None:
         super().__init__(message)
@@ -75,7 +89,7 @@ class TrlFabric:
 
     def __init__(self, nats: str, *, prefix: str = "rl", transport: str = "shm",
                  policy: QuorumPolicy | None = None, timeout: float = 600.0,
-                 **connect: Any) -> None:
+                 run: str | None = None, **connect: Any) -> None:
         self.nats = nats
         self.prefix = prefix
         self.transport = transport
@@ -90,23 +104,41 @@ class TrlFabric:
         self._stack = contextlib.ExitStack()
         self._portal: BlockingPortal | None = None
         self.fabric: FabricClient | None = None
-        self._run = uuid.uuid4().hex[:8]
+        #: this training run's id: the policies it pushes are named by it
+        self.run = run or uuid.uuid4().hex[:12]
+        #: the base policy this run's adapters are trained on (found at the first push)
+        self.base = ""
 
     def __enter__(self) -> TrlFabric:
-        self._portal = self._stack.enter_context(start_blocking_portal())
-        self.fabric = self._stack.enter_context(self._portal.wrap_async_context_manager(
-            FabricClient.connect(self.nats, prefix=self.prefix, **self._connect)))
+        try:
+            self._portal = self._stack.enter_context(start_blocking_portal())
+            self.fabric = self._stack.enter_context(self._portal.wrap_async_context_manager(
+                FabricClient.connect(self.nats, prefix=self.prefix, run=self.run,
+                                     **self._connect)))
+        except BaseException:  # e.g. no server: nothing stays behind to keep the process up
+            self._stack.close()
+            self._portal = None
+            raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-        self._portal = self.fabric = None
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            # an exception (Ctrl-C among them) cancels what still runs on the bus client's loop
+            self._stack.__exit__(*exc)
+        finally:
+            self._portal = self.fabric = None
 
     def call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        """Run `fn(*args)` on the bus client's loop, from TRL's thread."""
+        """Run `fn(*args)` on the bus client's loop, from TRL's thread. Interrupted (Ctrl-C),
+        the call is cancelled there at once."""
         if self._portal is None:
             raise RuntimeError("TrlFabric is not open: use it as `with TrlFabric(...) as f:`")
-        return self._portal.call(fn, *args)
+        fut = self._portal.start_task_soon(fn, *args)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
 
     @property
     def client(self) -> FabricClient:
@@ -119,17 +151,41 @@ class TrlFabric:
         """`model`'s weights (a PEFT model: its adapter) to every worker as `version`."""
         adapter, state = _weights(model)
         try:
+            if adapter is not None:
+                if not self.base:
+                    self.base = self.call(self._base_of, model)
+                adapter = msgspec.structs.replace(adapter, base=self.base)
             rep = self.call(self._push, state, adapter, version)
         except RLFabricError as exc:
             raise WeightSyncFailed(f"the weights of step {version} did not reach the fleet: "
-                                   f"{exc}; training stops (the workers still serve "
-                                   f"v{self.version})", getattr(exc, "report", None)) from exc
+                                   f"{exc}; training stops", getattr(exc, "report", None)
+                                   ) from exc
         self.reports[version] = rep
         self.version = version
 
     async def _push(self, state: dict[str, Any], adapter: Adapter | None, version: int) -> Any:
         return await self.client.update_weights(version, state_dict=state, adapter=adapter,
                                                 transport=self.transport, policy=self.policy)
+
+    async def _base_of(self, model: Any) -> str:
+        """The base policy a PEFT model's adapters run on: the checkpoint the workers serve,
+        where they serve it; else (another run's base weights) this run's own base, pushed
+        once as base version 0."""
+        desired = await self.client.bus.state.read()
+        claim = await self.client.bus.state.checkpoint_claim()
+        if not desired.policy and desired.locator is None and claim is not None:
+            mine = _base_checksum(model)
+            if mine != claim.checksum:
+                log.warning("this run's base weights (checksum %s) are not the checkpoint the "
+                            "workers serve (%s, checksum %s: another checkpoint, or another "
+                            "dtype); its adapters are checked against the workers' checkpoint",
+                            mine[:12], claim.model, claim.checksum[:12])
+            return checkpoint_policy(claim.checksum)
+        log.info("the workers serve %s, not this run's base: pushing this run's base weights "
+                 "once before its adapter", desired.policy or "weights of another run")
+        await self.client.update_weights(0, state_dict=_base_state(model),
+                                         transport=self.transport, policy=self.policy)
+        return self.client.pushed.names("")[-1]
 
     # ---- single-turn rollouts ----
     def rollout_func(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
@@ -139,7 +195,7 @@ class TrlFabric:
         sampling = sampling_of(trainer)
         seed = getattr(trainer.args, "seed", 0)
         reqs = [RolloutRequest(
-            request_id=f"trl-{self._run}-s{step}-{i}", prompt_token_ids=PackedI32(p),
+            request_id=f"trl-{self.run}-s{step}-{i}", prompt_token_ids=PackedI32(p),
             min_weight_version=max(self.version, 0), adapter=self._adapter_name(trainer),
             sampling=SamplingParams(**sampling, seed=(seed * 1_000_003 + step) * 4096 + i))
             for i, p in enumerate(ids)]
@@ -178,7 +234,7 @@ class TrlFabric:
         tool results and template tokens, and the rollout logprobs (0 where not sampled)."""
 
         def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
-            sids = [f"trl-{self._run}-s{trainer.state.global_step}-{i}"
+            sids = [f"trl-{self.run}-s{trainer.state.global_step}-{i}"
                     for i in range(len(prompts))]
             extras = self.call(self._episodes, base_url, api_key, episode, prompts, sids,
                                concurrency)
@@ -221,6 +277,7 @@ class TrlFabric:
                                     "episode send its turns with this X-Session-ID?)")
         # branched sessions have several segments: TRL takes one sequence, the longest
         seg = max(traj.segments, key=lambda s: len(s.token_ids))
+        self.client.pushed.check_spans(seg.weight_versions, f"session {sid}'s trajectory")
         ids, mask = seg.token_ids.tolist(), seg.loss_mask.tolist()
         first = mask.index(1) if 1 in mask else len(ids)
         versions = {v.version for v in seg.weight_versions}
@@ -265,7 +322,38 @@ def sampling_of(trainer: Any) -> dict[str, Any]:
                              "its default")
     return {"max_tokens": int(trainer.max_completion_length),
             "temperature": float(trainer.temperature), "top_p": float(trainer.top_p),
-            "top_k": int(trainer.top_k or 0)}
+            "top_k": int(trainer.top_k or 0), "stop_token_ids": end_tokens(trainer)}
+
+
+def end_tokens(trainer: Any) -> tuple[int, ...]:
+    """The tokens TRL's own generation ends a completion at: the model's generation config's
+    end tokens and the tokenizer's (`GRPOTrainer.eos_token_ids`, computed as TRL does where
+    this TRL has no such attribute)."""
+    ids = getattr(trainer, "eos_token_ids", None)
+    if ids is None:
+        gen = getattr(getattr(trainer, "model", None), "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        tok = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        if getattr(tok, "eos_token_id", None) is not None:
+            ids.append(tok.eos_token_id)
+    return tuple(sorted({int(i) for i in ids}))
+
+
+def _base_state(model: Any) -> dict[str, Any]:
+    """A PEFT model's base weights as the base model names them (what workers serve)."""
+    out = {}
+    for k, v in model.get_base_model().state_dict().items():
+        if "lora_" in k:
+            continue
+        out[k.replace(".base_layer.", ".")] = v.detach()
+    return out
+
+
+def _base_checksum(model: Any) -> str:
+    from rlfabric.tensors.checksums import checksum
+
+    return checksum(_base_state(model))
 
 
 def _weights(model: Any) -> tuple[Adapter | None, dict[str, Any]]:

@@ -71,6 +71,13 @@ from rlfabric.schemas.fleet import (
     StateEvent,
     WorkerInfo,
 )
+from rlfabric.schemas.policy import (
+    CHECKPOINT,
+    adapter_policy,
+    base_policy,
+    checkpoint_policy,
+    run_of,
+)
 from rlfabric.schemas.rollout import (
     FinishReason,
     RolloutError,
@@ -140,6 +147,7 @@ _ALL: tuple[type, ...] = (
 MESSAGE_TYPES: dict[str, type] = {t.__name__: t for t in _ALL}
 
 __all__ = [
+    "CHECKPOINT",
     "CLIENT_ID_HEADER",
     "CMD_ID_HEADER",
     "COLLECTIVE_BACKENDS",
@@ -219,11 +227,15 @@ __all__ = [
     "VllmWire",
     "Wake",
     "WorkerInfo",
+    "adapter_policy",
+    "base_policy",
     "check_schema_version",
+    "checkpoint_policy",
     "codec_for",
     "encode",
     "fold",
     "headers",
     "json_schema",
     "op_of",
+    "run_of",
 ]

@@ -20,6 +20,7 @@ class ErrorCode(StrEnum):
     ENGINE_ERROR = "engine_error"  # the engine failed this request
     PAYLOAD_TOO_LARGE = "payload_too_large"  # a request or result over the server's max_payload
     ADAPTER_UNKNOWN = "adapter_unknown"  # a LoRA adapter no update loaded (or one unloaded)
+    NO_WORKERS = "no_workers"  # no worker is a member of the job: nothing would serve it
 
     # ---- a command (Ack.error_code) ----
     UNKNOWN_SCHEMA_VERSION = "unknown_schema_version"  # a major version this build cannot read
@@ -36,11 +37,16 @@ class ErrorCode(StrEnum):
     ADAPTER_LIMIT = "adapter_limit"  # more adapters than the engine holds (--max-adapters)
     STORAGE_FULL = "storage_full"  # the transport's storage has no room for the push
     MEMORY_UNAVAILABLE = "memory_unavailable"  # the engine cannot get the memory it was given
+    BASE_MISMATCH = "base_mismatch"  # an adapter trained on other base weights than served
+    STALE_PREFIX_CACHE = "stale_prefix_cache"  # a kept prefix cache would serve other weights
 
     # ---- a worker's own events (ErrorEvent.code) ----
     WEIGHTS_UNAVAILABLE = "weights_unavailable"  # joined without the fleet's version
     CHECKPOINT_MISMATCH = "checkpoint_mismatch"  # not the checkpoint the fleet serves as v0
     ENGINE_DIED = "engine_died"  # the engine process is gone; the worker exits
+    BEHIND = "behind"  # the worker is not on the desired policy and takes no requests
+    # ---- a trainer's own check of what it receives ----
+    POLICY_MISMATCH = "policy_mismatch"  # a result from weights this trainer did not push
 
     # ---- the gateway (its `error.code`) ----
     INVALID_JSON = "invalid_json"
@@ -59,7 +65,6 @@ class ErrorCode(StrEnum):
     SESSION_LIMIT = "session_limit"  # the gateway holds as many sessions as it is allowed
     REQUEST_TOO_LARGE = "request_too_large"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-    NO_WORKERS = "no_workers"
     NO_WEIGHTS = "no_weights"
     TIMEOUT = "timeout"
     BUS_UNAVAILABLE = "bus_unavailable"

@@ -31,6 +31,9 @@ class Adapter(Message, tag_field="kind", tag="lora", frozen=True, kw_only=True):
     rank: int
     alpha: float
     target_modules: tuple[str, ...]
+    #: the base policy (`rlfabric.schemas.policy`) the adapter was trained on: a worker whose
+    #: base weights are another policy refuses it (`base_mismatch`); "" = not checked
+    base: str = ""
 
     @property
     def scale(self) -> float:
@@ -151,11 +154,18 @@ class Resume(_Command, tag="resume", frozen=True, kw_only=True):
 
 
 class UpdateWeights(_Command, tag="update_weights", frozen=True, kw_only=True):
+    """Serve `version` of `run`'s weights (payload `digest`). The run, version and digest name
+    the policy (`rlfabric.schemas.policy`); a worker already serving that policy loads
+    nothing, and one serving a newer version of the same run goes back to it (a failed push
+    taken back). `reset_prefix_cache=False` keeps cached prefixes only where no prefix
+    computed under other weights can be served (an engine that cannot tell refuses it)."""
+
     version: int
     transport: Transport
     digest: str
     target: Target = Base()
     reset_prefix_cache: bool = True
+    run: str = ""
 
 
 CollectiveBackend = Literal["gloo", "nccl"]

@@ -41,6 +41,11 @@ class WorkerInfo(Message, frozen=True, kw_only=True):
     checkpoint: str = ""
     #: LoRA adapters loaded: name -> the versions held (newest last)
     adapters: dict[str, tuple[int, ...]] = {}
+    #: the base policy served (`rlfabric.schemas.policy`; "" before any)
+    policy: str = ""
+    #: why the worker takes no new requests although it is up ("" when it takes them): it is
+    #: not on the fleet's desired policy, or cannot tell yet (cut off from the bus)
+    behind: str = ""
 
 
 class Beats(Message, frozen=True, kw_only=True):
@@ -82,6 +87,9 @@ class DesiredState(Message, frozen=True, kw_only=True):
 
     weight_version: int = -1
     locator: UpdateWeights | None = None
+    #: the base policy to serve (`rlfabric.schemas.policy`): a worker on another takes no new
+    #: requests until it holds this one ("": none pushed; the checkpoint serves)
+    policy: str = ""
     #: LoRA adapters: name -> the update of its newest version (what a joiner loads)
     adapters: dict[str, UpdateWeights] = {}
     paused: bool = False

@@ -42,7 +42,9 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     submission never answer it); results carry it back. `stream`: send `TokenDelta`s of every
     sample while it is sampled. `adapter` names a LoRA adapter (empty: the base model); then
     `min_weight_version` bounds the adapter's version, and `adapter_version` (if >= 0) asks for
-    exactly that version, which must still be loaded (else `version_unavailable`)."""
+    exactly that version, which must still be loaded (else `version_unavailable`). `run`
+    (if set) is the run whose weights may serve it (its base, or the adapter's versions): a
+    worker holding another run's waits for this run's push, as for a newer version."""
 
     request_id: str
     prompt_token_ids: PackedI32
@@ -56,6 +58,7 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     stream: bool = False
     adapter: str = ""
     adapter_version: int = -1
+    run: str = ""
 
     def __post_init__(self) -> None:
         if type(self.prompt_token_ids) is not PackedI32:  # a list, numpy or torch given
@@ -64,11 +67,13 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
 
 class VersionSpan(Message, frozen=True, kw_only=True):
     """Completion tokens `[start, end)` were produced by weight version `version` (of the
-    request's adapter, if it names one; the base weights then serve as they are)."""
+    request's adapter, if it names one; the base weights then serve as they are), whose full
+    name is `policy` (`rlfabric.schemas.policy`: run, version, digest; set by the worker)."""
 
     version: int
     start: int
     end: int
+    policy: str = ""
 
 
 class TopLogprobs(Message, frozen=True, kw_only=True):
@@ -155,9 +160,14 @@ class TokenDelta(Message, frozen=True, kw_only=True):
 
 class TokenDeltas(Message, frozen=True, kw_only=True):
     """The deltas a worker had for one client at once (one decode step of many requests),
-    in one core message: what `<prefix>.stream.<client_id>` carries."""
+    in one core message: what `<prefix>.stream.<client_id>` carries. `taken`: requests worker
+    `worker_id` just took from the shared queue (request id -> submission id), sent without
+    deltas: should that worker leave before answering them, the client puts them back in the
+    queue at once instead of waiting for the stream's ack wait."""
 
     deltas: list[TokenDelta]
+    taken: dict[str, str] = {}
+    worker_id: str = ""
 
 
 class RolloutRequests(Message, frozen=True, kw_only=True):

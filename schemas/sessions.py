@@ -141,7 +141,7 @@ class _Open:
         self.mask += [1] * len(ids)
         self.lps += choice.logprobs.tolist()
         for s in choice.version_spans:
-            self.spans.append(VersionSpan(version=s.version, start=at + s.start, end=at + s.end))
+            self.spans.append(msgspec.structs.replace(s, start=at + s.start, end=at + s.end))
 
     def copy(self) -> _Open:
         return _Open(self.ids[:], self.mask[:], self.lps[:], self.spans[:], self.reason,
@@ -159,8 +159,9 @@ def _merged(spans: list[VersionSpan]) -> tuple[VersionSpan, ...]:
     for s in spans:
         if s.end <= s.start:
             continue
-        if out and out[-1].version == s.version and out[-1].end == s.start:
-            out[-1] = VersionSpan(version=s.version, start=out[-1].start, end=s.end)
+        if out and (out[-1].version, out[-1].policy) == (s.version, s.policy) and \
+                out[-1].end == s.start:
+            out[-1] = msgspec.structs.replace(out[-1], end=s.end)
         else:
             out.append(s)
     return tuple(out)
@@ -170,7 +171,10 @@ def _merged(spans: list[VersionSpan]) -> tuple[VersionSpan, ...]:
 class SessionFold:
     """A session's records applied in order. `prompt` is the live segment's last prompt (what
     the next continuing turn extends, after the chosen choice); `last` the last turn;
-    `returned` every choice the session returned, by the digest of its assistant message."""
+    `returned` every choice the session returned, by the digest of its assistant message (the
+    last one of equal digests); `positions` the choice each continued turn took, by the index
+    its assistant message has in the requests after it (two equal messages, such as a tool
+    call repeated, are two turns' tokens)."""
 
     session_id: str = ""
     closed: list[_Open] = field(default_factory=list)
@@ -179,6 +183,18 @@ class SessionFold:
     ended: str = ""
     turns: int = 0
     returned: dict[str, TurnChoice] = field(default_factory=dict)
+    positions: dict[int, TurnChoice] = field(default_factory=dict)
+
+    def choice_at(self, index: int, digest: str) -> TurnChoice | None:
+        """The choice this session returned as the assistant message at `index` of a request
+        extending its last one, if that message is it (`digest`); else the one returned with
+        that digest, if any."""
+        at = self.positions.get(index)
+        if at is None and self.last is not None and index == len(self.last.message_digests):
+            at = next((c for c in self.last.choices if c.message_digest == digest), None)
+        if at is not None and at.message_digest == digest:
+            return at
+        return self.returned.get(digest)
 
     @property
     def prompt(self) -> list[int]:
@@ -201,6 +217,8 @@ class SessionFold:
             self._close_forks(self.last, self.live, keep=chosen)
             if self.last.choices:
                 self.live.sample(self.last.choices[chosen])
+                if record.branch >= 0:
+                    self.positions[len(self.last.message_digests)] = self.last.choices[chosen]
         if record.reason or self.live is None:
             if self.live is not None:
                 self.closed.append(self.live)

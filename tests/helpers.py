@@ -66,3 +66,35 @@ def worst_gap(model: torch.nn.Module, reqs: Iterable[RolloutRequest], out: Itera
                          - r.logprobs.numpy()).max())
             for r in out if len(r.completion_token_ids)]
     return max(gaps)
+
+
+def llama3_like(directory: str) -> str:
+    """A checkpoint that names a different end token in each file, as Llama-3-8B-Instruct's
+    does: config.json 257 (`<|eos|>`), generation_config.json [257, 260], the tokenizer's
+    `eos_token` `<|im_end|>` (260). transformers' generate stops at either."""
+    import json
+    import os
+
+    from rlfabric.tensors.models import write_checkpoint
+
+    ckpt = write_checkpoint("tinychat", directory)
+    for name, key, value in (("config.json", "eos_token_id", 257),
+                             ("generation_config.json", "eos_token_id", [257, 260]),
+                             ("tokenizer_config.json", "eos_token", "<|im_end|>")):
+        path = os.path.join(ckpt, name)
+        with open(path) as f:
+            data = json.load(f)
+        data[key] = value
+        with open(path, "w") as f:
+            json.dump(data, f)
+    return ckpt
+
+
+#: the end tokens of `llama3_like`
+LLAMA3_ENDS = frozenset({257, 260})
+
+
+def past_an_end(results: Iterable[Any], ends: frozenset[int]) -> list[str]:
+    """The samples with an end token anywhere but last (they ran past it)."""
+    return [f"{r.request_id}/{r.sample_index}" for r in results
+            if any(t in ends for t in r.completion_token_ids.tolist()[:-1])]

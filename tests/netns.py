@@ -221,7 +221,7 @@ class NsCluster:
                 seen = [self.jsz(i).get("meta_cluster", {}).get("leader", "") for i in among]
             except OSError as exc:
                 seen = [f"{type(exc).__name__}"]
-            if seen and seen[0] and len(set(seen)) == 1 and all(
+            if seen and seen[0][1:].isdecimal() and len(set(seen)) == 1 and all(
                     knows_meta_leader(self.nodes[i].log_lines) for i in among):
                 return int(seen[0][1:])
             time.sleep(0.1)  # the nodes elect on their own clock; nothing here to await

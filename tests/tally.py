@@ -31,6 +31,8 @@ class Tally:
         self.errors: list[RolloutError] = []
         self.arrivals: list[float] = []
         self.served_by: list[tuple[float, str]] = []  # (arrival, worker id) of each result
+        #: the weight version of every span of every result
+        self.versions: list[int] = []
         self.serving = anyio.Event()
         self._dropped_before = fabric.duplicates_dropped
 
@@ -53,6 +55,8 @@ class Tally:
             self.got[res.request_id] += 1
             if isinstance(res, RolloutError):
                 self.errors.append(res)
+            else:
+                self.versions += [sp.version for sp in res.version_spans]
 
     def assert_each_once(self) -> None:
         """No error, and every request's result exactly once."""

@@ -136,7 +136,7 @@ ALLOWED = {
     "trainer": {"schemas", "concurrency", "telemetry", "bus", "tensors", "transports"},
     "gateway": {"schemas", "concurrency", "telemetry", "bus", "text"},
     "launch": {"schemas", "concurrency", "telemetry", "bus", "engines", "worker", "errors"},
-    "integrations": {"schemas", "bus", "trainer", "errors"},
+    "integrations": {"schemas", "bus", "tensors", "trainer", "errors"},
 }
 
 

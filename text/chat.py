@@ -25,6 +25,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from rlfabric.schemas import RLFabricError
+from rlfabric.text.ends import end_token_ids
 
 
 class ChatFormatError(RLFabricError):
@@ -204,19 +205,12 @@ def _load_dir(directory: str, *, name: str) -> ChatFormat:
         with open(jinja_file, encoding="utf-8") as f:
             template = f.read()
     model_cfg = _read_json(directory, "config.json")
-    gen_cfg = _read_json(directory, "generation_config.json")
-    stops: set[int] = set()
-    for source in (model_cfg.get("eos_token_id"), gen_cfg.get("eos_token_id")):
-        if isinstance(source, int):
-            stops.add(source)
-        elif isinstance(source, list):
-            stops.update(int(i) for i in source)
+    _read_json(directory, "generation_config.json")  # unreadable: said, not skipped
+    stops = end_token_ids(directory, tok)
     eos_text = _token_text(cfg.get("eos_token"))
-    if eos_text and (eos_id := tok.token_to_id(eos_text)) is not None:
-        stops.add(eos_id)
     context = int(model_cfg.get("max_position_embeddings") or cfg.get("model_max_length")
                   or 2048)
     context = min(context, int(cfg.get("model_max_length") or context))
     special = {"bos_token": _token_text(cfg.get("bos_token")), "eos_token": eos_text}
-    return ChatFormat(tokenizer=tok, template=str(template), stop_token_ids=frozenset(stops),
+    return ChatFormat(tokenizer=tok, template=str(template), stop_token_ids=stops,
                       context_len=context, name=name, special=special)

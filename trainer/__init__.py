@@ -10,6 +10,7 @@ from rlfabric.bus import QuorumPolicy
 from rlfabric.trainer.client import FabricClient
 from rlfabric.trainer.continuation import continuation, merge
 from rlfabric.trainer.errors import RolloutFailed, TransportInitFailed, WeightsMismatch
+from rlfabric.trainer.policies import PolicyMismatch
 
 _LAZY = {"build_model": "rlfabric.tensors.models", "Staged": "rlfabric.transports",
          "VllmNcclSync": "rlfabric.trainer.vllm_sync",
@@ -27,6 +28,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BusWeightSyncClient",
     "FabricClient",
+    "PolicyMismatch",
     "QuorumPolicy",
     "RolloutFailed",
     "Staged",

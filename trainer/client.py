@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
@@ -30,7 +30,7 @@ from rlfabric.bus import (
     new_cmd_id,
 )
 from rlfabric.bus.affinity import Affinity
-from rlfabric.bus.rollouts import RolloutPlane
+from rlfabric.bus.rollouts import RolloutPlane, in_groups
 from rlfabric.bus.subjects import check_token
 from rlfabric.concurrency.sync import beside
 from rlfabric.schemas import (
@@ -48,6 +48,7 @@ from rlfabric.schemas import (
     Resume,
     RolloutReply,
     RolloutRequest,
+    RolloutResult,
     Sleep,
     Target,
     UnloadAdapter,
@@ -56,6 +57,7 @@ from rlfabric.schemas import (
 from rlfabric.telemetry import spans
 from rlfabric.trainer.continuation import continue_aborted
 from rlfabric.trainer.desired import DesiredStateWriter
+from rlfabric.trainer.policies import PushedPolicies, adapters_of
 
 #: samples a request message holds at least when what is queued is spread over the workers
 MIN_SPREAD = 8
@@ -68,10 +70,16 @@ if TYPE_CHECKING:  # the weight path imports torch: loaded on the first weight c
 
 
 class FabricClient:
-    def __init__(self, bus: Bus, client_id: str, policy: QuorumPolicy) -> None:
+    def __init__(self, bus: Bus, client_id: str, policy: QuorumPolicy, *,
+                 run: str | None = None) -> None:
         self.bus = bus
         self.client_id = check_token(client_id, "client id")
         self.policy = policy
+        #: the run this client's pushes belong to: with the version and the weights' digest it
+        #: names each policy pushed, so two runs' version 3 never pass for one another
+        self.run = check_token(run or uuid.uuid4().hex[:12], "run id")
+        #: the policies pushed: results are checked against them (`PolicyMismatch`)
+        self.pushed = PushedPolicies(self.run)
         self.watcher = MembershipWatcher(bus)
         self.broadcaster = Broadcaster(bus, self.watcher)
         self.desired = DesiredStateWriter(bus)
@@ -110,12 +118,16 @@ class FabricClient:
     @contextlib.asynccontextmanager
     async def connect(cls, url: str | ConnectOptions, *, prefix: str = "rl",
                       client_id: str | None = None, policy: QuorumPolicy | None = None,
-                      limits: Limits | None = None) -> AsyncIterator[FabricClient]:
+                      limits: Limits | None = None, run: str | None = None
+                      ) -> AsyncIterator[FabricClient]:
         """Connect, provision the job's streams, start watching membership and listening for
-        this client's results. `policy` is the default `QuorumPolicy` of control calls."""
+        this client's results. `policy` is the default `QuorumPolicy` of control calls. `run`
+        names this training run (default: a fresh id per client): the weights it pushes are
+        that run's, and once it pushed, its requests are served by that run's weights only."""
         async with Bus.connect(url, prefix=prefix, limits=limits) as bus, \
                 beside(cancel_at_exit=True) as tg:
-            client = cls(bus, client_id or f"c{uuid.uuid4().hex[:12]}", policy or QuorumPolicy())
+            client = cls(bus, client_id or f"c{uuid.uuid4().hex[:12]}", policy or QuorumPolicy(),
+                         run=run)
             await tg.start(client.watcher.run)
             await tg.start(client.rollouts.listen)
             await client.desired.load()
@@ -185,7 +197,8 @@ class FabricClient:
         if self._updates is None:
             from rlfabric.trainer.updates import WeightUpdates
 
-            self._updates = WeightUpdates(self.broadcaster, self.watcher, self.desired)
+            self._updates = WeightUpdates(self.broadcaster, self.watcher, self.desired,
+                                          self.pushed)
         return self._updates
 
     async def stage_weights(self, version: int, weights: Any, transport: str = "shm", *,
@@ -199,7 +212,8 @@ class FabricClient:
     async def update_weights(self, version: int, state_dict: Any = None, *, module: Any = None,
                              adapter: Adapter | None = None, transport: str = "shm",
                              target: Target | None = None, policy: QuorumPolicy | None = None,
-                             verify: Verify = "sender") -> FanoutReport:
+                             verify: Verify = "sender", reset_prefix_cache: bool = True
+                             ) -> FanoutReport:
         """Make every worker serve `version` of these weights; returns once the quorum acked
         `done`. Each worker verifies the payload digest, swaps atomically (a failure keeps
         the old version and acks an error: `QuorumNotReached` names the worker and why) and
@@ -209,7 +223,15 @@ class FabricClient:
 
         `adapter`: the state dict is version `version` of that LoRA adapter (its A and B
         matrices in PEFT's layout), loaded beside the versions workers hold; requests naming
-        it (`RolloutRequest.adapter`) are served under it from then on."""
+        it (`RolloutRequest.adapter`) are served under it from then on. Its versions are this
+        run's (`run`): a worker drops another run's versions of the same name first. Set
+        `Adapter.base` to the base policy it was trained on: a worker serving another base
+        refuses it (`base_mismatch`).
+
+        A failed push is taken back (the fleet serves the previous version again; the error
+        says where each worker is). `reset_prefix_cache=False` keeps engines' prefix caches:
+        no engine serves a block computed under other weights either way (vLLM salts its
+        cache per load), it only keeps memory warm."""
         if adapter is not None:
             target = adapter
         weights = module if module is not None else state_dict
@@ -224,7 +246,7 @@ class FabricClient:
                                                   with_checksum=verify == "sender",
                                                   send_now=False)
             return await self.push_weights(staged, target=target, policy=policy,
-                                           verify=verify)
+                                           verify=verify, reset_prefix_cache=reset_prefix_cache)
 
     async def unload_adapter(self, name: str, *, policy: QuorumPolicy | None = None
                              ) -> FanoutReport:
@@ -235,11 +257,11 @@ class FabricClient:
         return rep
 
     async def push_weights(self, staged: Staged, *, target: Target | None = None,
-                           policy: QuorumPolicy | None = None, verify: Verify = "sender"
-                           ) -> FanoutReport:
+                           policy: QuorumPolicy | None = None, verify: Verify = "sender",
+                           reset_prefix_cache: bool = True) -> FanoutReport:
         """Send weights staged by `stage_weights` (see `update_weights`)."""
         return await self.updates.push(staged, target=target, policy=policy or self.policy,
-                                       verify=verify)
+                                       verify=verify, reset_prefix_cache=reset_prefix_cache)
 
     async def init_transport(self, backend: CollectiveBackend = "gloo", *,
                              master_addr: str = "127.0.0.1", master_port: int | None = None,
@@ -262,8 +284,27 @@ class FabricClient:
                      sink: MemoryObjectSendStream[RolloutReply], *,
                      timeout: float | None = None) -> list[RolloutRequest]:
         """Publish requests to the workers' queue; their results go to `sink`. Returns the
-        requests as sent (with this client's id and deadlines filled in)."""
-        return await self.rollouts.submit(requests, sink, timeout=timeout)
+        requests as sent (with this client's id and deadlines filled in). Results reach `sink`
+        unchecked: `check_result` them before training on them."""
+        return await self.rollouts.submit(map(self.pushed.own, requests), sink,
+                                          timeout=timeout)
+
+    def check_result(self, result: RolloutReply, adapter: str = "") -> None:
+        """`PolicyMismatch` if `result` (of a request for `adapter`, "" for the base weights)
+        holds tokens of a policy this client did not push (once it pushed for that target)."""
+        if type(result) is RolloutResult:
+            self.pushed.check(result, adapter)
+
+    async def _checked(self, requests: list[RolloutRequest],
+                       replies: AsyncIterator[RolloutReply]) -> AsyncIterator[RolloutReply]:
+        adapter = adapters_of(requests)
+        check = self.pushed.check
+        # closed with this one: a caller that stops early gives its requests up at once
+        async with contextlib.aclosing(cast(AsyncGenerator[RolloutReply, None], replies)):
+            async for r in replies:
+                if type(r) is RolloutResult:
+                    check(r, adapter.get(r.request_id, ""))
+                yield r
 
     def generate(self, requests: Iterable[RolloutRequest], *, timeout: float | None = None,
                  session: str | None = None) -> AsyncIterator[RolloutReply]:
@@ -275,17 +316,27 @@ class FabricClient:
         worker that served its last turn while it lives and has room (its prefix is in that
         worker's cache), else to the least-loaded worker; the binding is shared by every
         client and gateway of the job (`rlfabric.bus.affinity`).
+
+        Policies: once this client pushed base weights (or an adapter), its requests for them
+        are served by this run's weights only (`RolloutRequest.run`), and a result holding
+        tokens of any policy it did not push raises `PolicyMismatch` naming the worker and
+        both policies.
         """
-        return self.rollouts.generate(requests, timeout=timeout, session=session)
+        reqs = [self.pushed.own(r) for r in requests]
+        return self._checked(reqs, self.rollouts.generate(reqs, timeout=timeout,
+                                                          session=session))
 
     def generate_groups(self, requests: Iterable[RolloutRequest], *,
                         timeout: float | None = None) -> AsyncIterator[list[RolloutReply]]:
         """Like `generate`, but yield each request's n samples together, in sample order."""
-        return self.rollouts.generate_groups(requests, timeout=timeout)
+        reqs = list(requests)
+        return in_groups(reqs, self.generate(reqs, timeout=timeout))
 
     def continue_aborted(self, requests: Iterable[RolloutRequest],
                          results: Iterable[RolloutReply], *,
                          timeout: float | None = None) -> AsyncIterator[RolloutReply]:
         """Yield `results` with every sample an abort pause cut short continued from where it
         stopped and merged back into one result (its spans show every version involved)."""
-        return continue_aborted(self.rollouts, requests, results, timeout=timeout)
+        reqs = [self.pushed.own(r) for r in requests]
+        return self._checked(reqs, continue_aborted(self.rollouts, reqs, results,
+                                                    timeout=timeout))

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterable
 import msgspec
 
 from rlfabric.bus.rollouts import RolloutPlane
-from rlfabric.schemas import RolloutReply, RolloutRequest, RolloutResult, VersionSpan
+from rlfabric.schemas import RolloutReply, RolloutRequest, RolloutResult
 
 
 def continuation(request: RolloutRequest, partial: RolloutResult) -> RolloutRequest:
@@ -41,9 +41,11 @@ def merge(partial: RolloutResult, rest: RolloutResult) -> RolloutResult:
     off = len(partial.completion_token_ids)
     spans = list(partial.version_spans)
     for s in rest.version_spans:
-        moved = VersionSpan(version=s.version, start=s.start + off, end=s.end + off)
-        if spans and spans[-1].version == moved.version and spans[-1].end == moved.start:
-            spans[-1] = VersionSpan(version=moved.version, start=spans[-1].start, end=moved.end)
+        moved = msgspec.structs.replace(s, start=s.start + off, end=s.end + off)
+        last = spans[-1] if spans else None
+        if last is not None and (last.version, last.policy) == (moved.version, moved.policy) \
+                and last.end == moved.start:
+            spans[-1] = msgspec.structs.replace(last, end=moved.end)
         else:
             spans.append(moved)
     return msgspec.structs.replace(

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import anyio
+import msgspec
 import torch
 
 from rlfabric.schemas import (
@@ -305,6 +306,9 @@ class GRPOTrainer:
         if self.adapter is not None:
             await self.fabric.update_weights(0, state_dict=self.base_state,
                                              transport=self.cfg.transport)
+            # its versions run on that base only: a worker on another refuses them
+            self.adapter = msgspec.structs.replace(self.adapter,
+                                                   base=self.fabric.pushed.names("")[-1])
         await self._push(0)
         self._remember()
         self.model.train()

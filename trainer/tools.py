@@ -18,6 +18,7 @@ weight version behind each token), one `Sample` per segment.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ import anyio
 
 from rlfabric.bus import Bus
 from rlfabric.bus.sessions import read_trajectory
-from rlfabric.schemas import Trajectory
+from rlfabric.schemas import Trajectory, VersionSpan
 
 MODEL = "tinychat"
 #: typed loosely: the client's own types are for literals, this is data
@@ -79,10 +80,14 @@ class AgentRollouts:
     """A step's episodes through the gateway at `base_url`, and their trajectories."""
 
     def __init__(self, bus: Bus, base_url: str, *, task: ToolTask | None = None,
-                 concurrency: int = 32, temperature: float = 1.0) -> None:
+                 concurrency: int = 32, temperature: float = 1.0,
+                 check: Callable[[Iterable[VersionSpan], str], None] | None = None) -> None:
         import openai
 
         self.bus = bus
+        #: refuses a trajectory holding tokens of a policy the trainer did not push
+        #: (`FabricClient.pushed.check_spans`)
+        self.check = check
         self.base_url = base_url
         self.task = task or ToolTask()
         self.temperature = temperature
@@ -133,6 +138,9 @@ class AgentRollouts:
         for e in episodes:
             traj = await read_trajectory(self.bus, e.session_id)
             if traj is not None:
+                if self.check is not None:
+                    for seg in traj.segments:
+                        self.check(seg.weight_versions, f"session {e.session_id}")
                 got = _samples(traj, e)
                 e.segments = len(got)
                 samples += got

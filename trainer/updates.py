@@ -3,10 +3,17 @@ and form the collective group weights are broadcast over.
 
 Pull transports (shm, filesystem, nats) are one broadcast: each worker fetches, verifies the
 digest, swaps and acks `done` with its checksum; the desired state names the version while the
-command is out, so a worker joining meanwhile loads it too, and is taken back if the update
-fails. cuda_ipc is the same broadcast, but its GPU buffers are freed as soon as the update is
-decided (joiners wait for the next push). The collective transport is two-phase (`ready`,
-then rank 0 broadcasts, then `done`).
+command is out, so a worker joining meanwhile loads it too. cuda_ipc is the same broadcast, but
+its GPU buffers are freed as soon as the update is decided (joiners wait for the next push).
+The collective transport is two-phase (`ready`, then rank 0 broadcasts, then `done`).
+
+A push that fails is taken back: the desired state returns to the policy before it, and the
+previous push of the same target (kept staged until the next one succeeds) is sent again, so
+every worker that had applied the failed one goes back to it (a worker that misses that finds
+itself off the desired state and goes back on its own: `rlfabric.worker.alignment`). The
+error then says where every worker is. Where the previous push cannot be sent again (there was
+none, or it went over a collective or cuda_ipc), the workers that applied the failed version
+take no requests until the next push succeeds.
 """
 
 from __future__ import annotations
@@ -33,30 +40,38 @@ from rlfabric.schemas import (
     Adapter,
     Collective,
     CollectiveBackend,
+    CudaIpc,
     FanoutReport,
     InitTransport,
     MembershipSnapshot,
     Target,
     UpdateWeights,
+    base_policy,
 )
 from rlfabric.tensors import CollectiveGroup, CollectiveTimeout
 from rlfabric.trainer.desired import DesiredStateWriter
 from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
+from rlfabric.trainer.policies import PushedPolicies
 from rlfabric.trainer.staging import WeightStager, as_state_dict
 from rlfabric.transports import Staged
 
 Verify = Literal["sender", "workers", "off"]
+#: seconds a failed push's taking back waits for the workers
+TAKE_BACK_S = 30.0
 
 
 class WeightUpdates:
     def __init__(self, broadcaster: Broadcaster, watcher: MembershipWatcher,
-                 desired: DesiredStateWriter) -> None:
+                 desired: DesiredStateWriter, pushed: PushedPolicies) -> None:
         self.broadcaster = broadcaster
         self.watcher = watcher
         self.desired = desired
+        self.pushed = pushed
         self.stager = WeightStager(broadcaster.bus)
         #: what late joiners load, by adapter name ("": the base weights): kept until replaced
         self._current: dict[str, Staged] = {}
+        #: the last push the fleet took, by adapter name: sent again to take a failed one back
+        self._sent: dict[str, UpdateWeights] = {}
         self._group: CollectiveGroup | None = None
         self._group_fingerprint = ""
         self._last_epoch = 0
@@ -75,32 +90,44 @@ class WeightUpdates:
                                        send_now=send_now)
 
     async def push(self, staged: Staged, *, target: Target | None, policy: QuorumPolicy,
-                   verify: Verify) -> FanoutReport:
+                   verify: Verify, reset_prefix_cache: bool = True) -> FanoutReport:
         deadline = time.time() + policy.timeout
         adapter = target.name if isinstance(target, Adapter) else ""
+        run = self.pushed.run
+        name = base_policy(run, staged.version, staged.digest)
         try:
             if isinstance(staged.transport, Collective):
                 group = await self._fresh_group(policy)
                 staged.transport = msgspec.structs.replace(staged.transport,
                                                            group_epoch=group.group_epoch)
-                cmd = staged.command(new_cmd_id(), target=target, deadline=deadline)
+                cmd = staged.command(new_cmd_id(), target=target, deadline=deadline, run=run,
+                                     reset_prefix_cache=reset_prefix_cache)
                 rep = await self._push_collective(cmd, staged, group, policy)
                 self._check(rep, staged, verify)
                 if not adapter:
-                    await self.desired.write(weight_version=staged.version, locator=None)
+                    await self.desired.write(weight_version=staged.version, locator=None,
+                                             policy=name)
             else:
-                cmd = staged.command(new_cmd_id(), target=target, deadline=deadline)
+                cmd = staged.command(new_cmd_id(), target=target, deadline=deadline, run=run,
+                                     reset_prefix_cache=reset_prefix_cache)
                 # a worker joining during the update loads this version itself
                 changes: dict[str, Any] = (
                     {"adapters": {**self.desired.state.adapters, adapter: cmd}} if adapter
-                    else {"weight_version": staged.version, "locator": cmd})
-                async with self.desired.during(rollback=True, **changes):
-                    rep = await self._broadcast_sending(cmd, staged, policy)
-                    self._check(rep, staged, verify)
+                    else {"weight_version": staged.version, "locator": cmd, "policy": name})
+                try:
+                    async with self.desired.during(rollback=True, **changes):
+                        rep = await self._broadcast_sending(cmd, staged, policy)
+                        self._check(rep, staged, verify)
+                except Exception as exc:
+                    with anyio.CancelScope(shield=True):
+                        await self._take_back(adapter, cmd, exc)
+                    raise
                 if not staged.for_joiners:  # freed now: joiners wait for the next push
                     if not adapter:
-                        await self.desired.write(weight_version=staged.version, locator=None)
+                        await self.desired.write(weight_version=staged.version, locator=None,
+                                                 policy=name)
                     await staged.release()
+                    self._pushed(staged, target, cmd)
                     return rep
         except Exception:
             await staged.release()
@@ -109,7 +136,48 @@ class WeightUpdates:
         if previous is not None and previous is not staged:
             await previous.release()  # the previous version is no longer anyone's to load
         self._current[adapter] = staged
+        self._pushed(staged, target, cmd)
         return rep
+
+    def _pushed(self, staged: Staged, target: Target | None, cmd: UpdateWeights) -> None:
+        self.pushed.add(staged.version, staged.digest,
+                        target if isinstance(target, Adapter) else None)
+        if isinstance(cmd.transport, Collective | CudaIpc) or not staged.for_joiners:
+            self._sent.pop(cmd.target.name if isinstance(cmd.target, Adapter) else "", None)
+        else:
+            self._sent[cmd.target.name if isinstance(cmd.target, Adapter) else ""] = cmd
+
+    async def _take_back(self, adapter: str, failed: UpdateWeights, exc: Exception) -> None:
+        """The push `failed` did not succeed: send the previous one again, so that the workers
+        that applied `failed` go back to what the desired state names again; `exc`'s message
+        then says where every worker is."""
+        what = f"adapter {adapter!r} v{failed.version}" if adapter else f"v{failed.version}"
+        prev = self._sent.get(adapter)
+        if prev is None:
+            rep = getattr(exc, "report", None)
+            _amend(exc, f"{what} is not taken back (no earlier push of this client can be "
+                   "sent again): workers that applied it take no requests until the next "
+                   "push succeeds" + (f"; now {_where(rep)}" if isinstance(rep, FanoutReport)
+                                      else ""))
+            return
+        back = msgspec.structs.replace(prev, cmd_id=new_cmd_id(), seq=0, epoch=0,
+                                       deadline=time.time() + TAKE_BACK_S)
+        # every worker gets it (one that joined meanwhile loaded the failed version too);
+        # the wait is for those known to have applied it, not for the missing
+        failed_acks = getattr(exc, "report", None)
+        applied = {w for w, a in (failed_acks.acks if isinstance(failed_acks, FanoutReport)
+                                  else {}).items()
+                   if a.status == "ok" and a.weight_version == failed.version}
+        try:
+            async with self.broadcaster.open(back) as fo:
+                rep = await fo.heard(applied, timeout=TAKE_BACK_S)
+        except Exception as other:  # the bus itself: the workers find the desired state
+            _amend(exc, f"taking {what} back failed too ({type(other).__name__}: {other}); "
+                   "workers off the desired state go back to it on their own")
+            return
+        _amend(exc, f"taken back to v{prev.version}" + (
+            f": the fleet serves it again ({_where(rep)})" if applied else
+            f" (none had applied v{failed.version}; now {_where(rep)})"))
 
     async def forget_adapter(self, name: str) -> None:
         """After an unload: the adapter's staging is freed, joiners no longer load it."""
@@ -220,6 +288,20 @@ class WeightUpdates:
                                       timeout=policy.timeout, policy=policy)
         assert self._group is not None  # init_transport set it or raised
         return self._group
+
+
+def _where(rep: FanoutReport) -> str:
+    """Where each worker of `rep` is: the version it acked (and the error, if one)."""
+    parts = [f"{w} v{rep.acks[w].weight_version}" for w in sorted(rep.ok)]
+    parts += [f"{w} v{rep.acks[w].weight_version} ({rep.acks[w].error_code})"
+              for w in sorted(rep.failed)]
+    parts += [f"{w} no answer" for w in sorted(rep.missing)]
+    return ", ".join(parts) or "no worker answered"
+
+
+def _amend(exc: Exception, what: str) -> None:
+    """Add `what` to the message of `exc` (raised on to the caller as it is)."""
+    exc.args = (f"{exc.args[0] if exc.args else exc}; {what}", *exc.args[1:])
 
 
 def rank_offsets(snap: MembershipSnapshot) -> tuple[dict[str, int], int]:

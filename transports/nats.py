@@ -39,6 +39,8 @@ NATS_WINDOW = 16  # chunks in flight: bounds the client's buffer, keeps the pipe
 #: bytes JetStream stores beside a chunk's payload (its subject, sequence, timestamp, hash)
 CHUNK_OVERHEAD = 256
 MIB = 1024 * 1024
+#: what creating a chunk consumer may meet while the weights stream elects a leader
+_SUBSCRIBE_RETRIED: tuple[type[Exception], ...] = (*TRANSIENT, APIError)
 NATS_RETRY_S = 60.0  # a chunk not stored after a reconnect is retried this long, then fails
 
 
@@ -246,20 +248,38 @@ class NatsTransport:
 
         # an ordered consumer re-creates itself from the last chunk it got after two missed
         # idle heartbeats: a broker restart mid-read costs about a second, not the timeout
-        sub = await self.bus.js.subscribe(f"{t.subject}.>", stream=t.stream, cb=on_chunk,
-                                          ordered_consumer=True, idle_heartbeat=0.5,
-                                          deliver_policy=DeliverPolicy.ALL)
+        sub = None
         try:
             with anyio.fail_after(timeout):
+                sub = await self._subscribe(t, on_chunk)
                 await done.wait()
         finally:
-            with anyio.CancelScope(shield=True):
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+            if sub is not None:
+                with anyio.CancelScope(shield=True):
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
         if aborted:
             raise TransportError(ErrorCode.FETCH_FAILED, f"the sender abandoned this version "
                                  f"after {got} of {t.chunks} chunks ({aborted})")
         return buf
+
+
+    async def _subscribe(self, t: Nats, on_chunk: Any) -> Any:
+        """The ordered consumer of a version's chunks, its creation retried until it is made
+        (the caller bounds the wait): the weights stream may be electing a leader (a node of
+        a cluster cut off or gone), which answers nothing, or 503, for a few seconds."""
+        delay = 0.1
+        while True:
+            try:
+                return await self.bus.js.subscribe(f"{t.subject}.>", stream=t.stream,
+                                                   cb=on_chunk, ordered_consumer=True,
+                                                   idle_heartbeat=0.5,
+                                                   deliver_policy=DeliverPolicy.ALL)
+            except _SUBSCRIBE_RETRIED as exc:
+                if isinstance(exc, APIError) and exc.code == 400:  # a request it will refuse
+                    raise
+                await anyio.sleep(delay)
+                delay = min(2 * delay, 1.0)
 
 
 def _full(exc: BaseException, size: int, chunk: int, chunks: int) -> str:

@@ -125,10 +125,11 @@ class Staged:
     _stable: Callable[[], None] | None = None
 
     def command(self, cmd_id: str, *, target: Target | None = None,
-                reset_prefix_cache: bool = True, deadline: float = 0.0) -> UpdateWeights:
+                reset_prefix_cache: bool = True, deadline: float = 0.0,
+                run: str = "") -> UpdateWeights:
         return UpdateWeights(cmd_id=cmd_id, version=self.version, transport=self.transport,
                              digest=self.digest, target=target or Base(),
-                             reset_prefix_cache=reset_prefix_cache, deadline=deadline)
+                             reset_prefix_cache=reset_prefix_cache, deadline=deadline, run=run)
 
     def on_release(self, fn: Release) -> None:
         self._release.append(fn)

@@ -27,9 +27,11 @@ from rlfabric.schemas import (
     RolloutRequests,
     codec_for,
     encode,
+    run_of,
 )
 from rlfabric.telemetry import instruments, spans
 from rlfabric.worker.delivery import Delivery, result_id
+from rlfabric.worker.policies import Policies, desired_policy
 
 log = logging.getLogger("rlfabric.worker.rollouts")
 #: failures that are not the request's: it goes back to the stream for another try
@@ -42,11 +44,12 @@ MAX_REQUEST_TOKENS = 1 << 18
 
 
 class Admission:
-    def __init__(self, bus: Bus, engine: Engine, worker_id: str, *,
+    def __init__(self, bus: Bus, engine: Engine, worker_id: str, policies: Policies, *,
                  max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
         self.bus = bus
         self.engine = engine
         self.worker_id = worker_id
+        self.policies = policies
         self.max_request_tokens = max_request_tokens
         self._result_subjects: dict[str, str] = {}
         self._codec = codec_for(RolloutRequest)
@@ -100,15 +103,23 @@ class Admission:
 
     async def _version_ready(self, d: Delivery, req: RolloutRequest) -> bool:
         """Whether this worker holds a version `req` may be served under (its adapter's, if
-        it names one); if not, it was answered or goes back (`_not_yet`)."""
+        it names one; of its run, if it names one); if not, it was answered or goes back
+        (`_not_yet`)."""
         if not req.adapter:
+            if req.run and run_of(self.policies.base) != req.run:
+                desired = await self.bus.state.read()
+                await self._other_run(d, req, run_of(desired_policy(desired)),
+                                      run_of(self.policies.base), "base weights")
+                return False
             if req.min_weight_version <= self.engine.version:
                 return True
             desired = await self.bus.state.read()
             await self._not_yet(d, req, desired.weight_version, "weight version")
             return False
         held = self.engine.adapter_versions().get(req.adapter, ())
-        if held and max(req.min_weight_version, req.adapter_version) <= max(held):
+        held_run = self.policies.adapter_run(req.adapter)
+        if held and (not req.run or held_run == req.run) and \
+                max(req.min_weight_version, req.adapter_version) <= max(held):
             return True  # an evicted version asked for: the engine's check says so
         upd = (await self.bus.state.read()).adapters.get(req.adapter)
         if upd is None:
@@ -117,8 +128,28 @@ class Admission:
                                    "which no update loaded on this fleet (or one unloaded): "
                                    "push it with FabricClient.update_weights(adapter=...)")
             return False
+        if req.run and held_run != req.run:
+            await self._other_run(d, req, upd.run, held_run or "", f"adapter {req.adapter!r}")
+            return False
         await self._not_yet(d, req, upd.version, f"adapter {req.adapter!r} version")
         return False
+
+    async def _other_run(self, d: Delivery, req: RolloutRequest, desired: str, held: str,
+                         what: str) -> None:
+        """A request for run `req.run`'s weights, which this worker does not hold (`held`
+        does). If the fleet's desired state is that run's, this worker is behind: the
+        request goes back to wait as for a newer version. Otherwise no update of that run is
+        on its way: a request without a deadline fails now."""
+        if desired != req.run and not req.deadline:
+            await self.reply_error(
+                d.msg, req, ErrorCode.VERSION_UNAVAILABLE,
+                f"request {req.request_id} is for run {req.run}'s {what}, but {self.worker_id} "
+                f"serves run {held or '(none)'}'s and the fleet's desired state is run "
+                f"{desired or '(none)'}'s: push run {req.run}'s weights first, or give the "
+                "request a deadline to wait for them", retryable=True)
+            return
+        tries = d.msg.metadata.num_delivered or 1
+        d.serve_again(min(1.0, 0.25 * 2 ** min(tries - 1, 2)))
 
     async def _not_yet(self, d: Delivery, req: RolloutRequest, desired: int, what: str
                        ) -> None:

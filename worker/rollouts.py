@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import anyio
 import nats.errors
@@ -42,7 +43,8 @@ from rlfabric.worker.admission import MAX_REQUEST_TOKENS, Admission
 from rlfabric.worker.credits import Credits
 from rlfabric.worker.delivery import Delivery
 from rlfabric.worker.liveness import KeepAlive, LoadReport
-from rlfabric.worker.offers import offers
+from rlfabric.worker.offers import Offered, offers
+from rlfabric.worker.policies import Policies
 from rlfabric.worker.serving import Serving
 from rlfabric.worker.state import WorkerStatus
 from rlfabric.worker.streaming import DeltaSender
@@ -53,19 +55,24 @@ log = logging.getLogger("rlfabric.worker.rollouts")
 class RolloutServer:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, reg: Registration, *,
                  capacity: int, prefetch: int = 0, status: WorkerStatus | None = None,
-                 max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
+                 max_request_tokens: int = MAX_REQUEST_TOKENS,
+                 policies: Policies | None = None,
+                 on_silent: Callable[[str], None] | None = None) -> None:
         self.bus = bus
+        self._on_silent = on_silent
         self.worker_id = worker_id
         self.status = status or WorkerStatus()
         self.credits = Credits(capacity, prefetch)
         self.credits.on_room = self._unpark
-        self.admission = Admission(bus, engine, worker_id,
+        self.policies = policies or Policies()
+        self.admission = Admission(bus, engine, worker_id, self.policies,
                                    max_request_tokens=max_request_tokens)
         self.alive = KeepAlive(bus.limits.rollout_ack_wait)
         self.report = LoadReport(self.credits, reg, worker_id)
         self.deltas = DeltaSender(bus)
         self.serving = Serving(bus, engine, worker_id, credits=self.credits,
-                               admission=self.admission, deltas=self.deltas, alive=self.alive)
+                               admission=self.admission, deltas=self.deltas, alive=self.alive,
+                               policies=self.policies)
         self._tg: TaskGroup | None = None
         self.status.watch(self._held)
 
@@ -124,7 +131,7 @@ class RolloutServer:
             tg.start_soon(self.report.run)
             tg.start_soon(self.deltas.run)
             puller = Puller(self.bus, s.rollout_stream, s.rollout_consumer, self._on_message,
-                            kick=self.credits.room)
+                            kick=self.credits.room, on_silent=self._on_silent)
             await tg.start(puller.run)
             try:
                 async with offers(self.bus, self.worker_id, self._on_message, self._has_room):
@@ -159,6 +166,8 @@ class RolloutServer:
         d = Delivery(msg, len(reqs), time.monotonic())
         self.alive.add(d)
         c.took(d, reqs, park=park)
+        if not isinstance(msg, Offered):  # an offered one's client knows who took it
+            self.deltas.took(self.worker_id, reqs)
         if not park:
             self.serving.dispatch(d, reqs)
 

@@ -67,6 +67,8 @@ from rlfabric.schemas import (
 )
 from rlfabric.telemetry import instruments, spans
 from rlfabric.worker.admission import MAX_REQUEST_TOKENS
+from rlfabric.worker.alignment import Alignment
+from rlfabric.worker.policies import desired_policy
 from rlfabric.worker.rollouts import RolloutServer
 from rlfabric.worker.state import WorkerStatus
 from rlfabric.worker.weights import WeightSync
@@ -100,15 +102,21 @@ class Worker:
         self.weights = WeightSync(bus, engine, self.worker_id)
         self.receiver = CommandReceiver(bus, self.worker_id, self._handle_command,
                                         poll_max=poll_max, on_not_applied=self._missed,
-                                        state=lambda: (engine.version, self._checksum()))
+                                        state=lambda: (engine.version, self._checksum()),
+                                        on_unread=self._doubt)
         self.reg = Registration(bus, new_worker_info(self.worker_id, engine=engine.name,
                                                      model=engine.model, capacity=capacity))
         self.reg.refresh = self._refresh_info
+        self.reg.on_unwritten = self._doubt
         #: the worker's one state: membership, the engine calls and the rollout server read it
         self.status = WorkerStatus()
+        #: takes no requests while off (or unsure of) the desired policy
+        self.alignment = Alignment(bus, self.receiver, self.weights, self.status, self._publish,
+                                   self.worker_id)
         self.rollouts = RolloutServer(bus, engine, self.worker_id, self.reg, capacity=capacity,
                                       max_request_tokens=max_request_tokens,
-                                      prefetch=prefetch, status=self.status)
+                                      prefetch=prefetch, status=self.status,
+                                      policies=self.weights.policies, on_silent=self._doubt)
         self._checksum_cache: tuple[int, str] | None = None
         self._drain = anyio.Event()
 
@@ -117,6 +125,13 @@ class Worker:
         if self._checksum_cache is None or self._checksum_cache[0] != v:
             self._checksum_cache = (v, self.engine.weights_checksum())
         return self._checksum_cache[1]
+
+    def _doubt(self, why: str) -> None:
+        if self.status.started:  # before, the join reads the desired state anyway
+            self.alignment.doubt(why)
+
+    def _lost_connection(self) -> None:
+        self._doubt("its connection to the bus dropped")
 
     def _version_metric(self) -> None:
         instruments.current.weight_version.set(self.engine.version,
@@ -136,16 +151,27 @@ class Worker:
             if desired.paused:  # join a paused fleet paused
                 self.status.change(paused=True)
                 await self.engine.pause("keep")
+            if not self.weights.in_line(desired):  # its weights cannot be loaded now
+                self.status.change(behind="it cannot load the fleet's desired policy "
+                                   f"{desired_policy(desired)}: it waits for the next push")
             self.reg.update(weight_version=self.engine.version,
-                            adapters=self.engine.adapter_versions())
+                            adapters=self.engine.adapter_versions(),
+                            policy=self.weights.policies.base, behind=self.status.behind)
             self._version_metric()
+            await tg.start(self.alignment.run)
             await tg.start(self.reg.run)
             await tg.start(self.rollouts.run)
-            await self._publish(started=True)
-            task_status.started()
-            await self._drain.wait()
-            await self._publish(draining=True)
-            await self.rollouts.drain(self.drain_grace)
+            self.bus.link.on_disconnect.append(self._lost_connection)
+            try:
+                await self._publish(started=True)
+                if self.status.behind:
+                    self.alignment.doubt(self.status.behind)  # checked again, and again
+                task_status.started()
+                await self._drain.wait()
+                await self._publish(draining=True)
+                await self.rollouts.drain(self.drain_grace)
+            finally:
+                self.bus.link.on_disconnect.remove(self._lost_connection)
             tg.cancel_scope.cancel()
         with anyio.CancelScope(shield=True):
             await self.receiver.close()
@@ -161,6 +187,7 @@ class Worker:
             at=time.time()))
         if held.checksum == checksum:
             await self.engine.serve_checkpoint_as(0)
+            self.weights.policies.set_checkpoint(checksum)
             return
         why = (f"{self.worker_id} started from another checkpoint ({self.engine.model}, "
                f"checksum {checksum[:12]}) than the job's version 0 ({held.model}, checksum "
@@ -189,11 +216,15 @@ class Worker:
         `run()` returns once that is done."""
         self._drain.set()
 
-    async def _publish(self, **flags: bool) -> None:
+    async def _publish(self, *, started: bool | None = None, paused: bool | None = None,
+                       asleep: bool | None = None, draining: bool | None = None,
+                       updating: bool | None = None) -> None:
         """Change the worker's status (`WorkerStatus.change`) and publish the state that
         results: the members key and a `StateEvent`."""
-        state = self.status.change(**flags)
-        self.reg.update(state=state)
+        state = self.status.change(started=started, paused=paused, asleep=asleep,
+                                   draining=draining, updating=updating)
+        self.reg.update(state=state, behind=self.status.behind,
+                        policy=self.weights.policies.base)
         # a command never waits long on this (a server still recovering its JetStream after a
         # restart can leave a KV write unanswered for seconds): the next heartbeat carries it
         with anyio.move_on_after(STATE_WRITE_S) as scope:
@@ -210,10 +241,12 @@ class Worker:
 
     def _refresh_info(self, info: WorkerInfo) -> WorkerInfo:
         in_flight = self.rollouts.load
-        if info.in_flight == in_flight and info.weight_version == self.engine.version:
+        policy = self.weights.policies.base
+        if info.in_flight == in_flight and info.weight_version == self.engine.version and \
+                info.policy == policy:
             return info
         return msgspec.structs.replace(info, in_flight=in_flight,
-                                       weight_version=self.engine.version)
+                                       weight_version=self.engine.version, policy=policy)
 
     # ---- commands: one method per op ----
     async def _handle_command(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
@@ -243,6 +276,7 @@ class Worker:
                 return None
             case UnloadAdapter():
                 held = await self.engine.unload_adapter(cmd.name)
+                self.weights.policies.keep_adapters(self.engine.adapter_versions())
                 self.reg.update(adapters=self.engine.adapter_versions())
                 await self._publish()
                 return AckFields(detail={"unloaded": str(held).lower()})
@@ -319,6 +353,9 @@ class Worker:
                     "paused" if desired.paused else "running")
         await self.weights.load_current(desired)
         self._checksum_cache = None
+        if not self.weights.in_line(desired):
+            self._doubt(f"it missed {type(cmd).__name__} {cmd.cmd_id} and could not load the "
+                        "desired state then")
         if desired.paused and not self.status.paused:
             await self._publish(paused=True)
             if not self.status.asleep:

@@ -43,6 +43,7 @@ from rlfabric.worker.admission import HAND_BACK, Admission
 from rlfabric.worker.credits import Credits
 from rlfabric.worker.delivery import Delivery, result_id, traces
 from rlfabric.worker.liveness import KeepAlive
+from rlfabric.worker.policies import Policies
 from rlfabric.worker.streaming import DeltaSender
 
 log = logging.getLogger("rlfabric.worker.rollouts")
@@ -91,8 +92,11 @@ class _Progress:
 
 class Serving:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, credits: Credits,
-                 admission: Admission, deltas: DeltaSender, alive: KeepAlive) -> None:
+                 admission: Admission, deltas: DeltaSender, alive: KeepAlive,
+                 policies: Policies) -> None:
         self.bus = bus
+        #: names each result's version spans by the policy behind them
+        self.policies = policies
         self.engine = engine
         self.worker_id = worker_id
         self.credits = credits
@@ -187,7 +191,8 @@ class Serving:
                     progress.generated = True
                     self.credits.generated()
                 res = msgspec.structs.replace(res, attempt=attempt,
-                                              submission_id=req.submission_id)
+                                              submission_id=req.submission_id,
+                                              version_spans=self.policies.stamp(req, res))
                 n = len(res.completion_token_ids)
                 tokens.add(n, {spans.WORKER_ID: self.worker_id})
                 if gen.is_recording():
@@ -267,6 +272,7 @@ class Serving:
         attempt = d.msg.metadata.num_delivered or 1
         tokens = instruments.current.tokens
         who = {spans.WORKER_ID: self.worker_id}
+        stamp = self.policies.stamp
         try:
             results = self._many.generate_many(
                 [req for req, _ in todo.values()], worker_id=self.worker_id,
@@ -278,7 +284,8 @@ class Serving:
                     for res in burst:
                         req, subject = todo[res.request_id]
                         res = msgspec.structs.replace(res, attempt=attempt,
-                                                      submission_id=req.submission_id)
+                                                      submission_id=req.submission_id,
+                                                      version_spans=stamp(req, res))
                         n_tokens += len(res.completion_token_ids)
                         many.posted[req.request_id] += 1
                         if many.posted[req.request_id] == req.sampling.n:

@@ -2,10 +2,12 @@
 publishes, what the rollout server reads to know whether to take requests.
 
 A worker is paused (`Pause` ... `Resume`), asleep (`Sleep` ... `Wake`), draining (leaving:
-never undone) and updating (a weight or adapter load in progress) independently of each
-other: a `Resume` of a sleeping worker leaves it asleep, a `Wake` of a paused one leaves it
-paused, and a load on either republishes what it was. `state` is the one name membership
-shows: the first of draining, updating, sleeping, paused that holds, else ready.
+never undone), updating (a weight or adapter load in progress) and behind (not on the fleet's
+desired policy, or unsure of it: `Alignment`) independently of each other: a `Resume` of a
+sleeping worker leaves it asleep, a `Wake` of a paused one leaves it paused, and a load on
+either republishes what it was. `state` is the one name membership shows: the first of
+draining, updating, sleeping, paused that holds, else ready; `behind` says why a worker that
+is up takes no requests.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class WorkerStatus:
         self.asleep = False
         self.draining = False
         self.updating = False
+        #: why the worker is off the desired policy ("": it is on it)
+        self.behind = ""
         self._watchers: list[Callable[[bool], None]] = []
 
     @property
@@ -40,9 +44,9 @@ class WorkerStatus:
 
     @property
     def held(self) -> bool:
-        """Taking no requests: paused, asleep or draining (an update holds nothing: requests
-        keep being served between the load's two decode steps)."""
-        return self.paused or self.asleep or self.draining
+        """Taking no requests: paused, asleep, draining or behind (an update holds nothing:
+        requests keep being served between the load's two decode steps)."""
+        return self.paused or self.asleep or self.draining or bool(self.behind)
 
     def watch(self, on_change: Callable[[bool], None]) -> None:
         """Call `on_change(held)` at every change."""
@@ -50,7 +54,7 @@ class WorkerStatus:
 
     def change(self, *, started: bool | None = None, paused: bool | None = None,
                asleep: bool | None = None, draining: bool | None = None,
-               updating: bool | None = None) -> WorkerState:
+               updating: bool | None = None, behind: str | None = None) -> WorkerState:
         """Set the flags given; the state that results."""
         if started is not None:
             self.started = started
@@ -62,6 +66,8 @@ class WorkerStatus:
             self.draining = self.draining or draining  # leaving is never undone
         if updating is not None:
             self.updating = updating
+        if behind is not None:
+            self.behind = behind
         held = self.held
         for fn in self._watchers:
             fn(held)

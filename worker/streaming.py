@@ -24,8 +24,25 @@ class DeltaSender:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self._deltas: deque[tuple[str, TokenDelta]] = deque()  # (subject, delta)
+        #: requests taken from the queue, to tell their clients: subject -> request -> submission
+        self._taken: dict[str, dict[str, str]] = {}
+        self._worker_id = ""
         self._ready = Signal()
         self._headers = headers()
+
+    def took(self, worker_id: str, reqs: list[RolloutRequest]) -> None:
+        """Tell the clients of `reqs` (taken from the shared queue) that this worker holds
+        them: should it leave before answering, they queue them again at once."""
+        subjects = self.bus.subjects
+        self._worker_id = worker_id
+        for req in reqs:
+            if req.client_id:
+                try:
+                    subject = subjects.token_stream(req.client_id)
+                except ValueError:  # answered as a bad request by admission
+                    continue
+                self._taken.setdefault(subject, {})[req.request_id] = req.submission_id
+        self._ready.fire()
 
     def sink(self, reqs: dict[str, RolloutRequest]) -> TokenSink | None:
         """What the engine hands the deltas of `reqs` (by request id) to; None when none of
@@ -48,6 +65,14 @@ class DeltaSender:
         no round trip)."""
         while True:
             ready = self._ready.event()
+            taken, self._taken = self._taken, {}
+            for subject, ids in taken.items():
+                try:
+                    await self.bus.nc.publish(subject, encode(TokenDeltas(
+                        deltas=[], taken=ids, worker_id=self._worker_id)),
+                        headers=self._headers)
+                except nats.errors.Error as exc:  # the stream's ack wait still redelivers
+                    log.debug("taken requests not told to %s: %s", subject, exc)
             by_subject: dict[str, list[TokenDelta]] = {}
             while self._deltas:
                 subject, delta = self._deltas.popleft()

@@ -32,6 +32,7 @@ from rlfabric.schemas import (
     ErrorEvent,
     InitTransport,
     UpdateWeights,
+    base_policy,
 )
 from rlfabric.telemetry import spans
 from rlfabric.transports import (
@@ -43,6 +44,7 @@ from rlfabric.transports import (
     name_of,
 )
 from rlfabric.transports.collective import join
+from rlfabric.worker.policies import Policies, desired_policy
 
 log = logging.getLogger("rlfabric.worker.weights")
 
@@ -56,17 +58,30 @@ class WeightSync:
         self.fetch_timeout = fetch_timeout
         self.transports = Transports(bus)
         self.groups = GroupSlot()
+        #: the policies served: what results are stamped with, what the desired state is
+        #: compared against
+        self.policies = Policies()
+        #: one load at a time: a command's, or one taking the desired state
+        self.loading = anyio.Lock()
 
-    # ---- join ----
+    # ---- the desired state ----
+    def in_line(self, state: DesiredState) -> bool:
+        """Whether the base weights served are the desired state's."""
+        want = desired_policy(state)
+        return not want or want == self.policies.base
+
     async def load_current(self, state: DesiredState) -> None:
-        """At join: serve the fleet's current version, and its adapters' newest versions, if
-        they can be pulled."""
-        cmd = state.locator
-        if cmd is not None and cmd.version > self.engine.version:
-            await self._join_load(cmd, f"weight version {cmd.version}")
-        for name, upd in state.adapters.items():
-            if upd.version not in self.engine.adapter_versions().get(name, ()):
-                await self._join_load(upd, f"adapter {name!r} v{upd.version}")
+        """Serve the desired state's base policy, and its adapters' newest versions, if they
+        can be pulled (at join, and whenever the worker finds itself off them)."""
+        async with self.loading:
+            cmd = state.locator
+            if cmd is not None and not self.in_line(state) and \
+                    base_policy(cmd.run, cmd.version, cmd.digest) == desired_policy(state):
+                await self._join_load(cmd, f"weight version {cmd.version}")
+            for name, upd in state.adapters.items():
+                newest = self.engine.adapter_versions().get(name, ())[-1:]
+                if self.policies.adapter_run(name) != upd.run or newest != (upd.version,):
+                    await self._join_load(upd, f"adapter {name!r} v{upd.version}")
 
     async def _join_load(self, cmd: UpdateWeights, what: str) -> None:
         if isinstance(cmd.transport, Collective | CudaIpc):  # live only during their push
@@ -77,16 +92,16 @@ class WeightSync:
             # the push's deadline bounded its sender's wait; a joiner loading it later is not
             await self._apply(msgspec.structs.replace(cmd, deadline=0.0))
         except (CommandFailed, EngineError) as exc:
-            # e.g. the shm segment of a trainer that died: join anyway, on the weights we
-            # have, say so, and take the next push (requests for it wait)
-            why = (f"{self.worker_id} cannot load the fleet's {what} ({exc.code}: {exc}); it "
-                   f"joins on v{self.engine.version} and waits for the next update")
-            log.error("%s", why)
+            # e.g. the shm segment of a trainer that has exited: serve nothing of it, say so
+            # (at INFO: a fleet outliving its trainer is expected), take the next push
+            why = (f"{self.worker_id} cannot load the fleet's {what} ({exc.code}: {exc}); "
+                   f"it holds v{self.engine.version} and waits for the next update")
+            log.info("%s", why)
             await self.bus.emit(ErrorEvent(source=self.worker_id,
                                            code=ErrorCode.WEIGHTS_UNAVAILABLE, message=why,
                                            at=time.time()))
             return
-        log.info("%s: joined on %s", self.worker_id, what)
+        log.info("%s: now serving the fleet's %s", self.worker_id, what)
 
     # ---- commands ----
     async def update(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
@@ -95,10 +110,16 @@ class WeightSync:
             raise CommandFailed(ErrorCode.UNSUPPORTED, f"{self.worker_id} ({self.engine.name}) "
                                 "takes LoRA adapters over shm, filesystem or nats, not over its "
                                 "engine's collective group")
-        if collective and self.engine.owns_collective:
-            await self.engine.receive_collective(cmd)
-            return AckFields(weight_version=self.engine.version)
-        return await self._apply(cmd, ready=ctx.ready)
+        async with self.loading:
+            if not collective and not isinstance(cmd.target, Adapter) and \
+                    base_policy(cmd.run, cmd.version, cmd.digest) == self.policies.base:
+                # served already (taken from the desired state, or a push sent again)
+                return AckFields(weight_version=self.engine.version)
+            if collective and self.engine.owns_collective:
+                await self.engine.receive_collective(cmd)
+                self.policies.set_base(cmd.version, cmd.run, cmd.digest)
+                return AckFields(weight_version=self.engine.version)
+            return await self._apply(cmd, ready=ctx.ready)
 
     async def init_transport(self, cmd: InitTransport, ctx: CommandContext) -> AckFields:
         if self.worker_id not in cmd.rank_offsets:
@@ -200,27 +221,51 @@ class WeightSync:
         except (WeightLoadError, ValueError, TypeError, RuntimeError) as exc:
             why = str(exc)
         if why:
+            if self.engine.version != self.policies.base_version:
+                # the engine restarted from its checkpoint (it kept no copy of what it served)
+                self.policies.set_checkpoint(self.engine.weights_checksum(),
+                                             self.engine.version)
             # NOTE: raised outside the except block on purpose: a chained exception would keep
             # the failed frames, and the tensors viewing a shared buffer in them, alive
             raise CommandFailed(ErrorCode.LOAD_FAILED,
                                 f"{self.worker_id}: v{cmd.version} not loaded "
                                 f"({why}); still serving v{self.engine.version}")
-        if cmd.reset_prefix_cache:
+        self.policies.set_base(cmd.version, cmd.run, cmd.digest)
+        if cmd.reset_prefix_cache:  # kept or not, no engine serves old blocks to new weights
             await self.engine.reset_prefix_cache()
         return AckFields(weight_version=self.engine.version)
 
+    def _check_base(self, cmd: UpdateWeights, adapter: Adapter) -> None:
+        if adapter.base and adapter.base != self.policies.base:
+            raise CommandFailed(ErrorCode.BASE_MISMATCH, (
+                f"{self.worker_id}: adapter {adapter.name!r} v{cmd.version} was trained on base "
+                f"policy {adapter.base}, but this worker serves base policy "
+                f"{self.policies.base or '(none)'}; push that base first "
+                "(FabricClient.update_weights without adapter=), or start the workers from the "
+                "adapter's base checkpoint"))
+
     async def _load_adapter(self, weights: PackedWeights, cmd: UpdateWeights,
                             adapter: Adapter) -> AckFields:
-        """The ack carries the adapter's version and the checksum of its tensors."""
+        """The ack carries the adapter's version and the checksum of its tensors. Versions
+        are a run's own: those another run loaded under the same name are dropped first."""
+        self._check_base(cmd, adapter)
+        held = self.policies.adapter_run(adapter.name)
+        if held is not None and held != cmd.run:
+            await self.engine.unload_adapter(adapter.name)
+            log.info("%s: adapter %r of run %s replaced by run %s's", self.worker_id,
+                     adapter.name, held, cmd.run)
         why = ""
         try:
             checksum = await self.engine.load_adapter(weights, adapter, cmd.version)
         except (WeightLoadError, ValueError, TypeError, RuntimeError) as exc:
             why = str(exc)
+        finally:
+            self.policies.keep_adapters(self.engine.adapter_versions())
         if why:  # outside the except block: see `_load`
             raise CommandFailed(ErrorCode.LOAD_FAILED,
                                 f"{self.worker_id}: adapter {adapter.name!r} v{cmd.version} not "
                                 f"loaded ({why}); its earlier versions still serve")
+        self.policies.set_adapter(adapter.name, cmd.version, cmd.run, cmd.digest)
         return AckFields(weight_version=cmd.version, weights_checksum=checksum,
                          detail={"adapter": adapter.name})
 

@@ -70,9 +70,9 @@ class LoraBank:
                 if name not in self._hooked:
                     self.module.get_submodule(name).register_forward_hook(self._hook(name))
                     self._hooked.add(name)
-            versions = [v for v in self.loaded.get(w.adapter.name, []) if v.version != w.version]
-            self.loaded[w.adapter.name] = sorted([*versions, w],
-                                                 key=lambda v: v.version)[-self.keep:]
+            # the newest from now on: versions after it were a push taken back
+            older = [v for v in self.loaded.get(w.adapter.name, []) if v.version < w.version]
+            self.loaded[w.adapter.name] = [*older, w][-self.keep:]
 
     def remove(self, name: str) -> bool:
         with self._lock:

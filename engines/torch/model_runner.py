@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import inspect
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from rlfabric.engines.torch.sampling import sample
 from rlfabric.engines.torch.sequence import Sequence
 from rlfabric.tensors.checksums import checksum
 from rlfabric.tensors.models import build_model
+from rlfabric.text.ends import end_token_ids
 
 
 class RunnerState(enum.Enum):
@@ -47,6 +49,8 @@ class ModelRunner:
         self.context_len: int = cfg.max_position_embeddings
         eos = cfg.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if os.path.isdir(model):  # a checkpoint: every end token its files name
+            self.eos_ids |= end_token_ids(model)
         self.pad_id: int = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.params: dict[str, torch.Tensor] = dict(self.module.state_dict())
         self.residency = Residency(self.module, device)

@@ -84,11 +84,12 @@ class VllmAdapters:
                     checksum=checksum)
 
     def add(self, held: Held) -> list[Held]:
-        """Hold `held`; returns the versions no longer held (for vLLM to drop)."""
-        versions = [h for h in self.loaded.get(held.adapter.name, []) if h.version != held.version]
-        ordered = sorted([*versions, held], key=lambda h: h.version)
+        """Hold `held` as the adapter's newest version; returns the versions no longer held
+        (for vLLM to drop): beyond `keep`, and any newer than `held` (a push taken back)."""
+        before = self.loaded.get(held.adapter.name, [])
+        ordered = [*(h for h in before if h.version < held.version), held]
         self.loaded[held.adapter.name] = ordered[-self.keep:]
-        return ordered[:-self.keep]
+        return [*ordered[:-self.keep], *(h for h in before if h.version >= held.version)]
 
     def remove(self, name: str) -> list[Held]:
         return self.loaded.pop(name, [])

@@ -137,6 +137,9 @@ class VllmEngine:
         self.options = options or VllmOptions()
         self._llm: Any = None
         self._version = -1
+        #: moves with every weight load of any kind: requests are salted with it, so no
+        #: prefix block computed under other weights is ever hit (`cache_salt`)
+        self._weights_serial = 0
         self._checksum = ""
         self._eos = _eos_ids(model)
         self._vocab = _vocab_size(model)
@@ -325,7 +328,8 @@ class VllmEngine:
         from vllm import TokensPrompt
 
         params = self._params(request, index, streamed=on_tokens is not None)
-        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist(),
+                              cache_salt=f"w{self._weights_serial}")
         rid = f"{request.request_id}/{index}/{uuid.uuid4().hex[:8]}"
         # the adapter version is pinned here: one landing meanwhile serves later requests
         lora = self.lora.pick(request.adapter, request.adapter_version) if request.adapter \
@@ -527,6 +531,7 @@ class VllmEngine:
                 os.remove(self._current_file)
         self._current_file, self._current_layout = keep, tuple(layout)
         self._version = version
+        self._weights_serial += 1
 
     def _check_layout(self, weights: PackedWeights) -> None:
         """What can be checked before vLLM's loader touches the model: names and shapes
@@ -556,6 +561,7 @@ class VllmEngine:
                     "version": self._version})
             else:  # no copy of the version served (NCCL, ipc): the checkpoint again
                 self._version, self._checksum = self._checkpoint_as, self._checkpoint_checksum
+            self._weights_serial += 1
             if self._version >= 0:
                 await self._llm.update_weight_version(str(self._version))
             for held in self.lora.every():
@@ -710,8 +716,9 @@ def _config(model: str) -> dict[str, Any]:
 
 
 def _eos_ids(model: str) -> frozenset[int]:
-    eos = _config(model).get("eos_token_id")
-    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    from rlfabric.text.ends import end_token_ids
+
+    return end_token_ids(model)
 
 
 def _vocab_size(model: str) -> int:

@@ -8,7 +8,7 @@ import time
 import anyio
 import pytest
 import torch
-from helpers import req
+from helpers import LLAMA3_ENDS, llama3_like, past_an_end, req
 
 from rlfabric.engines import make_engine, running
 from rlfabric.engines.torch.sampling import sample
@@ -115,3 +115,16 @@ async def test_generate_many_yields_each_decode_batch_together() -> None:
         bursts = [sorted(r.request_id for r in burst)
                   async for burst in engine.generate_many(reqs, worker_id="w")]
     assert bursts == [["r0", "r1"], ["r2"]]  # admission order, two to a batch
+
+
+async def test_a_checkpoint_stops_at_every_end_token_its_files_name(tmp_path) -> None:
+    """config.json, generation_config.json and the tokenizer each name an end token (as
+    Llama 3 Instruct's do): sampling stops at any of them, as transformers' generate does."""
+    engine = make_engine("torch", llama3_like(str(tmp_path / "ckpt")))
+    reqs = [req(f"e{i}", [256, 5 + i], max_tokens=128, seed=i, n=4) for i in range(12)]
+    async with running(engine):
+        out = [r for q in reqs async for r in engine.generate(q)]
+    assert len(out) == 48
+    assert past_an_end(out, LLAMA3_ENDS) == []
+    ended = {r.completion_token_ids.tolist()[-1] for r in out if r.finish_reason == "stop"}
+    assert ended == LLAMA3_ENDS  # stopped at the config's and at the tokenizer's

@@ -142,6 +142,30 @@ async def test_update_reaches_both_and_no_stale_prefix_cache(two_vllm: Fleet,
     assert worst_gap(v0, after, got1) > 1e-3
 
 
+async def test_a_kept_prefix_cache_never_serves_blocks_of_other_weights(two_vllm: Fleet
+                                                                        ) -> None:
+    """`reset_prefix_cache=False`: the cache is kept, but a 300-token prefix both workers
+    cached under v0 (two blocks) is not served to v1 (requests are salted per load): v1's
+    requests match v1."""
+    prefix = [256, *(1 + i % 250 for i in range(300))]
+    async with client(two_vllm) as fabric:
+        await fabric.wait_for_workers(2, timeout=240)
+        v0, v1 = build_model(MODEL), perturbed(11)
+        await fabric.update_weights(0, module=v0)
+        # 16 requests: two messages, one to each worker
+        before = [req(f"kb{i}", [*prefix, i], max_tokens=8, seed=i) for i in range(16)]
+        got0 = [r async for r in fabric.generate(before, timeout=120)]
+        await fabric.update_weights(1, module=v1, reset_prefix_cache=False)
+        after = [req(f"ka{i}", [*prefix, i], min_version=1, max_tokens=8, seed=i)
+                 for i in range(16)]
+        got1 = [r async for r in fabric.generate(after, timeout=120)]
+    assert {r.worker_id for r in got0} == {r.worker_id for r in got1} == {"vl0", "vl1"}
+    assert worst_gap(v0, before, got0) <= 1e-4
+    assert all([s.version for s in r.version_spans] == [1] for r in got1)
+    assert worst_gap(v1, after, got1) <= 1e-4  # not v0's cached prefix
+    assert worst_gap(v0, after, got1) > 1e-3
+
+
 # NOTE: the pause-mode tests (wait, abort + continue, keep + update + resume) are the torch
 # engine's, parametrized over both engines: tests/trainer/test_control.py
 

@@ -15,6 +15,7 @@ import pytest
 
 from rlfabric.bus import Bus
 from rlfabric.bus.sessions import read_trajectory
+from rlfabric.schemas import checkpoint_policy
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 MODEL = "tinyqwen"
@@ -49,7 +50,6 @@ def test_first_request_is_served_from_the_checkpoint_with_no_weight_push(fleet, 
                                              messages=[{"role": "user", "content": "hi"}])
     ids = extra(r.choices[0], "token_ids")
     assert len(ids) == r.usage.completion_tokens == 4
-    assert extra(r.choices[0], "weight_versions") == [{"version": 0, "start": 0, "end": 4}]
 
     async def state() -> tuple[Any, Any]:
         async with Bus.connect(fleet.nats, prefix=fleet.prefix) as bus:
@@ -58,6 +58,9 @@ def test_first_request_is_served_from_the_checkpoint_with_no_weight_push(fleet, 
     desired, claim = anyio.run(state)
     assert desired.locator is None and desired.weight_version == -1  # nobody pushed
     assert claim is not None and claim.model == MODEL
+    # named as the checkpoint the fleet serves, by its weights checksum
+    assert extra(r.choices[0], "weight_versions") == [
+        {"version": 0, "start": 0, "end": 4, "policy": checkpoint_policy(claim.checksum)}]
 
 
 def test_naive_retokenization_differs_where_the_gateway_is_exact(fleet, client, extra,

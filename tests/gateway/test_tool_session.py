@@ -80,14 +80,15 @@ def test_openai_client_drives_a_tool_session_and_the_trainer_gets_exact_tokens(
     prompt = fmt.encode(fmt.render(FIRST, tools=TOOLS))
     model = _teach(fmt, prompt, fmt.encode(CALL + "<|im_end|>"))
 
-    async def push() -> None:
+    async def push() -> str:
         from rlfabric.trainer import FabricClient
 
         async with FabricClient.connect(nats_url, prefix=prefix) as fabric:
             await fabric.wait_for_workers(1)
             await fabric.update_weights(1, module=model, transport="shm")
+            return fabric.pushed.names("")[-1]
 
-    anyio.run(push)
+    pushed = anyio.run(push)
 
     c = client(base)
     sid = f"tools-{engine}-{prefix}"
@@ -118,7 +119,7 @@ def test_openai_client_drives_a_tool_session_and_the_trainer_gets_exact_tokens(
         ids = extra(r.choices[0], "token_ids")
         sampled_total += len(ids)
         assert extra(r.choices[0], "weight_versions") == [
-            {"version": 1, "start": 0, "end": len(ids)}]
+            {"version": 1, "start": 0, "end": len(ids), "policy": pushed}]
         if k == 0:
             continue
         before_msgs, before = turns[k - 1]

@@ -6,8 +6,10 @@ loses no completion."""
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +84,13 @@ def test_grpo_trainer_trains_through_two_workers(engine: str, tmp_path: Path, wo
                                                 nats_url: str, prefix: str) -> None:
     ckpt = write_checkpoint("tinychat", str(tmp_path / "tinychat"))
     calls: list[tuple[int, dict[str, torch.Tensor], dict[str, Any]]] = []
+    took: list[float] = []  # seconds each step's rollouts took
     stop = threading.Event()
     killed: list[str] = []
-    # a short redelivery wait: the killed worker's requests go to the other in seconds
+    # the job's default redelivery wait (15 s): the killed worker's requests go to the other
+    # as soon as membership declares it gone, not at that wait
     with TrlFabric(nats_url, prefix=prefix,
-                   policy=QuorumPolicy(timeout=60, on_membership_change="shrink"),
-                   limits=Limits(rollout_ack_wait=3.0)) as fabric:
+                   policy=QuorumPolicy(timeout=60, on_membership_change="shrink")) as fabric:
         procs = dict(zip(["g0", "g1"], workers(["g0", "g1"], "--model", ckpt,
                                                *engine_flags(engine), engine=engine),
                          strict=True))
@@ -100,12 +103,14 @@ def test_grpo_trainer_trains_through_two_workers(engine: str, tmp_path: Path, wo
                 killer = threading.Thread(target=kill_when_busy,
                                           args=(fabric, procs, killed, stop))
                 killer.start()
+            t0 = time.monotonic()
             try:
                 out = fabric.rollout_func(prompts, trainer)
             finally:
                 if killer is not None:
                     stop.set()
                     killer.join(timeout=30)
+            took.append(time.monotonic() - t0)
             calls.append((trainer.state.global_step, snap, out))
             return out
 
@@ -136,6 +141,11 @@ def test_grpo_trainer_trains_through_two_workers(engine: str, tmp_path: Path, wo
                                     strict=True) if c]
         assert max(gaps) <= 1e-4, (step, max(gaps))
     assert set(calls[2][2]["worker_id"]) == {alive}  # it served what the dead one held
+    # the step that lost a worker: at most twice an undisturbed one, plus the time membership
+    # takes to declare a killed worker gone
+    liveness = Limits().member_ttl + 1.0
+    print(f"\nrollouts per step {[round(t, 2) for t in took]} s ({engine}; step 3 lost {dead})")
+    assert took[2] <= 2 * max(took[:2]) + liveness, took
 
 
 CALCULATOR = {"type": "function", "function": {
@@ -214,4 +224,149 @@ def test_a_step_whose_weights_no_worker_took_stops_training_naming_the_worker(
         with pytest.raises(WeightSyncFailed) as stopped:
             trainer.train()
     assert "m0" in str(stopped.value) and "load_failed" in str(stopped.value)
+    assert "now m0 v0 (load_failed)" in str(stopped.value)  # where the worker is
     assert trainer.state.global_step == 0 and fabric.version == -1  # nothing was sampled
+
+
+def short_config(out: Path, steps: int) -> Any:
+    """`config` with short completions: the seams below need steps, not long samples."""
+    cfg = config(out, steps)
+    cfg.max_completion_length = 32
+    return cfg
+
+
+def lora_flags(engine: str) -> tuple[str, ...]:
+    return (*engine_flags(engine), "--max-adapters", "2") if engine == "vllm" else ()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_lora_runs_after_a_full_weight_run_each_sample_their_own_policy(
+        engine: str, tmp_path: Path, workers, nats_url: str, prefix: str) -> None:
+    """On the same two workers: a full-weight run, then two LoRA runs (PEFT) from the same
+    checkpoint, each pushing its adapter as `trl` from version 0. Every completion of every
+    LoRA step is sampled by that run's own adapter on that run's own base: logprobs equal
+    the trainer's model's (the first LoRA run's base is the checkpoint, not the full-weight
+    run's trained weights; the second's adapter is its own, not the first's newer-numbered
+    one)."""
+    peft = pytest.importorskip("peft", reason="PEFT is not installed: pip install "
+                                              "'rlfabric[trl]'")
+    ckpt = write_checkpoint("tinychat", str(tmp_path / "tinychat"))
+    workers(["p0", "p1"], "--model", ckpt, *lora_flags(engine), engine=engine)
+    gaps: dict[str, list[float]] = {}
+    runs: dict[str, str] = {}
+
+    def run(name: str, lora: bool) -> None:
+        with TrlFabric(nats_url, prefix=prefix, policy=QuorumPolicy(timeout=120)) as fabric:
+            fabric.call(fabric.client.wait_for_workers, 2, 240)
+            model = AutoModelForCausalLM.from_pretrained(ckpt)
+            if lora:
+                model = peft.get_peft_model(model, peft.LoraConfig(
+                    r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+            seen = gaps.setdefault(name, [])
+
+            def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+                out = fabric.rollout_func(prompts, trainer)
+                # the trainer's weights now (a PEFT model's merged), in a plain fp32 model:
+                # TRL's own forward runs under accelerate's autocast
+                merged = copy.deepcopy(trainer.model)
+                if lora:
+                    merged = merged.merge_and_unload()
+                ref = build_model(ckpt)
+                ref.load_state_dict(merged.state_dict())
+                seen.append(max(float(np.abs(taken_logprobs(ref, p, c) - np.array(lp)).max())
+                                for p, c, lp in zip(out["prompt_ids"], out["completion_ids"],
+                                                    out["logprobs"], strict=True) if c))
+                return out
+
+            trl.GRPOTrainer(
+                model=model, reward_funcs=shorter, args=short_config(tmp_path / name, 2),
+                train_dataset=dataset(), processing_class=AutoTokenizer.from_pretrained(ckpt),
+                rollout_func=rollout, callbacks=[fabric.sync]).train()
+            runs[name] = fabric.run
+
+    run("full", lora=False)
+    run("lora1", lora=True)
+    run("lora2", lora=True)
+    print(f"\nworst logprob gap per step ({engine}): {gaps}")
+    assert len(set(runs.values())) == 3
+    for name in ("lora1", "lora2"):
+        assert len(gaps[name]) == 2 and max(gaps[name]) <= 1e-4, (name, gaps[name])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_completions_stop_at_the_trainers_end_tokens(engine: str, tmp_path: Path, workers,
+                                                     nats_url: str, prefix: str) -> None:
+    """A checkpoint that names an end token in each of its files (as Llama 3 Instruct's
+    does), and a trainer whose generation config adds one more: no completion runs past any
+    end token TRL's own generation stops at."""
+    from helpers import LLAMA3_ENDS, llama3_like
+
+    ckpt = llama3_like(str(tmp_path / "llama3-like"))
+    workers(["e0"], "--model", ckpt, *engine_flags(engine), engine=engine)
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    model.generation_config.eos_token_id = [257, 260, 42]  # the trainer's own, not the workers'
+    ends = LLAMA3_ENDS | {42}
+    with TrlFabric(nats_url, prefix=prefix) as fabric:
+        fabric.call(fabric.client.wait_for_workers, 1, 240)
+        trainer = trl.GRPOTrainer(
+            model=model, reward_funcs=shorter, args=config(tmp_path / "out", 1),
+            train_dataset=dataset(), processing_class=AutoTokenizer.from_pretrained(ckpt))
+        prompts = [[{"role": "user", "content": f"say {i}"}] for i in range(48)]
+        out = fabric.rollout_func(prompts, trainer)
+    comps = out["completion_ids"]
+    past = [i for i, c in enumerate(comps) if any(t in ends for t in c[:-1])]
+    assert past == []
+    assert {c[-1] for c in comps if c and c[-1] in ends} >= {42, 260}  # stopped at both
+
+
+def test_ctrl_c_ends_a_waiting_rollout_and_a_dead_port_ends_the_process(
+        nats_url: str, prefix: str) -> None:
+    """A TRL process waiting on rollouts that will not come (no worker serves the version it
+    asks for) ends within 2 s of SIGINT; one pointed at a port nobody listens on exits
+    within 10 s, saying so."""
+    import signal
+    import subprocess
+    import sys
+
+    from rlfabric.bus.cluster import free_ports
+
+    waiting = (
+        "import sys\n"
+        "from rlfabric.integrations.trl import TrlFabric\n"
+        "from rlfabric.schemas import RolloutRequest\n"
+        f"with TrlFabric({nats_url!r}, prefix={prefix!r}) as f:\n"
+        "    print('waiting', flush=True)\n"
+        "    f.call(f._collect, [RolloutRequest(request_id='x', prompt_token_ids=[1, 2],\n"
+        "                                       min_weight_version=99, deadline=0)])\n")
+    with subprocess.Popen([sys.executable, "-c", waiting], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "waiting"
+            time.sleep(1.0)  # the call is out, waiting on the bus client's loop
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=10)
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err = proc.stderr.read() if proc.stderr else ""
+    assert took <= 2.0, took
+    assert "KeyboardInterrupt" in err
+    (port,) = free_ports(1)
+    dead = ("from rlfabric.integrations.trl import TrlFabric\n"
+            "print('connecting', flush=True)\n"
+            f"TrlFabric('nats://127.0.0.1:{port}').__enter__()")
+    with subprocess.Popen([sys.executable, "-c", dead], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "connecting"
+            t0 = time.monotonic()  # TRL's own import (seconds) is not the connect's
+            code = proc.wait(timeout=60)
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err = proc.stderr.read() if proc.stderr else ""
+    assert code != 0 and took <= 10.0, (took, err[-2000:])
+    assert "NatsUnavailable" in err and str(port) in err
