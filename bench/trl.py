@@ -128,7 +128,8 @@ def run_one(ckpt: str, workers: int, steps: int, seed: int, nats: str | None,
             "rest_s": (wall - timed.gen - timed.sync) / steps, "rewards": timed.rewards}
 
 
-def bench(steps: int, seed: int, threshold: float, modes: list[int]) -> list[dict[str, Any]]:
+def bench(steps: int, seeds: list[int], threshold: float, modes: list[int]
+          ) -> list[dict[str, Any]]:
     import anyio
 
     from rlfabric.tensors.models import write_checkpoint
@@ -138,7 +139,7 @@ def bench(steps: int, seed: int, threshold: float, modes: list[int]) -> list[dic
     with tempfile.TemporaryDirectory(prefix="rlfabric-bench-trl-") as tmp:
         ckpt = write_checkpoint("tinychat", os.path.join(tmp, "tinychat"))
 
-        async def with_fleet(n: int) -> dict[str, Any]:
+        async def with_fleet(n: int, seed: int) -> dict[str, Any]:
             async with EmbeddedNats() as nats:
                 cmds = [["rlfabric", "worker", "--nats", nats.url, "--prefix", f"benchtrl{n}",
                          "--model", ckpt, "--worker-id", f"t{i}"] for i in range(n)]
@@ -146,19 +147,26 @@ def bench(steps: int, seed: int, threshold: float, modes: list[int]) -> list[dic
                     return await anyio.to_thread.run_sync(
                         run_one, ckpt, n, steps, seed, nats.url, os.path.join(tmp, f"o{n}"))
 
-        for n in modes:
-            row = (run_one(ckpt, 0, steps, seed, None, os.path.join(tmp, "o0")) if n == 0
-                   else anyio.run(with_fleet, n))
-            r = row.pop("rewards")
-            row["reward_last"] = r[-1] if r else float("nan")
-            row["reached"] = next((str(i + 1) for i, x in enumerate(r) if x >= threshold), "-")
-            rows.append(row)
+        for seed in seeds:
+            for n in modes:
+                row = (run_one(ckpt, 0, steps, seed, None, os.path.join(tmp, "o0")) if n == 0
+                       else anyio.run(with_fleet, n, seed))
+                r = row.pop("rewards")
+                row["seed"] = seed
+                row["reward_first"] = r[0] if r else float("nan")
+                row["reward_final"] = sum(r[-3:]) / len(r[-3:]) if r else float("nan")
+                row["reached"] = next((str(i + 1) for i, x in enumerate(r) if x >= threshold),
+                                      "-")
+                rows.append(row)
     return rows
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=20, help="GRPO steps per run (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=30,
+                   help="GRPO steps per run (default %(default)s, as examples/trl_grpo.py)")
+    p.add_argument("--seeds", default="0", metavar="S,...",
+                   help="a run per seed and mode (default %(default)s; examples/trl_grpo.py's "
+                   "defaults learn on 0,1,2)")
     p.add_argument("--threshold", type=float, default=0.5,
                    help="the reward whose first step is reported (default %(default)s)")
     p.add_argument("--workers", default="0,1,2",
@@ -174,13 +182,15 @@ def main(args: argparse.Namespace) -> int:
         print("rlfabric bench trl: TRL is not installed: pip install 'rlfabric[trl]'",
               file=sys.stderr)
         return 2
-    rows = bench(args.steps, args.seed, args.threshold,
+    rows = bench(args.steps, [int(x) for x in args.seeds.split(",") if x], args.threshold,
                  [int(x) for x in args.workers.split(",") if x])
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(table(rows, [("generation", "generation", ""), ("steps_per_s", "steps/s", ".2f"),
-                       ("gen_s", "gen s/step", ".3f"), ("sync_s", "sync s/step", ".3f"),
-                       ("rest_s", "rest s/step", ".3f"), ("reward_last", "reward (last)", ".3f"),
+    print(table(rows, [("generation", "generation", ""), ("seed", "seed", ""),
+                       ("steps_per_s", "steps/s", ".2f"), ("gen_s", "gen s/step", ".3f"),
+                       ("sync_s", "sync s/step", ".3f"), ("rest_s", "rest s/step", ".3f"),
+                       ("reward_first", "reward (step 1)", ".3f"),
+                       ("reward_final", "reward (last 3)", ".3f"),
                        ("reached", f"step reward >= {args.threshold}", "")]))
     return 0

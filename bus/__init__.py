@@ -26,6 +26,7 @@ from rlfabric.bus.receiver import CommandContext, CommandReceiver
 from rlfabric.bus.server import EmbeddedNats, find_nats_server
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import Subjects
+from rlfabric.bus.view import fleet_view
 
 __all__ = [
     "AckFields",
@@ -59,6 +60,7 @@ __all__ = [
     "connect",
     "find_nats_server",
     "fingerprint",
+    "fleet_view",
     "new_cmd_id",
     "new_worker_info",
     "provision",

@@ -8,6 +8,7 @@ import math
 import re
 import ssl
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,23 @@ class ConnectOptions:
         ctx = ssl.create_default_context(cafile=self.tls_ca)
         if self.tls_cert:
             ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        _quiet_ssl_eof()
         return ctx
+
+
+class _SslEofNoise(logging.Filter):
+    """asyncio warns "returning true from eof_received() has no effect when using ssl" each
+    time a TLS connection's peer closes (nats-py's protocol returns True there): nothing a user
+    can act on, and a reconnecting client printed it a dozen times."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+def _quiet_ssl_eof() -> None:
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _SslEofNoise) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_SslEofNoise())
 
 
 def _is_auth_error(exc: BaseException) -> bool:
@@ -160,6 +177,16 @@ class _ConnLog:
             log.info("nats: reconnected to %s", self.servers)
 
 
+def _start_hint(servers: list[str]) -> str:
+    """The command that starts a server where the first URL points (loopback: its port)."""
+    url = urllib.parse.urlsplit(servers[0] if servers else "")
+    port = url.port or 4222
+    tls = " --tls" if url.scheme == "tls" else ""
+    if url.hostname in ("127.0.0.1", "localhost", "::1", None):
+        return f"`rlfabric nats --port {port}{tls}`"
+    return f"`rlfabric nats --host 0.0.0.0 --port {port}{tls}` on {url.hostname}"
+
+
 def _not_connected(opts: ConnectOptions, exc: Exception, seen: list[Exception]
                    ) -> NatsAuthFailed | NatsUnavailable:
     """What a failed first connect means to the user: refused credentials, TLS that does not
@@ -177,7 +204,7 @@ def _not_connected(opts: ConnectOptions, exc: Exception, seen: list[Exception]
         return NatsUnavailable(
             f"no NATS server answered at {where} within {opts.connect_wait}s "
             f"({type(exc).__name__}: {str(exc) or 'no servers available'}); start one with "
-            "`rlfabric nats --port 4222` or pass the right --nats URL")
+            f"{_start_hint(opts.servers)} or pass the right --nats URL")
     if _is_auth_error(exc):  # auth and TLS failures
         return NatsAuthFailed(f"NATS at {where} refused this client: authentication failed "
                               f"({exc})")

@@ -12,10 +12,17 @@ import anyio
 import msgspec
 import nats.js.errors
 
-from rlfabric.bus import MembershipChanged, NatsUnavailable, QuorumNotReached, QuorumPolicy
+from rlfabric.bus import (
+    MembershipChanged,
+    NatsUnavailable,
+    QuorumNotReached,
+    QuorumPolicy,
+    fleet_view,
+)
 from rlfabric.bus.subjects import CHECKPOINT_KEY
 from rlfabric.cli._common import add_bus_options, connect_options
-from rlfabric.schemas import PAUSE_MODES, FanoutReport
+from rlfabric.cli._fleet import desired_json, desired_line, note
+from rlfabric.schemas import PAUSE_MODES, FanoutReport, FleetView
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -67,7 +74,8 @@ def _required(text: str) -> Literal["all"] | int | float:
     return float(text) if "." in text else int(text)
 
 
-async def _run(args: argparse.Namespace) -> FanoutReport:
+async def _run(args: argparse.Namespace) -> tuple[FanoutReport, FleetView]:
+    """The command's report, and the fleet as read after it (what `rlfabric status` reads)."""
     from rlfabric.trainer import FabricClient
 
     policy = QuorumPolicy(required=_required(args.required), timeout=args.timeout,
@@ -75,10 +83,12 @@ async def _run(args: argparse.Namespace) -> FanoutReport:
     async with FabricClient.connect(connect_options(args, "rlfabric-ctl"), prefix=args.prefix,
                                     policy=policy) as fabric:
         if args.op == "pause":
-            return await fabric.pause(mode=args.mode)
-        if args.op == "resume":
-            return await fabric.resume()
-        return await fabric.describe()
+            rep = await fabric.pause(mode=args.mode)
+        elif args.op == "resume":
+            rep = await fabric.resume()
+        else:
+            rep = await fabric.describe()
+        return rep, await fleet_view(fabric.bus, streams=False)
 
 
 async def _repair(args: argparse.Namespace) -> str:
@@ -100,12 +110,15 @@ async def _repair(args: argparse.Namespace) -> str:
         return f"membership key {args.key!r} of job {args.prefix!r} deleted"
 
 
-def _print(rep: FanoutReport, args: argparse.Namespace) -> None:
+def _print(rep: FanoutReport, args: argparse.Namespace, view: FleetView | None = None) -> None:
     if args.json:
-        print(json.dumps(msgspec.to_builtins(rep), indent=2))
+        out = msgspec.to_builtins(rep)
+        if view is not None:
+            out["desired_state"] = desired_json(view)
+        print(json.dumps(out, indent=2))
         return
     print(f"{rep.op} {rep.cmd_id}: {len(rep.ok)} ok, {len(rep.failed)} failed, "
-          f"{len(rep.missing)} missing ({rep.elapsed_s * 1e3:.1f} ms, epoch {rep.epoch})")
+          f"{len(rep.missing)} missing ({rep.elapsed_s * 1e3:.1f} ms)")
     for w in rep.ok:
         a = rep.acks[w]
         extra = "  ".join(f"{k}={v}" for k, v in sorted(a.detail.items()))
@@ -115,6 +128,11 @@ def _print(rep: FanoutReport, args: argparse.Namespace) -> None:
         print(f"  FAILED   {w}  {a.error_code}: {a.error_message}")
     for w in rep.missing:
         print(f"  MISSING  {w}{'  (gone: no ping responder)' if w in rep.dead else ''}")
+    if view is not None:
+        for m in view.members:
+            if why := note(m, view):
+                print(f"  {m.worker_id}: {why}")
+        print(desired_line(view))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return 0
     try:
-        rep = anyio.run(_run, args)
+        rep, view = anyio.run(_run, args)
     except NatsUnavailable as exc:
         print(f"rlfabric ctl: {exc}", file=sys.stderr)
         return 2
@@ -137,5 +155,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rlfabric ctl: {exc}", file=sys.stderr)
         return 2
-    _print(rep, args)
+    _print(rep, args, view)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
@@ -96,6 +97,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="about how many bytes of tokens the held sessions may take; past it "
                    "as past --max-cached-sessions (default %(default)s)")
     add_telemetry_options(p)
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no line per request on stderr (client, method, path, status, "
+                   "milliseconds, session, tenant)")
     p.set_defaults(func=run)
 
 
@@ -163,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
         print("rlfabric gateway: needs the gateway extra: pip install 'rlfabric[gateway]'",
               file=sys.stderr)
         return 2
+    if args.access_log:
+        logging.getLogger("rlfabric.gateway.access").setLevel(logging.INFO)
     telemetry = start_telemetry(args, "gateway")
     try:
         anyio.run(_serve, args, backend_options={"use_uvloop": True})

@@ -15,6 +15,7 @@ from rlfabric.bus.auth import write_auth
 from rlfabric.bus.cluster import EmbeddedCluster
 from rlfabric.bus.server import check_sync
 from rlfabric.bus.tls import TlsSetup, write_tls
+from rlfabric.text.builtin import cache_dir
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "a role's key connect, each limited to its role's subjects: DIR/trainer.nk (control, "
         "desired state, weights, requests), DIR/worker.nk (its consumers, results, acks, "
         "events, membership; never control commands or the desired state), "
+        "DIR/gateway.nk (`rlfabric gateway`: requests, sessions, never control), "
         "DIR/observer.nk (read-only: `rlfabric status`). Pass one to a command with --nkey. "
         "With --tls DIR it serves TLS only, with a CA and certificates it writes to DIR "
         "(docs/reliability.md); the two combine.",
@@ -38,9 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store-dir", default=None,
                    help="JetStream store directory, kept after exit (default: a temp dir that "
                    "is removed on exit)")
-    p.add_argument("--auth", metavar="DIR", default=None,
+    p.add_argument("--auth", metavar="DIR", default=None, nargs="?", const="",
                    help="require per-role nkeys: write DIR/<role>.nk (trainer, worker, "
-                   "observer; existing ones are kept) and DIR/auth.conf, and serve with it")
+                   "gateway, observer; mode 0600, existing ones are kept) and DIR/auth.conf, "
+                   f"and serve with it (DIR left out: {cache_dir('keys', '<prefix>')})")
     p.add_argument("--prefix", default="rl",
                    help="the job prefix the --auth permissions are for (default %(default)s)")
     p.add_argument("--cluster", type=int, default=0, metavar="N",
@@ -52,8 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "acknowledges each message: an acknowledged write survives a crash of every "
                    "node), or a duration such as 10s (default: the server's, every 2 minutes; "
                    "docs/reliability.md)")
-    p.add_argument("--tls", metavar="DIR", default=None,
-                   help="serve TLS: write DIR/ca.pem (clients pass it with --tls-ca), a server "
+    p.add_argument("--tls", metavar="DIR", default=None, nargs="?", const="",
+                   help=f"serve TLS (DIR left out: {cache_dir('tls')}): write DIR/ca.pem "
+                   "(clients pass it with --tls-ca), a server "
                    "certificate for --tls-host, and DIR/client-cert.pem + client-key.pem "
                    "(--tls-cert / --tls-key); existing ones are kept. Plaintext clients are "
                    "refused; clients connect to tls://HOST:PORT. With --cluster the nodes "
@@ -71,6 +75,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     extra = ""
+    if args.auth == "":  # the flag alone: under the user's cache, never the working directory
+        args.auth = cache_dir("keys", args.prefix)
+    if args.tls == "":
+        args.tls = cache_dir("tls")
     if args.auth:
         try:
             setup = write_auth(args.auth, prefix=args.prefix)

@@ -38,6 +38,8 @@ from rlfabric.cli.up_fleet import ProcessFleet, RayActorFleet
 from rlfabric.engines import registry
 from rlfabric.engines.kinds import DTYPES
 from rlfabric.errors import LaunchError
+from rlfabric.schemas import FleetView
+from rlfabric.text.builtin import runs_dir
 from rlfabric.trainer import config
 
 Fleet = ProcessFleet | RayActorFleet
@@ -64,14 +66,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "calculator tool through `rlfabric gateway`, trained on the trajectories "
                    "the bus recorded (the tinychat model; default %(default)s)")
     _grpo_options(p)
-    p.add_argument("--out", default="rlfabric-runs",
-                   help="folder for the run's plot, summary and worker logs (default %(default)s)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for the run's plot, summary and worker logs, a folder per run "
+                   f"(default {runs_dir()}; $XDG_CACHE_HOME moves it)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     p.add_argument("--no-live", action="store_true",
                    help="one line per step instead of the live view (default when not a TTY)")
     g = add_bus_options(
         p, nats=(None, "use this NATS server (comma-separated URLs) instead of an embedded one"),
-        prefix_default="up", title="attach",
+        title="attach",
         description="run the demo on a server and fleet that already run (e.g. compose.yaml's) "
         "instead of starting its own; with auth (e.g. `rlfabric nats --auth DIR`: --nkey "
         "DIR/trainer.nk), start the workers with their own role's key and pass "
@@ -261,7 +264,12 @@ async def _train(run: _Run, url: str, nats_pid: int | None, fleet: Fleet | None)
                                        args.engine, model, args.trace, args.metrics, extra)
     run.console.print(f"rlfabric up: NATS at {url}, {args.workers} workers "
                       + (f"starting ({fleet.where()})" if fleet is not None
-                         else "joining from elsewhere"))
+                         else "joining from elsewhere") + f"; job prefix {args.prefix!r}")
+    if args.task == "tools":
+        run.console.print(f"rlfabric up: --task tools runs {run.cfg.steps} steps of "
+                          f"{run.cfg.prompts_per_step * run.cfg.group_size} agent episodes each "
+                          "(every turn through the gateway): several minutes on a 2-core "
+                          "machine")
     async with FabricClient.connect(connect_options(args, "rlfabric-up", url=url),
                                     prefix=args.prefix, limits=limits_of(args)) as fabric:
         await _wait_workers(fabric, fleet, args.workers, args.join_timeout)
@@ -331,8 +339,11 @@ async def _drive(run: _Run, trainer: GRPOTrainer, fabric: FabricClient, live: bo
         return
 
     def view() -> Any:
-        return up_view.live_view(run.history, fabric.watcher.snapshot(), steps=run.cfg.steps,
-                                 mode=run.mode, transport=run.cfg.transport, status="training")
+        # the fleet as `rlfabric status` reads it, from what this process holds already
+        fleet = FleetView(prefix=run.args.prefix, members=fabric.watcher.snapshot().members,
+                          desired=fabric.desired.state, at=time.time())
+        return up_view.live_view(run.history, fleet, steps=run.cfg.steps, mode=run.mode,
+                                 transport=run.cfg.transport, status="training")
 
     with Live(view(), console=run.console, refresh_per_second=4) as shown:
         async with anyio.create_task_group() as tg:
@@ -357,7 +368,8 @@ def _summary(run: _Run) -> dict[str, Any]:
     final = sum(x.reward for x in h[-config.FINAL_STEPS:]) / len(h[-config.FINAL_STEPS:])
     plot_path = run.run_dir / "rlfabric-up.png"
     up_view.plot(h, str(plot_path),
-                 f"rlfabric up: {args.workers} workers, {run.mode}, {cfg.transport} weights")
+                 f"rlfabric up: {args.workers} workers, {run.mode}, {cfg.transport} weights",
+                 threshold=cfg.reward_threshold)
     mismatches = [x.mismatch for x in h if x.mismatch is not None]
     busy = sum(x.wall_s for x in h)
     return up_view.summary_json(
@@ -433,6 +445,14 @@ def _refused(args: argparse.Namespace) -> str:
     """Why these flags cannot run together ("" if they can)."""
     if args.workers < 1:
         return "--workers must be >= 1"
+    if args.task == "tools":
+        import importlib.util
+
+        missing = [m for m in ("openai", "starlette", "uvicorn")
+                   if importlib.util.find_spec(m) is None]
+        if missing:
+            return (f"--task tools runs its agents through `rlfabric gateway`, which needs "
+                    f"{', '.join(missing)}: pip install 'rlfabric[gateway]'")
     if args.task == "tools" and (args.async_mode or args.lora):
         return ("--task tools trains every weight in sync mode: drop "
                 f"{'--async' if args.async_mode else '--lora'}")
@@ -470,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
     if refused:
         print(f"rlfabric up: {refused}", file=sys.stderr)
         return 2
-    run_dir = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(args.out or runs_dir()) / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     for path in (args.trace, args.metrics):  # this run's, not appended to an earlier one's
         if path:

@@ -4,63 +4,13 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
-from rlfabric.bus.server import die_with_parent
 from rlfabric.engines import registry
+from rlfabric.launch.local import WorkerProcesses
 
-
-class ProcessFleet:
-    """`rlfabric worker` processes, each logging to run_dir/worker-<i>.log."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Path] = []
-
-    def start(self, n: int, url: str, prefix: str, engine: str, model: str,
-              trace: str | None, metrics: str | None, extra: tuple[str, ...] = ()) -> None:
-        per_engine = (*registry.kind(engine).up_worker_args, *extra)
-        to_files = [f"--{k}={v}" for k, v in (("trace", trace), ("metrics", metrics)) if v]
-        for i in range(n):
-            log = self.run_dir / f"worker-{i}.log"
-            self.logs.append(log)
-            with open(log, "wb") as out:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "rlfabric", "worker", "--nats", url, "--prefix", prefix,
-                     "--worker-id", f"w{i}", "--capacity", "64", "--engine", engine,
-                     "--model", model, *per_engine, *to_files],
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    preexec_fn=die_with_parent))
-
-    def where(self) -> str:
-        return f"logs in {self.run_dir}"
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def dead(self) -> list[str]:
-        out = []
-        for i, p in enumerate(self.procs):
-            if p.poll() is not None:
-                tail = self.logs[i].read_text(errors="replace").strip().splitlines()[-3:]
-                out.append(f"w{i} exited with {p.returncode}: {' | '.join(tail)}")
-        return out
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+#: `rlfabric worker` processes, each logging to run_dir/worker-<i>.log
+ProcessFleet = WorkerProcesses
 
 
 class RayActorFleet:

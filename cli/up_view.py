@@ -10,7 +10,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from rlfabric.schemas import MembershipSnapshot
+from rlfabric.cli._fleet import desired_line, note
+from rlfabric.schemas import FleetView
 from rlfabric.telemetry.report import PhaseRow
 from rlfabric.trainer.grpo import StepStats
 
@@ -25,7 +26,7 @@ def spark(values: list[float]) -> str:
     return "".join(SPARK[int((v - lo) / (hi - lo + 1e-12) * (len(SPARK) - 1))] for v in vals)
 
 
-def live_view(history: list[StepStats], snap: MembershipSnapshot, *, steps: int, mode: str,
+def live_view(history: list[StepStats], fleet: FleetView, *, steps: int, mode: str,
               transport: str, status: str) -> Group:
     head = Table.grid(padding=(0, 2))
     last = history[-1] if history else None
@@ -47,11 +48,13 @@ def live_view(history: list[StepStats], snap: MembershipSnapshot, *, steps: int,
         head.add_row(Text("per episode"), Text(f"turns {last.turns_per_episode:.2f}"),
                      Text(f"tool calls {last.tool_calls_per_episode:.2f}"),
                      Text(f"segments {last.segments_per_episode:.3f}"), Text(""))
-    workers = Table(title="workers", title_justify="left", expand=False)
-    for col in ("worker", "version", "state", "in flight"):
+    workers = Table(title="workers", title_justify="left", caption=desired_line(fleet),
+                    caption_justify="left", expand=False)
+    for col in ("worker", "version", "state", "in flight", "note"):
         workers.add_column(col)
-    for m in snap.members:
-        workers.add_row(m.worker_id, str(m.weight_version), m.state, str(m.in_flight))
+    for m in fleet.members:
+        workers.add_row(m.worker_id, str(m.weight_version), m.state, str(m.in_flight),
+                        note(m, fleet))
     return Group(head, workers)
 
 
@@ -66,7 +69,7 @@ def summary_table(history: list[StepStats]) -> Table:
     for col in cols:
         t.add_column(col, justify="right", no_wrap=True)
     for h in history:
-        cells = [str(h.step), str(h.version), f"{h.reward:.3f}",
+        cells = [str(h.step + 1), str(h.version), f"{h.reward:.3f}",
                  "-" if h.mismatch is None else f"{h.mismatch:.1e}", str(h.samples),
                  f"{h.gen_s:.2f}", *((f"{h.sleep_ms:.1f}",) if colocated else ()),
                  f"{h.train_s:.2f}", f"{h.pause_ms:.1f}",
@@ -94,16 +97,22 @@ def breakdown_table(rows: list[PhaseRow], step_ms: float, steps: int, path: str)
     return t
 
 
-def plot(history: list[StepStats], path: str, title: str) -> None:
+def plot(history: list[StepStats], path: str, title: str, *,
+         threshold: float | None = None) -> None:
+    """Steps numbered from 1, as the live view and the table count them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [h.step for h in history]
+    steps = [h.step + 1 for h in history]
     episodes = any(h.turns_per_episode for h in history)  # the tools task
     fig, ax = plt.subplots(1, 4 if episodes else 3, figsize=(20 if episodes else 15, 4))
     ax[0].plot(steps, [h.reward for h in history], marker="o")
+    if threshold is not None:
+        ax[0].axhline(threshold, linestyle="--", color="gray",
+                      label=f"threshold {threshold:g} (last 3 steps' mean)")
+        ax[0].legend(loc="lower right")
     ax[0].set(title="reward per step", xlabel="step", ylabel="mean reward", ylim=(-0.05, 1.05))
     if episodes:
         for key, label in (("turns_per_episode", "turns"),
@@ -112,9 +121,11 @@ def plot(history: list[StepStats], path: str, title: str) -> None:
             ax[3].plot(steps, [getattr(h, key) for h in history], marker=".", label=label)
         ax[3].set(title="per episode", xlabel="step", ylabel="mean per episode")
         ax[3].legend()
-    mm = [(h.step, h.mismatch) for h in history if h.mismatch is not None]
+    mm = [(h.step + 1, h.mismatch) for h in history if h.mismatch is not None]
     if mm:
-        ax[1].semilogy([s for s, _ in mm], [max(m, 1e-12) for _, m in mm], marker="o")
+        ax[1].plot([s for s, _ in mm], [m for _, m in mm], marker="o")
+        # logarithmic above 1e-9, linear below: an exact 0 is drawn at 0
+        ax[1].set_yscale("symlog", linthresh=1e-9)
     ax[1].set(title="trainer vs rollout logprob mismatch", xlabel="step",
               ylabel="mean |trainer - rollout|")
     for key, label in (("pause_ms", "pause"), ("update_ms", "update_weights"),

@@ -29,6 +29,8 @@ from rlfabric.engines.errors import EngineDied
 from rlfabric.engines.kinds import DTYPES, OPENMP_SPIN
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import RLFabricError
+from rlfabric.schemas.models import BUILTIN
+from rlfabric.text.builtin import cache_dir
 from rlfabric.worker.admission import MAX_REQUEST_TOKENS
 from rlfabric.worker.runtime import CAPACITY, check_knobs
 
@@ -45,9 +47,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", default="torch", choices=registry.names(),
                    help=registry.engine_help())
     p.add_argument("--model", default="tiny",
-                   help="built-in spec name (tiny; tiny64, whose heads vLLM's CPU build "
-                   "accepts; tinyqwen, with the Qwen2.5 tokenizer) or a local Hugging Face "
-                   "checkpoint dir")
+                   help="a local Hugging Face checkpoint directory, or a built-in model "
+                   f"(random weights, written once under {cache_dir('checkpoints')} for "
+                   f"engines that load from a directory): {', '.join(BUILTIN)}. tiny: byte "
+                   "tokens; tiny64: the same with 64-wide heads (vLLM's CPU build needs them); "
+                   "tinychat: bytes with a chat template and a one-token tool call; "
+                   "tinyqwen: the Qwen2.5 tokenizer; small64: a 9.4M-parameter body; qwen05b: "
+                   "Qwen2.5-0.5B's shape (default %(default)s)")
     p.add_argument("--worker-id", default=None,
                    help="unique id on the bus (default: <host>-<pid>); letters, digits, _ -")
     p.add_argument("--capacity", type=int, default=CAPACITY,

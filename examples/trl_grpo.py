@@ -1,53 +1,111 @@
 """TRL's GRPOTrainer generating through rlfabric workers: the two arguments that change are
-marked. Start a server and workers first, on a checkpoint both sides load:
+marked. Runs alone:
 
-    python -c "from rlfabric.tensors.models import write_checkpoint as w; w('tinychat', 'ckpt')"
-    rlfabric nats &                                          # nats://127.0.0.1:4222
-    rlfabric worker --nats nats://127.0.0.1:4222 --model ckpt --worker-id w0 &
-    rlfabric worker --nats nats://127.0.0.1:4222 --model ckpt --worker-id w1 &
-    TRL_EXPERIMENTAL_SILENCE=1 python examples/trl_grpo.py --model ckpt
+    TRL_EXPERIMENTAL_SILENCE=1 python examples/trl_grpo.py
+
+starts an embedded NATS server and two workers serving the built-in `tinychat` checkpoint
+(written once under ~/.cache/rlfabric), trains, prints a summary and exits non-zero if the
+reward did not rise past --threshold. With --nats URL it uses a fleet that already runs
+(workers serving the checkpoint --model names: the same weights on both sides). The run's
+files (TRL's output, the workers' logs) go under ~/.cache/rlfabric/runs, or --out.
 
 The toy task: answer "say a #i:" with the byte `a` (reward: the fraction of the 8 completion
-tokens that are `a`); the reward climbs from about 0.004 towards 1 within 20-30 steps.
+tokens that are `a`); the reward climbs from about 0.01 to 1 within the default 30 steps
+(`rlfabric bench trl --seeds 0,1,2` shows it).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from rlfabric.integrations.trl import TrlFabric
+from rlfabric.launch.local import LocalFleet
+from rlfabric.text.builtin import runs_dir
 
 
 def reward_a(completion_ids: list[list[int]], **_: object) -> list[float]:
     return [sum(1 for t in ids if t == ord("a")) / 8 for ids in completion_ids]
 
 
-def main() -> None:
+class Rewards(TrainerCallback):
+    """Each step's mean reward, as TRL logs it."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **_: Any) -> None:
+        if logs and "reward" in logs:
+            self.seen.append(float(logs["reward"]))
+
+
+def options() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="ckpt", help="a checkpoint directory the workers serve")
-    p.add_argument("--nats", default="nats://127.0.0.1:4222")
-    p.add_argument("--prefix", default="rl")
-    p.add_argument("--steps", type=int, default=30)
-    args = p.parse_args()
+    p.add_argument("--nats", default=None, metavar="URL",
+                   help="a running fleet's NATS server (default: start a server and two "
+                   "workers here)")
+    p.add_argument("--prefix", default="rl", help="its job prefix (default %(default)s)")
+    p.add_argument("--model", default="tinychat",
+                   help="the checkpoint the trainer (and the workers it starts) load: a "
+                   "directory, or a built-in name (default %(default)s)")
+    p.add_argument("--steps", type=int, default=30, help="training steps (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="TRL's seed (default %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-2,
+                   help="learning rate, decayed linearly to 0 over --steps (default %(default)s)")
+    p.add_argument("--threshold", type=float, default=0.8,
+                   help="exit 1 unless the mean reward of the last 3 steps is above it "
+                   "(default %(default)s)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help=f"the run's folder (default: a new one under {runs_dir()})")
+    return p.parse_args()
+
+
+def train(args: argparse.Namespace, url: str, model: str, out: Path) -> list[float]:
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say a #{i}:"}]
                                          for i in range(512)]})
-    config = GRPOConfig(output_dir="trl-grpo-out", use_cpu=True, report_to=[],
+    config = GRPOConfig(output_dir=str(out / "trl"), use_cpu=True, report_to=[],
                         save_strategy="no", per_device_train_batch_size=16, num_generations=8,
-                        max_completion_length=8, learning_rate=1e-2, max_steps=args.steps,
-                        logging_steps=1, seed=0)
-    with TrlFabric(args.nats, prefix=args.prefix) as fabric:
-        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model),
+                        max_completion_length=8, learning_rate=args.lr, max_steps=args.steps,
+                        logging_steps=1, seed=args.seed)
+    rewards = Rewards()
+    with TrlFabric(url, prefix=args.prefix) as fabric:
+        fabric.call(fabric.client.wait_for_workers, 1, 300)
+        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model),
                               reward_funcs=reward_a, args=config, train_dataset=data,
-                              processing_class=AutoTokenizer.from_pretrained(args.model),
+                              processing_class=AutoTokenizer.from_pretrained(model),
                               rollout_func=fabric.rollout_func,  # 1: workers generate
-                              callbacks=[fabric.sync])  # 2: each step's weights to them
+                              callbacks=[fabric.sync, rewards])  # 2: each step's weights
         trainer.train()
+    return rewards.seen
+
+
+def main() -> int:
+    args = options()
+    out = Path(args.out) if args.out else Path(runs_dir()) / time.strftime(
+        "trl-%Y%m%d-%H%M%S")
+    t0 = time.monotonic()
+    if args.nats:
+        seen = train(args, args.nats, args.model, out)
+    else:
+        with LocalFleet(args.model, workers=2, logs=out, prefix=args.prefix) as fleet:
+            print(f"trl_grpo: NATS at {fleet.url}, 2 workers serving {fleet.path} (logs in "
+                  f"{out})", flush=True)
+            seen = train(args, fleet.url, fleet.path, out)
+    final = sum(seen[-3:]) / max(1, len(seen[-3:]))
+    passed = len(seen) == args.steps and final > args.threshold
+    print(f"trl_grpo: seed {args.seed}, {len(seen)} steps in {time.monotonic() - t0:.0f}s: "
+          f"reward {seen[0] if seen else float('nan'):.3f} -> {final:.3f} (the last 3 steps' "
+          f"mean; threshold {args.threshold}); {'PASS' if passed else 'FAIL'}; files in {out}")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,6 +38,9 @@ from rlfabric.telemetry import instruments, spans
 from rlfabric.text import ChatFormatError
 
 log = logging.getLogger("rlfabric.gateway")
+#: a line per request (`rlfabric gateway` turns it on; a streamed response is logged when its
+#: headers go out)
+access = logging.getLogger("rlfabric.gateway.access")
 SESSION_HEADER = "x-session-id"
 _AT = re.compile(r"at `\$\.?(.*)`$")
 _JSON = "application/json"
@@ -173,6 +177,7 @@ class _Api:
     def guarded(self, name: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             tenant = "-"
+            t0 = time.monotonic()
             try:
                 tenant = self.tenant_of(request)
                 if spans.enabled():
@@ -186,6 +191,11 @@ class _Api:
             instruments.current.gateway_requests.add(1, {
                 "http.route": name, "http.response.status_code": response.status_code,
                 "rlfabric.tenant": tenant})
+            if access.isEnabledFor(logging.INFO):
+                client = request.client.host if request.client else "-"
+                access.info('%s "%s %s" %d %.0fms session=%s tenant=%s', client,
+                            request.method, request.url.path, response.status_code,
+                            (time.monotonic() - t0) * 1e3, _session_of(request) or "-", tenant)
             return response
         return endpoint
 

@@ -74,6 +74,9 @@ async def serve(url: str | ConnectOptions, config: GatewayConfig, opts: ServeOpt
         await tg.start(plane.listen)
         await tg.start(store.run)
         gateway = Gateway(bus, plane, watcher, store, fmt, config)
+        if why := gateway.ready().get("why"):
+            log.warning("%s: requests get 503 (no_workers) until one joins: start `rlfabric "
+                        "worker --model %s --prefix %s`", why, config.model, prefix)
         app = create_app(gateway, api_keys=opts.api_keys, max_body_bytes=opts.max_body_bytes)
         sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -103,6 +103,32 @@ class DesiredState(Message, frozen=True, kw_only=True):
     serial: int = 0
 
 
+class FleetView(Message, frozen=True, kw_only=True):
+    """The fleet at one moment as an operator reads it (`rlfabric.bus.fleet_view`): the one
+    model `rlfabric status`, `rlfabric ctl` and `up`'s live view render. `streams`: messages
+    each of the job's streams holds (None: absent)."""
+
+    prefix: str
+    members: tuple[WorkerInfo, ...] = ()
+    desired: DesiredState = DesiredState()
+    checkpoint: CheckpointClaim | None = None
+    streams: dict[str, int | None] = {}
+    at: float = 0.0
+
+    @property
+    def pushed(self) -> bool:
+        """Whether a trainer pushed weights to this job (else it serves its checkpoint)."""
+        return self.desired.weight_version >= 0 or bool(self.desired.policy)
+
+    @property
+    def serving(self) -> int:
+        """The version the fleet is to serve: the desired one, or 0 for the checkpoint a
+        worker claimed with no push (-1: neither yet)."""
+        if self.pushed:
+            return self.desired.weight_version
+        return 0 if self.checkpoint is not None else -1
+
+
 class FanoutReport(Message, frozen=True, kw_only=True):
     """The outcome of one broadcast: worker ids that acked ok, acked an error, or never acked
     (`missing`; those a ping found gone are also listed in `dead`). `acks` holds every ack

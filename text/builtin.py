@@ -9,8 +9,16 @@ from rlfabric.schemas.models import BUILTIN, ModelSpec
 
 
 def cache_dir(*parts: str) -> str:
+    """Where rlfabric writes what no one named a path for: `$XDG_CACHE_HOME/rlfabric` (by
+    default `~/.cache/rlfabric`): checkpoints, tokenizers, runs, keys and certificates. Never
+    the working directory."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return os.path.join(cache, "rlfabric", *parts)
+
+
+def runs_dir() -> str:
+    """The runs' folder (`rlfabric up`, examples/trl_grpo.py), a folder per run under it."""
+    return cache_dir("runs")
 
 
 def tokenizer_dir(model: str) -> str:

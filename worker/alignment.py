@@ -102,5 +102,6 @@ class Alignment:
         if self.weights.in_line(desired):
             return ""
         return (f"it serves {self.weights.policies.base or '(no weights)'} but the fleet's "
-                f"desired policy is {desired_policy(desired)}, which it cannot load: it waits "
-                "for the next push")
+                f"desired policy is {desired_policy(desired)}, which it cannot load"
+                + (f" ({self.weights.unloadable})" if self.weights.unloadable else "")
+                + ": it waits for the next push")

@@ -152,8 +152,9 @@ class Worker:
                 self.status.change(paused=True)
                 await self.engine.pause("keep")
             if not self.weights.in_line(desired):  # its weights cannot be loaded now
-                self.status.change(behind="it cannot load the fleet's desired policy "
-                                   f"{desired_policy(desired)}: it waits for the next push")
+                self.status.change(behind=(self.weights.unloadable or "it cannot load the "
+                                           f"fleet's desired policy {desired_policy(desired)}")
+                                   + ": it waits for the next push")
             self.reg.update(weight_version=self.engine.version,
                             adapters=self.engine.adapter_versions(),
                             policy=self.weights.policies.base, behind=self.status.behind)

@@ -63,6 +63,8 @@ class WeightSync:
         self.policies = Policies()
         #: one load at a time: a command's, or one taking the desired state
         self.loading = anyio.Lock()
+        #: why the desired state could not be loaded last ("" once it was)
+        self.unloadable = ""
 
     # ---- the desired state ----
     def in_line(self, state: DesiredState) -> bool:
@@ -85,8 +87,8 @@ class WeightSync:
 
     async def _join_load(self, cmd: UpdateWeights, what: str) -> None:
         if isinstance(cmd.transport, Collective | CudaIpc):  # live only during their push
-            log.info("%s: %s was pushed over %s; waiting for the next push", self.worker_id,
-                     what, name_of(cmd.transport))
+            self.unloadable = f"{what} was pushed over {name_of(cmd.transport)}"
+            log.info("%s: %s; waiting for the next push", self.worker_id, self.unloadable)
             return
         try:
             # the push's deadline bounded its sender's wait; a joiner loading it later is not
@@ -94,13 +96,17 @@ class WeightSync:
         except (CommandFailed, EngineError) as exc:
             # e.g. the shm segment of a trainer that has exited: serve nothing of it, say so
             # (at INFO: a fleet outliving its trainer is expected), take the next push
-            why = (f"{self.worker_id} cannot load the fleet's {what} ({exc.code}: {exc}); "
-                   f"it holds v{self.engine.version} and waits for the next update")
+            self.unloadable = (f"the fleet's {what} cannot be loaded ({exc.code}: {exc}"
+                               + ("; its trainer has exited?" if name_of(cmd.transport) == "shm"
+                                  else "") + ")")
+            why = (f"{self.worker_id}: {self.unloadable}; it holds v{self.engine.version} and "
+                   "waits for the next update")
             log.info("%s", why)
             await self.bus.emit(ErrorEvent(source=self.worker_id,
                                            code=ErrorCode.WEIGHTS_UNAVAILABLE, message=why,
                                            at=time.time()))
             return
+        self.unloadable = ""
         log.info("%s: now serving the fleet's %s", self.worker_id, what)
 
     # ---- commands ----

@@ -131,3 +131,91 @@ def test_ctl_without_workers_fails_with_a_reason(nats_url: str, prefix: str) -> 
                           "--timeout", "2", "pause"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "no workers were members" in out.stderr
+
+
+def test_status_and_describe_agree_before_and_after_a_push(nats_url: str, prefix: str,
+                                                           workers) -> None:
+    """What `status` and `ctl describe` say of each worker's version, and of what the fleet
+    serves, is the same: with nothing pushed (the checkpoint, as version 0), then at v1."""
+    import anyio
+
+    from rlfabric.tensors.models import build_model
+    from rlfabric.trainer import FabricClient
+
+    workers(["a0", "a1"], "--threads", "1")
+
+    def read() -> tuple[dict, dict]:
+        args = ["--nats", nats_url, "--prefix", prefix, "--json"]
+        status = subprocess.run([rlfabric_exe(), "status", *args], capture_output=True,
+                                text=True, timeout=60)
+        describe = subprocess.run([rlfabric_exe(), "ctl", *args, "describe"],
+                                  capture_output=True, text=True, timeout=60)
+        assert status.returncode == describe.returncode == 0, (status.stderr, describe.stderr)
+        return json.loads(status.stdout), json.loads(describe.stdout)
+
+    async def push() -> None:
+        async with FabricClient.connect(nats_url, prefix=prefix) as fabric:
+            await fabric.wait_for_workers(2, timeout=60)
+            await fabric.update_weights(1, module=build_model("tiny"))
+            await fabric.watcher.wait_until(
+                lambda s: all(m.weight_version == 1 for m in s.members), timeout=10)
+
+    async def joined() -> None:
+        async with FabricClient.connect(nats_url, prefix=prefix) as fabric:
+            await fabric.watcher.wait_until(
+                lambda s: len(s.members) == 2 and all(m.weight_version == 0
+                                                      for m in s.members), timeout=60)
+
+    anyio.run(joined)
+    for version in (0, 1):
+        if version:
+            anyio.run(push)
+        status, describe = read()
+        listed = {m["worker_id"]: m["weight_version"] for m in status["members"]}
+        acked = {w: a["weight_version"] for w, a in describe["acks"].items()}
+        assert listed == acked == {"a0": version, "a1": version}
+        assert status["desired_state"] == describe["desired_state"]
+        assert status["desired_state"]["serving"] == version
+        text = status["desired_state"]["text"]
+        assert ("nothing pushed yet" in text) == (version == 0), text
+
+
+def test_status_into_a_closed_pipe_exits_quietly(nats_url: str) -> None:
+    """`rlfabric status | head` with the reader gone before status writes: no traceback."""
+    read, write = os.pipe()
+    os.close(read)  # nobody will read: the first write meets a broken pipe
+    try:
+        out = subprocess.run([rlfabric_exe(), "status", "--nats", nats_url], stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_up_and_nats_write_nothing_into_the_working_directory(tmp_path: Path) -> None:
+    """`up` (its run folder) and `nats --tls --auth` with their default paths write under the
+    user's cache ($XDG_CACHE_HOME), not where they were started; keys are mode 0600."""
+    cwd, cache = tmp_path / "work", tmp_path / "cache"
+    cwd.mkdir()
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    up = subprocess.run([rlfabric_exe(), "up", "--steps", "2", "--threshold", "-1",
+                         "--no-live"], cwd=cwd, env=env, capture_output=True, text=True,
+                        timeout=300)
+    assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+    assert f"plot: {cache}/rlfabric/runs/" in up.stdout
+    port = free_ports(1)[0]
+    with subprocess.Popen([rlfabric_exe(), "nats", "--port", str(port), "--tls", "--auth"],
+                          cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as nats:
+        try:
+            assert nats.stdout is not None
+            lines = [nats.stdout.readline() for _ in range(6)]
+            assert any("ready at tls://" in line for line in lines), lines
+        finally:
+            nats.send_signal(signal.SIGTERM)
+            nats.wait(timeout=30)
+    assert list(cwd.iterdir()) == []
+    keys, tls = cache / "rlfabric" / "keys" / "rl", cache / "rlfabric" / "tls"
+    for secret in (keys / "worker.nk", keys / "gateway.nk", tls / "client-key.pem"):
+        assert secret.stat().st_mode & 0o777 == 0o600, secret
+    assert (tls / "ca.pem").exists()

@@ -101,7 +101,9 @@ def test_fifty_turns_of_one_session_at_once_sample_one_on_any_replica(
     ok = [o for o in outcomes if o[0] == 200]
     conflicts = [o for o in outcomes if o[0] == 409]
     assert len(ok) == 1 and len(conflicts) == 49, sorted(o[0] for o in outcomes)
-    assert all(o[2].code == "session_conflict" and o[1] < 0.5 for o in conflicts), \
+    # the winner is paused until the 49th refusal: a refusal that waited for its turn
+    # would never come; the bound only keeps a slow one from passing
+    assert all(o[2].code == "session_conflict" and o[1] < 5 for o in conflicts), \
         max(o[1] for o in conflicts)
     assert served(nats_url, prefix) == {"w0": 1}  # one turn sampled
     first = ok[0][2]

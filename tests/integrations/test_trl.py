@@ -370,3 +370,21 @@ def test_ctrl_c_ends_a_waiting_rollout_and_a_dead_port_ends_the_process(
         err = proc.stderr.read() if proc.stderr else ""
     assert code != 0 and took <= 10.0, (took, err[-2000:])
     assert "NatsUnavailable" in err and str(port) in err
+
+
+def test_the_example_runs_alone_and_writes_nothing_where_it_runs(tmp_path: Path) -> None:
+    """examples/trl_grpo.py with no flags but a short run: its own server and workers, a
+    summary line, exit 0; nothing written into the working directory."""
+    import subprocess
+    import sys
+
+    cwd, cache = tmp_path / "work", tmp_path / "cache"
+    cwd.mkdir()
+    example = Path(__file__).parents[2] / "examples" / "trl_grpo.py"
+    done = subprocess.run([sys.executable, str(example), "--steps", "2", "--threshold", "-1"],
+                          cwd=cwd, env={**os.environ, "XDG_CACHE_HOME": str(cache)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "trl_grpo: seed 0, 2 steps" in done.stdout and "PASS" in done.stdout
+    assert list(cwd.iterdir()) == []
+    assert (cache / "rlfabric" / "checkpoints" / "tinychat" / "config.json").exists()

@@ -1,0 +1,84 @@
+"""The fleet's words, in one place: what `rlfabric status`, `rlfabric ctl` and `up`'s live view
+print of a `FleetView` (so they agree on each worker's version and on what the fleet serves)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from rlfabric.schemas import FleetView, WorkerInfo
+
+#: the columns of the members table, in order
+COLUMNS = ["worker_id", "engine", "model", "weight_version", "state", "age_s", "in_flight",
+           "capacity", "checkpoint", "adapters"]
+
+
+def member_row(m: WorkerInfo, view: FleetView) -> dict[str, Any]:
+    now = view.at or time.time()
+    return {
+        "worker_id": m.worker_id,
+        "engine": m.engine,
+        "model": m.model,
+        "weight_version": m.weight_version,
+        "state": m.state,
+        "age_s": round(now - m.started_at, 1),
+        "key_age_s": round(now - m.heartbeat_at, 1),  # its last key write
+        "host": m.host,
+        "pid": m.pid,
+        "capacity": m.capacity,
+        "in_flight": m.in_flight,
+        "checkpoint": m.checkpoint[:12],
+        "policy": m.policy,
+        "adapters": " ".join(f"{n}@{','.join(f'v{v}' for v in vs)}"
+                             for n, vs in sorted(m.adapters.items())) or "-",
+        "note": note(m, view),
+    }
+
+
+def note(m: WorkerInfo, view: FleetView) -> str:
+    """Why a worker takes no requests, if it takes none."""
+    if m.behind:
+        return f"takes no requests: {m.behind}"
+    claim = view.checkpoint
+    if claim is not None and m.weight_version < 0 and m.checkpoint and \
+            m.checkpoint != claim.checksum:
+        return (f"checkpoint differs from version 0 (claimed by {claim.worker_id}): not "
+                "serving until a weight push")
+    return ""
+
+
+def desired_line(view: FleetView) -> str:
+    """What the fleet is to serve, in words."""
+    d = view.desired
+    if not view.pushed:
+        c = view.checkpoint
+        return ("desired: nothing pushed yet: the workers serve their checkpoint as version 0"
+                + (f" ({c.model}, checksum {c.checksum[:12]}, first loaded by {c.worker_id})"
+                   if c is not None else " (none has joined yet)"))
+    state = f"paused ({d.pause_mode})" if d.paused else "running"
+    if d.locator is not None:
+        where = f"over {msgspec.to_builtins(d.locator.transport)['kind']}"
+    else:
+        where = ("pushed over a collective or cuda_ipc: a worker joining later waits for the "
+                 "next push")
+    return (f"desired: version {d.weight_version} (policy {d.policy or '-'}), {state}, {where}"
+            + (f", collective group epoch {d.group_epoch}" if d.group_epoch else "")
+            + "".join(f", adapter {n} v{u.version}" for n, u in sorted(d.adapters.items())))
+
+
+def desired_json(view: FleetView) -> dict[str, Any]:
+    d = view.desired
+    return {
+        "weight_version": d.weight_version,
+        "serving": view.serving,
+        "pushed": view.pushed,
+        "policy": d.policy,
+        "paused": d.paused,
+        "pause_mode": d.pause_mode,
+        "group_epoch": d.group_epoch,
+        "transport": msgspec.to_builtins(d.locator.transport)["kind"] if d.locator else None,
+        "adapters": {n: u.version for n, u in sorted(d.adapters.items())},
+        "text": desired_line(view),
+    }
