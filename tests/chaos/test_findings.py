@@ -150,7 +150,8 @@ async def test_6_late_joiner_after_the_shm_trainer_died_joins_and_waits_for_a_pu
         await fabric.bus.nc.flush()
         assert late.poll() is None
         assert [e.code for e in events] == ["weights_unavailable"], events
-        assert "cannot load the fleet's weight version 0" in events[0].message
+        assert "the fleet's weight version 0 cannot be loaded" in events[0].message
+        assert "its trainer has exited?" in events[0].message
         rep = await fabric.update_weights(1, module=build_model("tiny"), transport="shm")
         assert rep.ok == ("s0", "s1")
         await sub.unsubscribe()
