@@ -109,8 +109,7 @@ def finalize(fmt: ChatFormat, ids: list[int], logprobs: list[float], spans: Sequ
         if calls:
             reason = "tool_calls"
     n = len(ids)
-    clipped = [msgspec.structs.replace(s, end=min(s.end, n))
-               for s in spans if s.start < n]
+    clipped = clip(spans, n)
     digest = assistant_digest(content, [(c.name, json.loads(c.arguments)) for c in calls])
     return Final(ids=ids, logprobs=logprobs, spans=clipped, finish_reason=reason,
                  content=content, calls=calls, raw=raw, digest=digest, top=top or [])
@@ -215,3 +214,8 @@ def logprob_rows(fmt: ChatFormat, ids: Sequence[int], lps: Sequence[float],
         out.append(TokenLogprob(token=fmt.decode([t]), logprob=lp,
                                 bytes=list(fmt.token_bytes(t)), top_logprobs=alts))
     return out
+
+
+def clip(spans: Sequence[VersionSpan], n: int) -> list[VersionSpan]:
+    """`spans` cut to the first `n` tokens."""
+    return [msgspec.structs.replace(s, end=min(s.end, n)) for s in spans if s.start < n]

@@ -9,8 +9,6 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import msgspec
-
 from rlfabric.gateway.api import (
     ChatChoice,
     ChatCompletion,
@@ -22,7 +20,7 @@ from rlfabric.gateway.api import (
     WeightVersion,
 )
 from rlfabric.gateway.errors import WORKER_ERRORS, APIError
-from rlfabric.gateway.output import Final, OutputRules, finalize, logprob_rows
+from rlfabric.gateway.output import Final, OutputRules, clip, finalize, logprob_rows
 from rlfabric.gateway.sessions import Session
 from rlfabric.gateway.splice import Plan
 from rlfabric.schemas import (
@@ -118,11 +116,6 @@ def top_rows(t: TopLogprobs | None) -> list[list[tuple[int, float]]]:
     ids, lps = t.ids.tolist(), t.logprobs.tolist()
     return [list(zip(ids[i:i + t.k], lps[i:i + t.k], strict=True))
             for i in range(0, len(ids), t.k)]
-
-
-def clip(spans: Sequence[VersionSpan], n: int) -> list[VersionSpan]:
-    return [msgspec.structs.replace(s, end=min(s.end, n))
-            for s in spans if s.start < n]
 
 
 def versions(spans: Sequence[VersionSpan]) -> list[WeightVersion]:

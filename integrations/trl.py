@@ -59,6 +59,7 @@ from rlfabric.schemas import (
     SamplingParams,
     checkpoint_policy,
 )
+from rlfabric.tensors.checksums import checksum
 from rlfabric.trainer import FabricClient
 from rlfabric.trainer.errors import RolloutFailed
 
@@ -351,8 +352,6 @@ def _base_state(model: Any) -> dict[str, Any]:
 
 
 def _base_checksum(model: Any) -> str:
-    from rlfabric.tensors.checksums import checksum
-
     return checksum(_base_state(model))
 
 

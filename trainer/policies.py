@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import msgspec
+
 from rlfabric.schemas import (
     Adapter,
     RLFabricError,
@@ -73,8 +75,6 @@ class PushedPolicies:
         names no run itself)."""
         if req.run or req.adapter not in self._by_target:
             return req
-        import msgspec
-
         return msgspec.structs.replace(req, run=self.run)
 
     def check(self, res: RolloutResult, adapter: str) -> None:

@@ -140,33 +140,33 @@ class WeightUpdates:
         return rep
 
     def _pushed(self, staged: Staged, target: Target | None, cmd: UpdateWeights) -> None:
-        self.pushed.add(staged.version, staged.digest,
-                        target if isinstance(target, Adapter) else None)
+        adapter = target if isinstance(target, Adapter) else None
+        self.pushed.add(staged.version, staged.digest, adapter)
+        name = adapter.name if adapter is not None else ""
         if isinstance(cmd.transport, Collective | CudaIpc) or not staged.for_joiners:
-            self._sent.pop(cmd.target.name if isinstance(cmd.target, Adapter) else "", None)
+            self._sent.pop(name, None)
         else:
-            self._sent[cmd.target.name if isinstance(cmd.target, Adapter) else ""] = cmd
+            self._sent[name] = cmd
 
     async def _take_back(self, adapter: str, failed: UpdateWeights, exc: Exception) -> None:
         """The push `failed` did not succeed: send the previous one again, so that the workers
         that applied `failed` go back to what the desired state names again; `exc`'s message
         then says where every worker is."""
         what = f"adapter {adapter!r} v{failed.version}" if adapter else f"v{failed.version}"
+        failed_rep = getattr(exc, "report", None)
+        if not isinstance(failed_rep, FanoutReport):
+            failed_rep = None
         prev = self._sent.get(adapter)
         if prev is None:
-            rep = getattr(exc, "report", None)
             _amend(exc, f"{what} is not taken back (no earlier push of this client can be "
                    "sent again): workers that applied it take no requests until the next "
-                   "push succeeds" + (f"; now {_where(rep)}" if isinstance(rep, FanoutReport)
-                                      else ""))
+                   "push succeeds" + (f"; now {_where(failed_rep)}" if failed_rep else ""))
             return
         back = msgspec.structs.replace(prev, cmd_id=new_cmd_id(), seq=0, epoch=0,
                                        deadline=time.time() + TAKE_BACK_S)
         # every worker gets it (one that joined meanwhile loaded the failed version too);
         # the wait is for those known to have applied it, not for the missing
-        failed_acks = getattr(exc, "report", None)
-        applied = {w for w, a in (failed_acks.acks if isinstance(failed_acks, FanoutReport)
-                                  else {}).items()
+        applied = {w for w, a in (failed_rep.acks if failed_rep else {}).items()
                    if a.status == "ok" and a.weight_version == failed.version}
         try:
             async with self.broadcaster.open(back) as fo:

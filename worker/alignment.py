@@ -23,6 +23,7 @@ from anyio.abc import TaskStatus
 from rlfabric.bus import Bus, CommandReceiver
 from rlfabric.bus.errors import READ_FAILED
 from rlfabric.concurrency.sync import Signal
+from rlfabric.schemas import DesiredState
 from rlfabric.worker.policies import desired_policy
 from rlfabric.worker.state import WorkerStatus
 from rlfabric.worker.weights import WeightSync
@@ -99,6 +100,10 @@ class Alignment:
             return f"the desired state cannot be read ({str(exc) or type(exc).__name__})"
         if not self.weights.in_line(desired):
             await self.weights.load_current(desired)
+        return self.off(desired)
+
+    def off(self, desired: DesiredState) -> str:
+        """"" if the worker holds `desired`'s base policy; else why it takes no requests."""
         if self.weights.in_line(desired):
             return ""
         return (f"it serves {self.weights.policies.base or '(no weights)'} but the fleet's "

@@ -68,7 +68,6 @@ from rlfabric.schemas import (
 from rlfabric.telemetry import instruments, spans
 from rlfabric.worker.admission import MAX_REQUEST_TOKENS
 from rlfabric.worker.alignment import Alignment
-from rlfabric.worker.policies import desired_policy
 from rlfabric.worker.rollouts import RolloutServer
 from rlfabric.worker.state import WorkerStatus
 from rlfabric.worker.weights import WeightSync
@@ -151,10 +150,8 @@ class Worker:
             if desired.paused:  # join a paused fleet paused
                 self.status.change(paused=True)
                 await self.engine.pause("keep")
-            if not self.weights.in_line(desired):  # its weights cannot be loaded now
-                self.status.change(behind=(self.weights.unloadable or "it cannot load the "
-                                           f"fleet's desired policy {desired_policy(desired)}")
-                                   + ": it waits for the next push")
+            if why := self.alignment.off(desired):  # its weights cannot be loaded now
+                self.status.change(behind=why)
             self.reg.update(weight_version=self.engine.version,
                             adapters=self.engine.adapter_versions(),
                             policy=self.weights.policies.base, behind=self.status.behind)
