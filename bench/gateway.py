@@ -158,7 +158,8 @@ async def _gateway_fleet(url: str, prefix: str, workers: int, args: argparse.Nam
     async with children([_worker_cmd(url, prefix, i, args) for i in range(workers)],
                         ready="ready (", timeout=300) as ws, \
             children([["rlfabric", "gateway", "--nats", url, "--prefix", prefix, "--model",
-                       MODEL, "--port", str(port)]], ready="serving", timeout=120) as [gw]:
+                       MODEL, "--port", str(port)]], ready="rlfabric gateway: serving",
+                       timeout=120) as [gw]:
         yield f"http://127.0.0.1:{port}/v1", gw.pid, [w.pid for w in ws]
 
 

@@ -58,8 +58,10 @@ from rlfabric.schemas import (
     TokenDelta,
     TurnChoice,
 )
+from rlfabric.schemas.models import BUILTIN
 from rlfabric.telemetry import instruments
 from rlfabric.text import ChatFormat
+from rlfabric.text.builtin import cache_dir
 
 
 class Gateway:
@@ -71,6 +73,10 @@ class Gateway:
         self.store = store
         self.fmt = fmt
         self.config = config
+        #: the model names a worker serving this model reports (an engine that loads from a
+        #: directory reports a built-in model by the checkpoint written for it)
+        self.served_as = {config.model, config.name} | (
+            {cache_dir("checkpoints", config.model)} if config.model in BUILTIN else set())
         #: what a request must be to be sampled (checked before anything is sent)
         self.checks = RequestChecks(fmt, config, watcher)
         #: one turn of a session in flight, across every gateway of the job
@@ -97,7 +103,7 @@ class Gateway:
         """Whether a request would be served now: the bus reachable and a worker serving the
         model a member (what an orchestrator's readiness probe asks)."""
         serving = sorted(w for w, m in self.watcher.members.items()
-                         if m.model in (self.config.model, self.config.name))
+                         if m.model in self.served_as)
         up = self.bus.nc.is_connected
         why = ("" if up and serving else "the bus is unreachable" if not up
                else f"no worker serving {self.config.name!r} is a member yet")

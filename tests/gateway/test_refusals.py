@@ -131,6 +131,13 @@ def test_ready_is_503_until_a_worker_joins_while_health_reports_liveness(
         assert time.monotonic() < deadline, r.text  # the gateway hears membership changes
         time.sleep(0.1)
     assert r.json() == {"ready": True, "workers": ["w0"]}
+    # an engine that loads from a directory (vLLM) names the built-in model by its checkpoint
+    from rlfabric.engines import checkpoint_dir
+
+    fleet.workers(["w1"], model=checkpoint_dir(MODEL))
+    while (r := httpx.get(f"{base}/ready", timeout=10)).json()["workers"] != ["w0", "w1"]:
+        assert time.monotonic() < deadline + 30, r.text
+        time.sleep(0.1)
 
 
 def test_a_stream_cut_by_its_client_releases_the_sessions_turn(new_fleet, client) -> None:
