@@ -64,6 +64,13 @@ from rlfabric.text import ChatFormat
 from rlfabric.text.builtin import cache_dir
 
 
+def served_as(config: GatewayConfig) -> set[str]:
+    """The model names a worker serving the gateway's model reports (an engine that loads
+    from a directory names a built-in model by the checkpoint written for it)."""
+    return {config.model, config.name} | (
+        {cache_dir("checkpoints", config.model)} if config.model in BUILTIN else set())
+
+
 class Gateway:
     def __init__(self, bus: Bus, plane: RolloutPlane, watcher: MembershipWatcher,
                  store: SessionStore, fmt: ChatFormat, config: GatewayConfig) -> None:
@@ -73,10 +80,7 @@ class Gateway:
         self.store = store
         self.fmt = fmt
         self.config = config
-        #: the model names a worker serving this model reports (an engine that loads from a
-        #: directory reports a built-in model by the checkpoint written for it)
-        self.served_as = {config.model, config.name} | (
-            {cache_dir("checkpoints", config.model)} if config.model in BUILTIN else set())
+        self.served_as = served_as(config)
         #: what a request must be to be sampled (checked before anything is sent)
         self.checks = RequestChecks(fmt, config, watcher)
         #: one turn of a session in flight, across every gateway of the job
