@@ -77,7 +77,7 @@ def _through_fabric(nats: str, workers: int, timed: Timed) -> tuple[Any, dict[st
         finally:
             timed.gen += time.perf_counter() - t0
 
-    def timed_push(model: Any, version: int) -> None:
+    def timed_push(model: Any, version: int | None = None) -> None:
         t0 = time.perf_counter()
         try:
             push(model, version)

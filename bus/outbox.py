@@ -81,9 +81,11 @@ HEADROOM = 4096
 class Outbox:
     def __init__(self, bus: Bus, *, combine: Callable[[list[Any]], Any],
                  headers: Callable[[list[Any]], dict[str, str]] | None = None,
-                 max_items: int | Callable[[int, Any], int] = 64, max_bytes: int | None = None
-                 ) -> None:
+                 max_items: int | Callable[[int, Any], int] = 64, max_bytes: int | None = None,
+                 group: Callable[[Any], object] | None = None) -> None:
         self.bus = bus
+        #: items combine only with items of the same group (and subject)
+        self.group = group
         self.combine = combine
         self.extra_headers = headers
         self.max_items = max_items
@@ -205,9 +207,12 @@ class Outbox:
         batch, size, rest = [first], len(first.data), deque[_Item]()
         limit = (self.max_items(queued, first.msg) if callable(self.max_items)
                  else self.max_items)
+        group = self.group
+        key = group(first.msg) if group is not None else None
         while self._queue and len(batch) < limit:
             item = self._queue.popleft()
-            if item.subject != first.subject or size + len(item.data) > self.max_bytes:
+            if item.subject != first.subject or size + len(item.data) > self.max_bytes or \
+                    (group is not None and group(item.msg) != key):
                 rest.append(item)
                 continue
             batch.append(item)

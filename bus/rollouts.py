@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import operator
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
@@ -67,6 +68,9 @@ from rlfabric.telemetry import spans
 log = logging.getLogger("rlfabric.bus")
 #: seconds a `generate` call waits with no worker in the job before it fails its requests
 NO_WORKER_WAIT = 3.0
+
+
+_ADAPTER = operator.attrgetter("adapter")
 
 
 @dataclass(slots=True)
@@ -139,8 +143,11 @@ class RolloutPlane:
         self.awaited = Awaited(affinity.answered if affinity is not None else None,
                                affinity.held_by if affinity is not None else None)
         #: request messages go out through it (`outbox.messages`, `.items`: how they packed)
+        # one adapter a message: a worker holding few adapters admits a message's requests
+        # under one (`rlfabric.worker.residency`)
         self.outbox = Outbox(bus, combine=lambda reqs: RolloutRequests(requests=reqs),
-                             headers=self._request_headers, max_items=max_batch)
+                             headers=self._request_headers, max_items=max_batch,
+                             group=_ADAPTER)
         # NOTE: submission ids never repeat, across calls, clients and restarts: a random
         # session part and a counter (the streams' dedupe windows key on them)
         self._session = uuid.uuid4().hex[:16]

@@ -29,12 +29,14 @@ from rlfabric.bus.publish import PUB_ACK_TIMEOUT, Publisher
 from rlfabric.bus.subjects import CHECKPOINT_KEY, STATE_KEY
 from rlfabric.concurrency import RateLimited
 from rlfabric.schemas import (
+    JOB_STATE_PREFIX,
     STATE_MARK_HEADER,
     CheckpointClaim,
     DesiredState,
     SchemaError,
     codec_for,
     encode,
+    job_state_key,
 )
 
 #: seconds a desired-state write keeps retrying (a cluster's leader election takes 5-7 s)
@@ -85,8 +87,33 @@ class StateStore:
             return None, last
         return out, last
 
-    async def read(self) -> DesiredState:
+    async def read(self, job: str = "") -> DesiredState:
+        """The pool's desired state, or job `job`'s (its adapters and pause; `schemas.jobs`)."""
+        if job:
+            return await self._get(job_state_key(job), DesiredState,
+                                   f"job {job}'s desired state") or DesiredState()
         return await self._get(STATE_KEY, DesiredState, "desired state") or DesiredState()
+
+    async def jobs(self) -> dict[str, DesiredState]:
+        """Every job's desired state, by job (a job whose state was deleted is left out)."""
+        if self._buckets is None:
+            return {}
+        try:
+            keys = await self._buckets.state.keys()  # a few: the pool's, one per job
+        except nats.js.errors.NoKeysError:
+            return {}
+        out = {}
+        for key in (k for k in keys if k.startswith(JOB_STATE_PREFIX)):
+            job = key[len(JOB_STATE_PREFIX):]
+            state = await self._get(key, DesiredState, f"job {job}'s desired state")
+            if state is not None:
+                out[job] = state
+        return out
+
+    async def delete_job(self, job: str) -> None:
+        """Forget job `job`'s desired state (a joiner no longer loads its adapters)."""
+        if self._buckets is not None:
+            await self._buckets.state.delete(job_state_key(job))
 
     async def after(self, seq: int, *, wait: float = JOIN_STATE_WAIT_S) -> DesiredState:
         """The desired state, no older than the write named by the command stored at `seq` in
@@ -123,19 +150,21 @@ class StateStore:
             return None
         return (raw.headers or {}).get(STATE_MARK_HEADER)
 
-    async def put(self, state: DesiredState, *, within: float = STATE_WRITE_WITHIN) -> None:
-        """Write the job's desired state, retried through a reconnect or a cluster's leader
-        election for up to `within` seconds (a KV put is a publish to the bucket's stream)."""
-        await self._put(*self._prepared(state), within=within)
+    async def put(self, state: DesiredState, *, within: float = STATE_WRITE_WITHIN,
+                  job: str = "") -> None:
+        """Write the desired state (the pool's, or job `job`'s), retried through a reconnect
+        or a cluster's leader election for up to `within` seconds (a KV put is a publish to
+        the bucket's stream)."""
+        await self._put(*self._prepared(state, job), within=within)
 
     @contextlib.asynccontextmanager
-    async def written(self, state: DesiredState, *,
-                      within: float = STATE_WRITE_WITHIN) -> AsyncIterator[None]:
+    async def written(self, state: DesiredState, *, within: float = STATE_WRITE_WITHIN,
+                      job: str = "") -> AsyncIterator[None]:
         """Write the job's desired state while the body runs: sent on entry, and once the
         body is done its PubAck awaited (missing: sent again as `put` does, for up to
         `within` seconds). A body that raises leaves the write unconfirmed (it may be
         stored). No task runs beside the body: a pipelined publish is all it costs."""
-        subject, data, hdrs = self._prepared(state)
+        subject, data, hdrs = self._prepared(state, job)
         fut = None
         first = not self.pub.refusals.cleared(subject)
         if first:  # not written through this connection yet: stored first, a refusal looked for
@@ -159,11 +188,13 @@ class StateStore:
         # no PubAck (a reconnect, a leader election): a stored one is dropped as a duplicate
         await self._put(subject, data, hdrs, within=within)
 
-    def _prepared(self, state: DesiredState) -> tuple[str, bytes, dict[str, str]]:
+    def _prepared(self, state: DesiredState, job: str = "") -> tuple[str, bytes, dict[str, str]]:
         serial = next(self._serials)
         state = msgspec.structs.replace(state, writer=self._writer, serial=serial)
-        self.mark = f"{self._writer}.{serial}"
-        return (f"$KV.{self.subjects.state_bucket}.{STATE_KEY}", encode(state),
+        key = job_state_key(job) if job else STATE_KEY
+        if not job:  # commands are ordered against the pool's state only
+            self.mark = f"{self._writer}.{serial}"
+        return (f"$KV.{self.subjects.state_bucket}.{key}", encode(state),
                 {"Nats-Msg-Id": f"state-{self._writer}.{serial}"})
 
     async def _put(self, subject: str, data: bytes, hdrs: dict[str, str], *,

@@ -17,4 +17,5 @@ async def fleet_view(bus: Bus, *, streams: bool = True) -> FleetView:
         prefix=bus.subjects.prefix,
         members=tuple(members[w] for w in sorted(members)),
         desired=await bus.state.read(), checkpoint=await bus.state.checkpoint_claim(),
-        streams=await bus.fleet.stream_depths() if streams else {}, at=time.time())
+        streams=await bus.fleet.stream_depths() if streams else {}, at=time.time(),
+        jobs=await bus.state.jobs())

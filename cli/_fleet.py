@@ -68,6 +68,26 @@ def desired_line(view: FleetView) -> str:
             + "".join(f", adapter {n} v{u.version}" for n, u in sorted(d.adapters.items())))
 
 
+def job_rows(view: FleetView) -> list[dict[str, Any]]:
+    """Each job on the pool: its pause, its adapters' desired versions, its requests in
+    flight (summed over the workers) and the workers holding its requests."""
+    names = set(view.jobs) | {j for m in view.members for j in m.jobs if j} | \
+        {j for m in view.members for j in m.paused_jobs}
+    rows = []
+    for job in sorted(names):
+        d = view.jobs.get(job)
+        held = [m.worker_id for m in view.members if job in m.paused_jobs]
+        rows.append({
+            "job": job,
+            "state": (f"paused ({d.pause_mode})" if d is not None and d.paused else "running"),
+            "adapters": " ".join(f"{n}@v{u.version}" for n, u in sorted(d.adapters.items()))
+            if d is not None and d.adapters else "-",
+            "in_flight": sum(m.jobs.get(job, 0) for m in view.members),
+            "held_by": ",".join(held) or "-",
+        })
+    return rows
+
+
 def desired_json(view: FleetView) -> dict[str, Any]:
     d = view.desired
     return {

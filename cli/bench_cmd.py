@@ -25,6 +25,8 @@ BENCHES = {
                 "the gateway + vLLM workers vs vLLM's own OpenAI server; the gateway's cost"),
     "liveness": ("rlfabric.bench.liveness",
                  "an idle fleet's cost to the server per worker, and at 10k / 100k workers"),
+    "jobs": ("rlfabric.bench.jobs",
+             "two jobs on one pool: one job's pause and pushes vs the other's token gaps"),
     "agent": ("rlfabric.bench.agent",
               "agent sessions on vLLM workers, session affinity on vs off: turn latency, "
               "prefix-cache hit rate"),

@@ -12,7 +12,7 @@ import msgspec
 
 from rlfabric.bus import Bus, NatsUnavailable, fleet_view
 from rlfabric.cli._common import add_bus_options, connect_options
-from rlfabric.cli._fleet import COLUMNS, desired_json, member_row
+from rlfabric.cli._fleet import COLUMNS, desired_json, job_rows, member_row
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +34,7 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
         "members": [member_row(m, view) for m in view.members],
         "streams": view.streams,
         "desired_state": desired_json(view),
+        "jobs": job_rows(view),
         "checkpoint_claim": msgspec.to_builtins(view.checkpoint) if view.checkpoint else None,
     }
 
@@ -64,4 +65,7 @@ def run(args: argparse.Namespace) -> int:
     print("\nstreams (messages held): " + ", ".join(
         f"{k}={'absent' if v is None else v}" for k, v in info["streams"].items()))
     print(info["desired_state"]["text"])
+    if info["jobs"]:
+        print(f"\njobs on the pool: {len(info['jobs'])}")
+        print(_table(info["jobs"], ["job", "state", "adapters", "in_flight", "held_by"]))
     return 0

@@ -125,6 +125,10 @@ class NullEngine(RuntimeCollective):
     def adapter_versions(self) -> dict[str, tuple[int, ...]]:
         return dict(self._adapters)
 
+    @property
+    def max_adapters(self) -> int:
+        return 0
+
     async def sleep(self, level: int) -> None:
         await self.pause("abort")
 

@@ -191,6 +191,13 @@ class Engine(Protocol):
         served under `adapter_version` if given, else the newest (`adapter_held` checks)."""
         ...
 
+    @property
+    def max_adapters(self) -> int:
+        """Adapter names held at once (`--max-adapters`; 0: no limit, or no LoRA). The worker
+        keeps within it: it evicts the least recently used for a new one and loads an
+        evicted one again when a request names it (`rlfabric.worker.residency`)."""
+        ...
+
     async def sleep(self, level: int) -> None:
         """Abort what runs and release memory: 1 = caches dropped and weights moved to host
         memory (wake brings them back), 2 = caches and weights dropped (the next load brings

@@ -12,6 +12,12 @@ files (TRL's output, the workers' logs) go under ~/.cache/rlfabric/runs, or --ou
 The toy task: answer "say a #i:" with the byte `a` (reward: the fraction of the 8 completion
 tokens that are `a`); the reward climbs from about 0.01 to 1 within the default 30 steps
 (`rlfabric bench trl --seeds 0,1,2` shows it).
+
+Two runs on one pool, as two jobs, each training a LoRA adapter named `policy` for its own
+letter (the pool's workers serve both; neither sees the other's adapter or pause):
+
+    python examples/trl_grpo.py --nats URL --job exp-a --lora --letter a &
+    python examples/trl_grpo.py --nats URL --job exp-b --lora --letter b
 """
 
 from __future__ import annotations
@@ -31,8 +37,12 @@ from rlfabric.launch.local import LocalFleet
 from rlfabric.text.builtin import runs_dir
 
 
-def reward_a(completion_ids: list[list[int]], **_: object) -> list[float]:
-    return [sum(1 for t in ids if t == ord("a")) / 8 for ids in completion_ids]
+def reward_of(letter: str) -> Any:
+    """The reward of a completion: the fraction of its 8 tokens that are byte `letter`."""
+    def reward(completion_ids: list[list[int]], **_: object) -> list[float]:
+        return [sum(1 for t in ids if t == ord(letter)) / 8 for ids in completion_ids]
+    reward.__name__ = f"reward_{letter}"
+    return reward
 
 
 class Rewards(TrainerCallback):
@@ -63,23 +73,39 @@ def options() -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=0.8,
                    help="exit 1 unless the mean reward of the last 3 steps is above it "
                    "(default %(default)s)")
+    p.add_argument("--job", default="",
+                   help="the job this run is on a shared pool (default: the pool's own run; "
+                   "a job trains a LoRA adapter: use it with --lora)")
+    p.add_argument("--lora", action="store_true",
+                   help="train a LoRA adapter (PEFT, rank 8 on q_proj and v_proj), served as "
+                   "adapter `policy`, instead of the full weights")
+    p.add_argument("--letter", default="a",
+                   help="the byte the prompts ask for and the reward counts (default a)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help=f"the run's folder (default: a new one under {runs_dir()})")
     return p.parse_args()
 
 
 def train(args: argparse.Namespace, url: str, model: str, out: Path) -> list[float]:
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say a #{i}:"}]
+    data = Dataset.from_dict({"prompt": [[{"role": "user",
+                                           "content": f"say {args.letter} #{i}:"}]
                                          for i in range(512)]})
     config = GRPOConfig(output_dir=str(out / "trl"), use_cpu=True, report_to=[],
                         save_strategy="no", per_device_train_batch_size=16, num_generations=8,
                         max_completion_length=8, learning_rate=args.lr, max_steps=args.steps,
                         logging_steps=1, seed=args.seed)
     rewards = Rewards()
-    with TrlFabric(url, prefix=args.prefix) as fabric:
+    policy = AutoModelForCausalLM.from_pretrained(model)
+    if args.lora:
+        import peft
+
+        policy = peft.get_peft_model(policy, peft.LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    with TrlFabric(url, prefix=args.prefix, job=args.job, adapter="policy") as fabric:
         fabric.call(fabric.client.wait_for_workers, 1, 300)
-        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model),
-                              reward_funcs=reward_a, args=config, train_dataset=data,
+        trainer = GRPOTrainer(model=policy,
+                              reward_funcs=reward_of(args.letter), args=config,
+                              train_dataset=data,
                               processing_class=AutoTokenizer.from_pretrained(model),
                               rollout_func=fabric.rollout_func,  # 1: workers generate
                               callbacks=[fabric.sync, rewards])  # 2: each step's weights
@@ -101,9 +127,11 @@ def main() -> int:
             seen = train(args, fleet.url, fleet.path, out)
     final = sum(seen[-3:]) / max(1, len(seen[-3:]))
     passed = len(seen) == args.steps and final > args.threshold
-    print(f"trl_grpo: seed {args.seed}, {len(seen)} steps in {time.monotonic() - t0:.0f}s: "
+    print(f"trl_grpo: {'job ' + args.job + ', ' if args.job else ''}seed {args.seed}, "
+          f"{len(seen)} steps in {time.monotonic() - t0:.0f}s: "
           f"reward {seen[0] if seen else float('nan'):.3f} -> {final:.3f} (the last 3 steps' "
           f"mean; threshold {args.threshold}); {'PASS' if passed else 'FAIL'}; files in {out}")
+    print(f"trl_grpo: reward by step {' '.join(f'{r:.2f}' for r in seen)}")
     return 0 if passed else 1
 
 

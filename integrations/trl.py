@@ -11,9 +11,14 @@ end tokens (the tokenizer's and the model's generation config's, as TRL's own ge
 at) and `min_weight_version` = the version of the current step, and returns the completions,
 the workers' logprobs of them, and as extra fields (which reward functions and logs can read)
 the `worker_id` and `weight_version` behind each. `sync` (a `TrainerCallback`) pushes the
-model's weights, or its PEFT adapter, to every worker after each optimizer step as version =
-`state.global_step`; a push the quorum did not ack is taken back and stops training with its
+model's weights, or its PEFT adapter, to every worker before training and after each optimizer
+step, as versions 0, 1, 2, ... of this run's own count (`state.global_step` when every step
+ends in a push); a push the quorum did not ack is taken back and stops training with its
 report (`WeightSyncFailed`, saying where each worker is).
+
+Several runs share one pool as jobs (`rlfabric.schemas.jobs`): `TrlFabric(..., job="exp-a",
+adapter="policy")` puts this run's requests and PEFT adapter in job `exp-a` (another job may
+name its adapter `policy` too), on the base weights the pool serves.
 
 Every version this run pushes is named by its run (`TrlFabric.run`, fresh per instance) and
 digest: the workers serve this run's requests with this run's weights only (a second run on the
@@ -90,8 +95,13 @@ class TrlFabric:
 
     def __init__(self, nats: str, *, prefix: str = "rl", transport: str = "shm",
                  policy: QuorumPolicy | None = None, timeout: float = 600.0,
-                 run: str | None = None, **connect: Any) -> None:
+                 run: str | None = None, job: str = "", adapter: str = ADAPTER,
+                 **connect: Any) -> None:
         self.nats = nats
+        #: the job this run is on a shared pool ("": the pool's own; `rlfabric.schemas.jobs`)
+        #: and the name its PEFT adapter is served under there
+        self.job = job
+        self.adapter = adapter
         self.prefix = prefix
         self.transport = transport
         self.policy = policy
@@ -99,6 +109,9 @@ class TrlFabric:
         self._connect = connect
         #: the version the workers serve (the last one pushed); requests ask for it
         self.version = -1
+        #: the version the next push gets: this run's own count (0 before training, then one
+        #: per optimizer step), not another run's
+        self.next_version = 0
         #: each push's FanoutReport, by version
         self.reports: dict[int, Any] = {}
         self.sync = _Sync(self)
@@ -115,7 +128,7 @@ class TrlFabric:
             self._portal = self._stack.enter_context(start_blocking_portal())
             self.fabric = self._stack.enter_context(self._portal.wrap_async_context_manager(
                 FabricClient.connect(self.nats, prefix=self.prefix, run=self.run,
-                                     **self._connect)))
+                                     job=self.job, **self._connect)))
         except BaseException:  # e.g. no server: nothing stays behind to keep the process up
             self._stack.close()
             self._portal = None
@@ -148,9 +161,11 @@ class TrlFabric:
         return self.fabric
 
     # ---- weights ----
-    def push(self, model: Any, version: int) -> None:
-        """`model`'s weights (a PEFT model: its adapter) to every worker as `version`."""
-        adapter, state = _weights(model)
+    def push(self, model: Any, version: int | None = None) -> None:
+        """`model`'s weights (a PEFT model: its adapter) to every worker as `version` (by
+        default the next of this run's own count)."""
+        version = self.next_version if version is None else version
+        adapter, state = _weights(model, self.adapter)
         try:
             if adapter is not None:
                 if not self.base:
@@ -163,6 +178,7 @@ class TrlFabric:
                                    ) from exc
         self.reports[version] = rep
         self.version = version
+        self.next_version = version + 1
 
     async def _push(self, state: dict[str, Any], adapter: Adapter | None, version: int) -> Any:
         return await self.client.update_weights(version, state_dict=state, adapter=adapter,
@@ -174,7 +190,10 @@ class TrlFabric:
         once as base version 0."""
         desired = await self.client.bus.state.read()
         claim = await self.client.bus.state.checkpoint_claim()
-        if not desired.policy and desired.locator is None and claim is not None:
+        if self.client.job and desired.policy:  # base weights are the pool's, not a job's
+            return desired.policy
+        if (self.client.job or (not desired.policy and desired.locator is None)) and \
+                claim is not None:
             mine = _base_checksum(model)
             if mine != claim.checksum:
                 log.warning("this run's base weights (checksum %s) are not the checkpoint the "
@@ -213,7 +232,7 @@ class TrlFabric:
         return out
 
     def _adapter_name(self, trainer: Any) -> str:
-        return ADAPTER if hasattr(trainer.model, "peft_config") else ""
+        return self.adapter if hasattr(trainer.model, "peft_config") else ""
 
     async def _collect(self, reqs: list[RolloutRequest]) -> dict[str, RolloutResult]:
         got: dict[str, RolloutResult] = {}
@@ -295,10 +314,10 @@ class _Sync(TrainerCallback):
         self.owner = owner
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.owner.push(kw["model"], state.global_step)
+        self.owner.push(kw["model"])
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.owner.push(kw["model"], state.global_step)
+        self.owner.push(kw["model"])
 
 
 def tokenize(prompts: list[Any], trainer: Any) -> list[list[int]]:
@@ -355,12 +374,12 @@ def _base_checksum(model: Any) -> str:
     return checksum(_base_state(model))
 
 
-def _weights(model: Any) -> tuple[Adapter | None, dict[str, Any]]:
+def _weights(model: Any, name: str = ADAPTER) -> tuple[Adapter | None, dict[str, Any]]:
     if hasattr(model, "peft_config"):  # a PEFT model: its adapter, in PEFT's own layout
         from peft import get_peft_model_state_dict
 
         cfg = model.peft_config["default"]
-        adapter = Adapter(name=ADAPTER, rank=cfg.r, alpha=float(cfg.lora_alpha),
+        adapter = Adapter(name=name, rank=cfg.r, alpha=float(cfg.lora_alpha),
                           target_modules=tuple(sorted(cfg.target_modules)))
         return adapter, {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
     return None, {k: v.detach() for k, v in model.state_dict().items()}

@@ -77,7 +77,8 @@ class LocalFleet:
     is that checkpoint, for the trainer to load the same weights). `url` once entered."""
 
     def __init__(self, model: str, *, workers: int = 2, logs: Path, prefix: str = "rl",
-                 engine: str = "torch") -> None:
+                 engine: str = "torch", extra: tuple[str, ...] = ()) -> None:
+        self.extra = extra  # more `rlfabric worker` options
         self.model = model
         self.path = checkpoint_dir(model)
         self.n = workers
@@ -93,7 +94,8 @@ class LocalFleet:
         self.server.start()
         self.url = self.server.url
         try:
-            self.workers.start(self.n, self.url, self.prefix, self.engine, self.path, None, None)
+            self.workers.start(self.n, self.url, self.prefix, self.engine, self.path, None, None,
+                               self.extra)
         except BaseException:
             self.server.stop()
             raise

@@ -72,6 +72,13 @@ from rlfabric.schemas.fleet import (
     StateEvent,
     WorkerInfo,
 )
+from rlfabric.schemas.jobs import (
+    JOB_STATE_PREFIX,
+    adapter_key,
+    is_job,
+    job_of_key,
+    job_state_key,
+)
 from rlfabric.schemas.policy import (
     CHECKPOINT,
     adapter_policy,
@@ -155,6 +162,7 @@ __all__ = [
     "COLLECTIVE_BACKENDS",
     "COUNT_HEADER",
     "DECODE_ERRORS",
+    "JOB_STATE_PREFIX",
     "MESSAGE_TYPES",
     "PAUSE_MODES",
     "REQUEST_ID_HEADER",
@@ -230,6 +238,7 @@ __all__ = [
     "VllmWire",
     "Wake",
     "WorkerInfo",
+    "adapter_key",
     "adapter_policy",
     "base_policy",
     "check_schema_version",
@@ -238,6 +247,9 @@ __all__ = [
     "encode",
     "fold",
     "headers",
+    "is_job",
+    "job_of_key",
+    "job_state_key",
     "json_schema",
     "op_of",
     "run_of",

@@ -1,7 +1,8 @@
 """Control-plane messages: `Command`s the trainer broadcasts, `Ack`s each worker returns.
 
 Commands go to the `RL_CONTROL` stream on `<prefix>.control.<op>`; every worker receives every
-command and answers on `<prefix>.ack.<cmd_id>` (core NATS).
+command and answers on `<prefix>.ack.<cmd_id>` (core NATS). A command naming a `job` acts on
+that job's requests and adapters only (`rlfabric.schemas.jobs`).
 """
 
 from __future__ import annotations
@@ -146,11 +147,16 @@ PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 
 
 class Pause(_Command, tag="pause", frozen=True, kw_only=True):
+    """Pause the pool (`job` ""), or only job `job`'s requests (`rlfabric.schemas.jobs`)."""
+
     mode: PauseMode = "wait"
+    job: str = ""
 
 
 class Resume(_Command, tag="resume", frozen=True, kw_only=True):
-    pass
+    """Resume the pool (`job` ""), or job `job`'s requests."""
+
+    job: str = ""
 
 
 class UpdateWeights(_Command, tag="update_weights", frozen=True, kw_only=True):
@@ -166,6 +172,8 @@ class UpdateWeights(_Command, tag="update_weights", frozen=True, kw_only=True):
     target: Target = Base()
     reset_prefix_cache: bool = True
     run: str = ""
+    #: the job an adapter belongs to ("": the default job); base weights are the pool's
+    job: str = ""
 
 
 CollectiveBackend = Literal["gloo", "nccl"]
@@ -213,9 +221,11 @@ class Describe(_Command, tag="describe", frozen=True, kw_only=True):
 
 
 class UnloadAdapter(_Command, tag="unload_adapter", frozen=True, kw_only=True):
-    """Drop every loaded version of adapter `name`; its requests then fail `adapter_unknown`."""
+    """Drop every loaded version of job `job`'s adapter `name`; its requests then fail
+    `adapter_unknown`."""
 
     name: str
+    job: str = ""
 
 
 class Shutdown(_Command, tag="shutdown", frozen=True, kw_only=True):

@@ -46,6 +46,10 @@ class WorkerInfo(Message, frozen=True, kw_only=True):
     #: why the worker takes no new requests although it is up ("" when it takes them): it is
     #: not on the fleet's desired policy, or cannot tell yet (cut off from the bus)
     behind: str = ""
+    #: requests in flight by job (`rlfabric.schemas.jobs`; the default job's under "")
+    jobs: dict[str, int] = {}
+    #: the jobs whose requests it holds (their own pause; the pool's is `state`)
+    paused_jobs: tuple[str, ...] = ()
 
 
 class Beats(Message, frozen=True, kw_only=True):
@@ -114,6 +118,8 @@ class FleetView(Message, frozen=True, kw_only=True):
     checkpoint: CheckpointClaim | None = None
     streams: dict[str, int | None] = {}
     at: float = 0.0
+    #: each job's desired state (its adapters and pause; `rlfabric.schemas.jobs`), by job
+    jobs: dict[str, DesiredState] = {}
 
     @property
     def pushed(self) -> bool:

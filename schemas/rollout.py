@@ -44,7 +44,9 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     `min_weight_version` bounds the adapter's version, and `adapter_version` (if >= 0) asks for
     exactly that version, which must still be loaded (else `version_unavailable`). `run`
     (if set) is the run whose weights may serve it (its base, or the adapter's versions): a
-    worker holding another run's waits for this run's push, as for a newer version."""
+    worker holding another run's waits for this run's push, as for a newer version. `job`
+    is the job it belongs to ("": the default job): its adapter is named within that job, and
+    that job's pause holds it."""
 
     request_id: str
     prompt_token_ids: PackedI32
@@ -59,6 +61,7 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     adapter: str = ""
     adapter_version: int = -1
     run: str = ""
+    job: str = ""
 
     def __post_init__(self) -> None:
         if type(self.prompt_token_ids) is not PackedI32:  # a list, numpy or torch given

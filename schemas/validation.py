@@ -12,6 +12,7 @@ import math
 
 from rlfabric.schemas.codes import ErrorCode
 from rlfabric.schemas.errors import RLFabricError
+from rlfabric.schemas.jobs import SEPARATOR, is_job
 from rlfabric.schemas.rollout import RolloutRequest
 
 #: longest request id: it travels in NATS headers and message ids
@@ -60,7 +61,7 @@ def _plainly_valid(req: RolloutRequest) -> bool:
         and type(req.min_weight_version) is int and -1 <= req.min_weight_version <= _SEED_MAX
         and 0.0 <= req.deadline < _INF
         and not req.adapter and req.adapter_version == -1
-        and not req.metadata)
+        and not req.metadata and (not req.job or is_job(req.job)))
 
 
 # module constants as plain names: read per request, on the hot path
@@ -106,6 +107,13 @@ def _first_invalid(req: RolloutRequest) -> None:
     if len(req.adapter) > MAX_REQUEST_ID or not req.adapter.isprintable():
         raise InvalidRequest(f"{where}: adapter {_short(req.adapter)}: needs at most "
                              f"{MAX_REQUEST_ID} printable characters (empty: the base model)")
+    if SEPARATOR in req.adapter and not req.adapter.startswith(f"{req.job}{SEPARATOR}"):
+        raise InvalidRequest(f"{where}: adapter {_short(req.adapter)}: an adapter name may not "
+                             f"hold {SEPARATOR!r} (it separates a job from its adapters' names; "
+                             "set the request's job instead)")
+    if req.job and not is_job(req.job):
+        raise InvalidRequest(f"{where}: job {_short(req.job)}: needs 1-64 characters from "
+                             "A-Z a-z 0-9 _ - (empty: the default job)")
     # a version of an adapter: only with one named (-1: the newest)
     _int_in(where, "adapter_version", req.adapter_version, -1,
             SEED_RANGE[1] if req.adapter else -1)

@@ -9,7 +9,12 @@ from typing import Any
 from rlfabric.bus import QuorumPolicy
 from rlfabric.trainer.client import FabricClient
 from rlfabric.trainer.continuation import continuation, merge
-from rlfabric.trainer.errors import RolloutFailed, TransportInitFailed, WeightsMismatch
+from rlfabric.trainer.errors import (
+    PoolOnly,
+    RolloutFailed,
+    TransportInitFailed,
+    WeightsMismatch,
+)
 from rlfabric.trainer.policies import PolicyMismatch
 
 _LAZY = {"build_model": "rlfabric.tensors.models", "Staged": "rlfabric.transports",
@@ -29,6 +34,7 @@ __all__ = [
     "BusWeightSyncClient",
     "FabricClient",
     "PolicyMismatch",
+    "PoolOnly",
     "QuorumPolicy",
     "RolloutFailed",
     "Staged",

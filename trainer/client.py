@@ -54,9 +54,11 @@ from rlfabric.schemas import (
     UnloadAdapter,
     Wake,
 )
+from rlfabric.schemas.jobs import SEPARATOR
 from rlfabric.telemetry import spans
 from rlfabric.trainer.continuation import continue_aborted
 from rlfabric.trainer.desired import DesiredStateWriter
+from rlfabric.trainer.errors import PoolOnly
 from rlfabric.trainer.policies import PushedPolicies, adapters_of
 
 #: samples a request message holds at least when what is queued is spread over the workers
@@ -71,18 +73,20 @@ if TYPE_CHECKING:  # the weight path imports torch: loaded on the first weight c
 
 class FabricClient:
     def __init__(self, bus: Bus, client_id: str, policy: QuorumPolicy, *,
-                 run: str | None = None) -> None:
+                 run: str | None = None, job: str = "") -> None:
         self.bus = bus
+        #: the job this client acts for ("": the default job; `rlfabric.schemas.jobs`)
+        self.job = check_token(job, "job") if job else ""
         self.client_id = check_token(client_id, "client id")
         self.policy = policy
         #: the run this client's pushes belong to: with the version and the weights' digest it
         #: names each policy pushed, so two runs' version 3 never pass for one another
         self.run = check_token(run or uuid.uuid4().hex[:12], "run id")
         #: the policies pushed: results are checked against them (`PolicyMismatch`)
-        self.pushed = PushedPolicies(self.run)
+        self.pushed = PushedPolicies(self.run, self.job)
         self.watcher = MembershipWatcher(bus)
         self.broadcaster = Broadcaster(bus, self.watcher)
-        self.desired = DesiredStateWriter(bus)
+        self.desired = DesiredStateWriter(bus, job=self.job)
         #: routes `generate(..., session=)` turns to their session's worker
         self.affinity = Affinity(bus, self.watcher)
         self.rollouts = RolloutPlane(bus, self.client_id, max_batch=self._batch_limit,
@@ -118,16 +122,21 @@ class FabricClient:
     @contextlib.asynccontextmanager
     async def connect(cls, url: str | ConnectOptions, *, prefix: str = "rl",
                       client_id: str | None = None, policy: QuorumPolicy | None = None,
-                      limits: Limits | None = None, run: str | None = None
+                      limits: Limits | None = None, run: str | None = None, job: str = ""
                       ) -> AsyncIterator[FabricClient]:
-        """Connect, provision the job's streams, start watching membership and listening for
+        """Connect, provision the pool's streams, start watching membership and listening for
         this client's results. `policy` is the default `QuorumPolicy` of control calls. `run`
         names this training run (default: a fresh id per client): the weights it pushes are
-        that run's, and once it pushed, its requests are served by that run's weights only."""
+        that run's, and once it pushed, its requests are served by that run's weights only.
+
+        `job`: the job this client acts for on a pool shared by several (`rlfabric.schemas.jobs`):
+        its requests, adapters (named within the job), pause and resume are that job's and
+        leave other jobs' requests serving; base weights, sleep, wake and collective groups
+        are the pool's and refused (`PoolOnly`). "" (default): the pool's own client."""
         async with Bus.connect(url, prefix=prefix, limits=limits) as bus, \
                 beside(cancel_at_exit=True) as tg:
             client = cls(bus, client_id or f"c{uuid.uuid4().hex[:12]}", policy or QuorumPolicy(),
-                         run=run)
+                         run=run, job=job)
             await tg.start(client.watcher.run)
             await tg.start(client.rollouts.listen)
             await client.desired.load()
@@ -165,10 +174,14 @@ class FabricClient:
         """Pause every worker. `wait`: acks once its in-flight requests finished. `abort`:
         in-flight samples end now and come back with `finish_reason="abort"` (continue them
         with `continue_aborted`). `keep`: in-flight samples freeze and resume after `resume()`,
-        under the weights loaded by then. Queued requests wait in the stream either way."""
+        under the weights loaded by then. Queued requests wait in the stream either way.
+
+        A job's client pauses its job's requests only (`rlfabric.worker.jobs`): `wait` acks
+        once they finished, `abort` ends them now and samples them again after `resume()`
+        (no partial results), `keep` holds new ones and lets those in flight run on."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause(mode={mode!r}): use one of {', '.join(PAUSE_MODES)}")
-        cmd = Pause(cmd_id=new_cmd_id(), mode=mode)
+        cmd = Pause(cmd_id=new_cmd_id(), mode=mode, job=self.job)
         with spans.span("pause", attributes={"rlfabric.pause.mode": mode}):
             async with self.desired.during(rollback=False, paused=True, pause_mode=mode):
                 return await self.broadcast(cmd, policy)
@@ -176,20 +189,29 @@ class FabricClient:
     async def resume(self, *, policy: QuorumPolicy | None = None) -> FanoutReport:
         with spans.span("resume"):
             async with self.desired.during(rollback=False, paused=False, pause_mode=""):
-                return await self.broadcast(Resume(cmd_id=new_cmd_id()), policy)
+                return await self.broadcast(Resume(cmd_id=new_cmd_id(), job=self.job), policy)
 
     async def describe(self, *, policy: QuorumPolicy | None = None) -> FanoutReport:
         return await self.broadcast(Describe(cmd_id=new_cmd_id()), policy)
 
     async def reset_prefix_cache(self, *, policy: QuorumPolicy | None = None) -> FanoutReport:
+        self._pool_only("reset_prefix_cache()")
         return await self.broadcast(ResetPrefixCache(cmd_id=new_cmd_id()), policy)
 
     async def sleep(self, level: int = 1, *, policy: QuorumPolicy | None = None) -> FanoutReport:
+        self._pool_only("sleep()")
         return await self.broadcast(Sleep(cmd_id=new_cmd_id(), level=level), policy)
 
     async def wake(self, tags: Iterable[str] = (), *, policy: QuorumPolicy | None = None
                    ) -> FanoutReport:
+        self._pool_only("wake()")
         return await self.broadcast(Wake(cmd_id=new_cmd_id(), tags=tuple(tags)), policy)
+
+    def _pool_only(self, what: str) -> None:
+        if self.job:
+            raise PoolOnly(f"{what}: this client acts for job {self.job!r}, and {what} acts "
+                           "on the whole pool (every job's requests): call it from a client "
+                           "connected without job=")
 
     # ---- weights ----
     @property
@@ -234,6 +256,11 @@ class FabricClient:
         cache per load), it only keeps memory warm."""
         if adapter is not None:
             target = adapter
+        if isinstance(target, Adapter) and SEPARATOR in target.name:
+            raise ValueError(f"adapter name {target.name!r}: an adapter name may not hold "
+                             f"{SEPARATOR!r} (it separates a job from its adapters' names)")
+        if not isinstance(target, Adapter):
+            self._pool_only(f"update_weights(version={version}) of base weights")
         weights = module if module is not None else state_dict
         if weights is None:
             raise TypeError("update_weights needs state_dict= or module=")
@@ -252,7 +279,8 @@ class FabricClient:
                              ) -> FanoutReport:
         """Drop every version of adapter `name` on every worker (requests running under it
         finish; later ones fail `adapter_unknown`); joiners no longer load it."""
-        rep = await self.broadcast(UnloadAdapter(cmd_id=new_cmd_id(), name=name), policy)
+        rep = await self.broadcast(UnloadAdapter(cmd_id=new_cmd_id(), name=name, job=self.job),
+                                   policy)
         await self.updates.forget_adapter(name)
         return rep
 
@@ -260,6 +288,8 @@ class FabricClient:
                            policy: QuorumPolicy | None = None, verify: Verify = "sender",
                            reset_prefix_cache: bool = True) -> FanoutReport:
         """Send weights staged by `stage_weights` (see `update_weights`)."""
+        if not isinstance(target, Adapter):
+            self._pool_only("push_weights() of base weights")
         return await self.updates.push(staged, target=target, policy=policy or self.policy,
                                        verify=verify, reset_prefix_cache=reset_prefix_cache)
 
@@ -270,6 +300,7 @@ class FabricClient:
         """Form a fresh collective group: this client is rank 0, each worker gets the ranks
         of its TP x PP from the membership snapshot, a new `group_epoch` names it. Fails
         within `timeout` with `TransportInitFailed` naming the workers that did not join."""
+        self._pool_only("init_transport()")
         if backend not in COLLECTIVE_BACKENDS:
             raise ValueError(f"init_transport(backend={backend!r}): use one of "
                              f"{', '.join(COLLECTIVE_BACKENDS)}")

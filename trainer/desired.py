@@ -1,5 +1,6 @@
-"""The job's desired state (`<prefix>_state`): what this client last asked of the fleet. The
-trainer is its one writer; workers read it when they join.
+"""The desired state (`<prefix>_state`): what this client last asked of the fleet. The pool's
+trainer is the one writer of the pool's; a job's client of its job's (its adapters and pause,
+`rlfabric.schemas.jobs`). Workers read them when they join.
 
 Every write goes through `DesiredStateWriter`, which also owns taking a write back when the
 call it stood for failed.
@@ -20,18 +21,19 @@ from rlfabric.schemas import DesiredState
 
 
 class DesiredStateWriter:
-    def __init__(self, bus: Bus, state: DesiredState | None = None) -> None:
+    def __init__(self, bus: Bus, state: DesiredState | None = None, *, job: str = "") -> None:
         self.bus = bus
         self.state = state or DesiredState()
+        self.job = job
 
     async def load(self) -> DesiredState:
         """Start from what the bucket holds (a restarted trainer resumes its fleet's state)."""
-        self.state = await self.bus.state.read()
+        self.state = await self.bus.state.read(self.job)
         return self.state
 
     async def write(self, **changes: Any) -> DesiredState:
         self.state = msgspec.structs.replace(self.state, updated_at=time.time(), **changes)
-        await self.bus.state.put(self.state)
+        await self.bus.state.put(self.state, job=self.job)
         return self.state
 
     @contextlib.asynccontextmanager
@@ -43,11 +45,11 @@ class DesiredStateWriter:
         before = self.state
         self.state = msgspec.structs.replace(before, updated_at=time.time(), **changes)
         try:
-            async with self.bus.state.written(self.state):
+            async with self.bus.state.written(self.state, job=self.job):
                 yield self.state
         except Exception:
             if rollback:
                 self.state = before
                 with anyio.CancelScope(shield=True):
-                    await self.bus.state.put(before)
+                    await self.bus.state.put(before, job=self.job)
             raise

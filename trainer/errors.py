@@ -41,3 +41,9 @@ class RolloutFailed(RLFabricError):
     def __init__(self, message: str, *, error: RolloutError) -> None:
         super().__init__(message)
         self.error = error
+
+
+class PoolOnly(RLFabricError):
+    """Raised when a job's client (`FabricClient.connect(job=...)`) asks for what acts on the
+    whole pool: base weights, sleep, wake, a collective group, the prefix cache. A client
+    connected without `job=` (the pool's operator) does these."""

@@ -19,6 +19,7 @@ from rlfabric.schemas import (
     RolloutRequest,
     RolloutResult,
     VersionSpan,
+    adapter_key,
     adapter_policy,
     base_policy,
 )
@@ -43,8 +44,11 @@ class PolicyMismatch(RLFabricError):
 
 
 class PushedPolicies:
-    def __init__(self, run: str) -> None:
+    def __init__(self, run: str, job: str = "") -> None:
         self.run = run
+        #: the job this client's requests and adapters belong to (`rlfabric.schemas.jobs`):
+        #: its adapters' policy names hold their keys
+        self.job = job
         #: target ("" the base weights, else the adapter's name) -> names pushed, in order
         self._by_target: dict[str, dict[str, None]] = {}
         #: adapters pushed without a base named: their base part is not compared
@@ -56,30 +60,34 @@ class PushedPolicies:
             name = base_policy(self.run, version, digest)
             self._by_target.setdefault("", {})[name] = None
             return name
-        name = adapter_policy(self.run, adapter.name, version, digest, adapter.base)
+        key = adapter_key(self.job, adapter.name)
+        name = adapter_policy(self.run, key, version, digest, adapter.base)
         if not adapter.base:
-            self._any_base.add(adapter.name)
-        self._by_target.setdefault(adapter.name, {})[_unbased(name) if not adapter.base
-                                                      else name] = None
+            self._any_base.add(key)
+        self._by_target.setdefault(key, {})[_unbased(name) if not adapter.base
+                                            else name] = None
         return name
 
     def pushed(self, adapter: str = "") -> bool:
         """Whether this client pushed the base weights ("") or adapter `adapter`."""
-        return adapter in self._by_target
+        return adapter_key(self.job, adapter) in self._by_target
 
     def names(self, adapter: str = "") -> tuple[str, ...]:
-        return tuple(self._by_target.get(adapter, ()))
+        return tuple(self._by_target.get(adapter_key(self.job, adapter), ()))
 
     def own(self, req: RolloutRequest) -> RolloutRequest:
-        """`req` asking for this run's weights where this client pushed them (and the request
-        names no run itself)."""
-        if req.run or req.adapter not in self._by_target:
+        """`req` in this client's job, asking for this run's weights where this client
+        pushed them (and the request names no run itself)."""
+        if self.job and not req.job:
+            req = msgspec.structs.replace(req, job=self.job)
+        if req.run or adapter_key(req.job, req.adapter) not in self._by_target:
             return req
         return msgspec.structs.replace(req, run=self.run)
 
     def check(self, res: RolloutResult, adapter: str) -> None:
         """`PolicyMismatch` unless every span of `res` (a result of a request for `adapter`,
         "" for the base) was produced by a policy this client pushed for it."""
+        adapter = adapter_key(self.job, adapter)
         names = self._by_target.get(adapter)
         if names is None:
             return
@@ -109,7 +117,7 @@ class PushedPolicies:
 
     def _refuse_in(self, where: str, worker_id: str, request_id: str, adapter: str,
                    policy: str, start: int, end: int) -> None:
-        pushed = self.names(adapter)
+        pushed = tuple(self._by_target.get(adapter, ()))  # `adapter`: its key
         what = f"adapter {adapter!r}" if adapter else "base weights"
         shown = ", ".join(pushed[-SHOWN:])
         raise PolicyMismatch(

@@ -101,6 +101,7 @@ class WeightUpdates:
                 staged.transport = msgspec.structs.replace(staged.transport,
                                                            group_epoch=group.group_epoch)
                 cmd = staged.command(new_cmd_id(), target=target, deadline=deadline, run=run,
+                                     job=self.desired.job,
                                      reset_prefix_cache=reset_prefix_cache)
                 rep = await self._push_collective(cmd, staged, group, policy)
                 self._check(rep, staged, verify)
@@ -109,6 +110,7 @@ class WeightUpdates:
                                              policy=name)
             else:
                 cmd = staged.command(new_cmd_id(), target=target, deadline=deadline, run=run,
+                                     job=self.desired.job,
                                      reset_prefix_cache=reset_prefix_cache)
                 # a worker joining during the update loads this version itself
                 changes: dict[str, Any] = (

@@ -126,10 +126,11 @@ class Staged:
 
     def command(self, cmd_id: str, *, target: Target | None = None,
                 reset_prefix_cache: bool = True, deadline: float = 0.0,
-                run: str = "") -> UpdateWeights:
+                run: str = "", job: str = "") -> UpdateWeights:
         return UpdateWeights(cmd_id=cmd_id, version=self.version, transport=self.transport,
                              digest=self.digest, target=target or Base(),
-                             reset_prefix_cache=reset_prefix_cache, deadline=deadline, run=run)
+                             reset_prefix_cache=reset_prefix_cache, deadline=deadline, run=run,
+                             job=job)
 
     def on_release(self, fn: Release) -> None:
         self._release.append(fn)

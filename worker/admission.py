@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 from nats.aio.msg import Msg
 
-from rlfabric.bus import Bus
+from rlfabric.bus import Bus, CommandFailed
 from rlfabric.bus.errors import TRANSIENT, PayloadTooLarge
 from rlfabric.concurrency.ratelimit import RateLimited
 from rlfabric.engines.errors import EngineDied, RequestRejected
@@ -25,13 +26,18 @@ from rlfabric.schemas import (
     RolloutError,
     RolloutRequest,
     RolloutRequests,
+    UpdateWeights,
+    adapter_key,
     codec_for,
     encode,
     run_of,
 )
+from rlfabric.schemas.jobs import SEPARATOR
 from rlfabric.telemetry import instruments, spans
 from rlfabric.worker.delivery import Delivery, result_id
+from rlfabric.worker.jobs import JobScopes
 from rlfabric.worker.policies import Policies, desired_policy
+from rlfabric.worker.weights import WeightSync
 
 log = logging.getLogger("rlfabric.worker.rollouts")
 #: failures that are not the request's: it goes back to the stream for another try
@@ -45,8 +51,13 @@ MAX_REQUEST_TOKENS = 1 << 18
 
 class Admission:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, policies: Policies, *,
-                 max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
+                 max_request_tokens: int = MAX_REQUEST_TOKENS,
+                 jobs: JobScopes | None = None, weights: WeightSync | None = None) -> None:
         self.bus = bus
+        #: loads an evicted adapter again for a request that names it (`Residency`)
+        self.weights = weights
+        #: a paused job's requests go back to the stream
+        self.jobs = jobs or JobScopes()
         self.engine = engine
         self.worker_id = worker_id
         self.policies = policies
@@ -57,14 +68,19 @@ class Admission:
         self._flood = RateLimited(log)
 
     def decode(self, msg: Msg) -> list[RolloutRequest]:
-        """The requests a message holds (`SchemaError` if it holds none)."""
+        """The requests a message holds (`SchemaError` if it holds none); a job's adapter
+        named by its key in the engine (`adapter_key`)."""
         if COUNT_HEADER in (msg.headers or {}):
             batch: RolloutRequests = self._batch_codec.decode(msg.data, msg.headers,
                                                               subject=msg.subject)
             if not batch.requests:
                 raise MalformedMessage(f"an empty request batch on {msg.subject!r}")
-            return batch.requests
-        return [self._codec.decode(msg.data, msg.headers, subject=msg.subject)]
+            reqs = batch.requests
+        else:
+            reqs = [self._codec.decode(msg.data, msg.headers, subject=msg.subject)]
+        if reqs[0].job:
+            reqs = [_keyed(r) for r in reqs]
+        return reqs
 
     async def admit(self, d: Delivery, req: RolloutRequest) -> str | None:
         """The subject `req`'s results go to, if it is to be served now; None once it was
@@ -79,6 +95,10 @@ class Admission:
                                        f"client_id ({req.client_id!r})")
                 return None
             self._result_subjects[req.client_id] = subject
+        if req.job and self.jobs.held(req.job):  # back until its job resumes
+            tries = d.msg.metadata.num_delivered or 1
+            d.serve_again(min(1.0, 0.25 * 2 ** min(tries - 1, 2)))
+            return None
         if req.deadline and time.time() > req.deadline:  # nobody waits for it: out of the queue
             await self.reply_error(msg, req, ErrorCode.DEADLINE_EXCEEDED,
                                    f"request {req.request_id} expired before a worker took it")
@@ -118,21 +138,46 @@ class Admission:
             return False
         held = self.engine.adapter_versions().get(req.adapter, ())
         held_run = self.policies.adapter_run(req.adapter)
-        if held and (not req.run or held_run == req.run) and \
-                max(req.min_weight_version, req.adapter_version) <= max(held):
+        want = max(req.min_weight_version, req.adapter_version)
+        if held and (not req.run or held_run == req.run) and want <= max(held):
+            self._pin(d, req.adapter)
             return True  # an evicted version asked for: the engine's check says so
-        upd = (await self.bus.state.read()).adapters.get(req.adapter)
+        name = req.adapter.split(SEPARATOR, 1)[-1]  # within its job
+        upd = (await self.bus.state.read(req.job)).adapters.get(name)
         if upd is None:
             await self.reply_error(d.msg, req, ErrorCode.ADAPTER_UNKNOWN,
                                    f"request {req.request_id} names adapter {req.adapter!r}, "
                                    "which no update loaded on this fleet (or one unloaded): "
                                    "push it with FabricClient.update_weights(adapter=...)")
             return False
+        if not held and self.weights is not None and self.weights.residency.limit and \
+                (not req.run or upd.run == req.run) and want <= upd.version:
+            return await self._reload(d, req, upd)
         if req.run and held_run != req.run:
             await self._other_run(d, req, upd.run, held_run or "", f"adapter {req.adapter!r}")
             return False
         await self._not_yet(d, req, upd.version, f"adapter {req.adapter!r} version")
         return False
+
+    def _pin(self, d: Delivery, key: str) -> None:
+        if self.weights is not None:
+            self.weights.residency.pin(key)
+            d.pins.append(key)
+
+    async def _reload(self, d: Delivery, req: RolloutRequest, upd: UpdateWeights) -> bool:
+        """The request's adapter was evicted (or never loaded here for want of room): load its
+        newest version again, then serve the request."""
+        assert self.weights is not None
+        try:
+            await self.weights.reload(upd)
+        except CommandFailed as exc:
+            await self.reply_error(d.msg, req, exc.code,
+                                   f"request {req.request_id}: adapter {req.adapter!r} "
+                                   f"v{upd.version} could not be loaded again on "
+                                   f"{self.worker_id}: {exc}", retryable=True)
+            return False
+        self._pin(d, req.adapter)
+        return True
 
     async def _other_run(self, d: Delivery, req: RolloutRequest, desired: str, held: str,
                          what: str) -> None:
@@ -208,6 +253,12 @@ class Admission:
                                    until=time.time() + 30.0)
         except Exception as exc:
             log.warning("could not answer %s with %s: %s", request_id, code, exc)
+
+
+def _keyed(req: RolloutRequest) -> RolloutRequest:
+    if not req.adapter or SEPARATOR in req.adapter:  # none, or refused by validation
+        return req
+    return msgspec.structs.replace(req, adapter=adapter_key(req.job, req.adapter))
 
 
 def code_of(exc: BaseException) -> tuple[str, bool]:

@@ -3,7 +3,7 @@ offered to this worker directly) and the keys its results are stored under."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
@@ -18,6 +18,8 @@ class Delivery:
     left: int  # requests the lanes still serve (a message served at once counts in `_Many`)
     t0: float
     back: float | None = None  # set: nak with this delay once all are done (serve again)
+    #: adapters its admitted requests hold resident until it is done (`Residency.pin`)
+    pins: list[str] = field(default_factory=list)
 
     def serve_again(self, delay: float) -> None:
         """Nak the message (after `delay` at least) once all its requests are done."""

@@ -42,12 +42,15 @@ from rlfabric.schemas import ErrorCode, SchemaError
 from rlfabric.worker.admission import MAX_REQUEST_TOKENS, Admission
 from rlfabric.worker.credits import Credits
 from rlfabric.worker.delivery import Delivery
+from rlfabric.worker.jobs import JobScopes
 from rlfabric.worker.liveness import KeepAlive, LoadReport
 from rlfabric.worker.offers import Offered, offers
 from rlfabric.worker.policies import Policies
+from rlfabric.worker.residency import Residency
 from rlfabric.worker.serving import Serving
 from rlfabric.worker.state import WorkerStatus
 from rlfabric.worker.streaming import DeltaSender
+from rlfabric.worker.weights import WeightSync
 
 log = logging.getLogger("rlfabric.worker.rollouts")
 
@@ -57,8 +60,11 @@ class RolloutServer:
                  capacity: int, prefetch: int = 0, status: WorkerStatus | None = None,
                  max_request_tokens: int = MAX_REQUEST_TOKENS,
                  policies: Policies | None = None,
-                 on_silent: Callable[[str], None] | None = None) -> None:
+                 on_silent: Callable[[str], None] | None = None,
+                 jobs: JobScopes | None = None, weights: WeightSync | None = None) -> None:
         self.bus = bus
+        #: each job's pause and its requests in flight
+        self.jobs = jobs or JobScopes()
         self._on_silent = on_silent
         self.worker_id = worker_id
         self.status = status or WorkerStatus()
@@ -66,13 +72,15 @@ class RolloutServer:
         self.credits.on_room = self._unpark
         self.policies = policies or Policies()
         self.admission = Admission(bus, engine, worker_id, self.policies,
-                                   max_request_tokens=max_request_tokens)
+                                   max_request_tokens=max_request_tokens, jobs=self.jobs,
+                                   weights=weights)
         self.alive = KeepAlive(bus.limits.rollout_ack_wait)
         self.report = LoadReport(self.credits, reg, worker_id)
         self.deltas = DeltaSender(bus)
         self.serving = Serving(bus, engine, worker_id, credits=self.credits,
                                admission=self.admission, deltas=self.deltas, alive=self.alive,
-                               policies=self.policies)
+                               policies=self.policies, jobs=self.jobs,
+                               residency=weights.residency if weights else Residency(0))
         self._tg: TaskGroup | None = None
         self.status.watch(self._held)
 

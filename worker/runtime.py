@@ -64,10 +64,13 @@ from rlfabric.schemas import (
     UpdateWeights,
     Wake,
     WorkerInfo,
+    adapter_key,
 )
 from rlfabric.telemetry import instruments, spans
 from rlfabric.worker.admission import MAX_REQUEST_TOKENS
 from rlfabric.worker.alignment import Alignment
+from rlfabric.worker.job_control import JobControl
+from rlfabric.worker.jobs import JobScopes
 from rlfabric.worker.rollouts import RolloutServer
 from rlfabric.worker.state import WorkerStatus
 from rlfabric.worker.weights import WeightSync
@@ -112,10 +115,15 @@ class Worker:
         #: takes no requests while off (or unsure of) the desired policy
         self.alignment = Alignment(bus, self.receiver, self.weights, self.status, self._publish,
                                    self.worker_id)
+        #: each job's pause and requests in flight (`rlfabric.schemas.jobs`)
+        self.jobs = JobScopes()
         self.rollouts = RolloutServer(bus, engine, self.worker_id, self.reg, capacity=capacity,
                                       max_request_tokens=max_request_tokens,
                                       prefetch=prefetch, status=self.status,
-                                      policies=self.weights.policies, on_silent=self._doubt)
+                                      policies=self.weights.policies, on_silent=self._doubt,
+                                      jobs=self.jobs, weights=self.weights)
+        self.job_control = JobControl(self.jobs, self.weights, self.reg, self.rollouts,
+                                      self._publish, self.worker_id)
         self._checksum_cache: tuple[int, str] | None = None
         self._drain = anyio.Event()
 
@@ -150,6 +158,8 @@ class Worker:
             if desired.paused:  # join a paused fleet paused
                 self.status.change(paused=True)
                 await self.engine.pause("keep")
+            for job, state in (await self.bus.state.jobs()).items():
+                await self.job_control.take(job, state)
             if why := self.alignment.off(desired):  # its weights cannot be loaded now
                 self.status.change(behind=why)
             self.reg.update(weight_version=self.engine.version,
@@ -240,10 +250,11 @@ class Worker:
     def _refresh_info(self, info: WorkerInfo) -> WorkerInfo:
         in_flight = self.rollouts.load
         policy = self.weights.policies.base
+        jobs = self.jobs.in_flight()
         if info.in_flight == in_flight and info.weight_version == self.engine.version and \
-                info.policy == policy:
+                info.policy == policy and info.jobs == jobs:
             return info
-        return msgspec.structs.replace(info, in_flight=in_flight,
+        return msgspec.structs.replace(info, in_flight=in_flight, jobs=jobs,
                                        weight_version=self.engine.version, policy=policy)
 
     # ---- commands: one method per op ----
@@ -257,10 +268,10 @@ class Worker:
 
     async def _dispatch(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
         match cmd:
-            case Pause():
-                return await self._pause(cmd)
+            case Pause():  # a job's: that job's requests only
+                return await (self.job_control.pause(cmd) if cmd.job else self._pause(cmd))
             case Resume():
-                return await self._resume()
+                return await self._resume(cmd.job)
             case UpdateWeights():
                 return await self._update_weights(cmd, ctx)
             case InitTransport():
@@ -273,8 +284,7 @@ class Worker:
                 await self.engine.reset_prefix_cache()
                 return None
             case UnloadAdapter():
-                held = await self.engine.unload_adapter(cmd.name)
-                self.weights.policies.keep_adapters(self.engine.adapter_versions())
+                held = await self.weights.unload(adapter_key(cmd.job, cmd.name))
                 self.reg.update(adapters=self.engine.adapter_versions())
                 await self._publish()
                 return AckFields(detail={"unloaded": str(held).lower()})
@@ -289,9 +299,9 @@ class Worker:
                             f"worker ({self.engine.name} engine)")
 
     async def _pause(self, cmd: Pause) -> AckFields | None:
-        await self._publish(paused=True)
         # draining is bounded by the command's deadline: past it the sender has given up
         limit = cmd.deadline - time.time() if cmd.deadline else math.inf
+        await self._publish(paused=True)
         with anyio.move_on_after(max(0.0, limit)) as scope:
             if not self.status.asleep:  # asleep, the engine generates nothing already
                 await self.engine.pause(cmd.mode)
@@ -303,7 +313,9 @@ class Worker:
                                 "deadline; it is paused and will finish them")
         return None
 
-    async def _resume(self) -> AckFields | None:
+    async def _resume(self, job: str = "") -> AckFields | None:
+        if job:
+            return await self.job_control.resume(job)
         if not self.status.asleep:  # asleep, it stays so until woken (`_wake` resumes it)
             await self.engine.resume()
         await self._publish(paused=False)
@@ -332,14 +344,10 @@ class Worker:
         unfetched = isinstance(cmd, UpdateWeights) and ack.error_code == ErrorCode.FETCH_FAILED
         if not (unfetched or (late and isinstance(cmd, Pause | Resume | UpdateWeights))):
             return
-        desired = None
-        with anyio.move_on_after(MISSED_STATE_WAIT_S):
-            while desired is None:
-                try:  # no older than what it missed
-                    desired = await self.bus.state.after(cmd.seq)
-                except READ_FAILED as exc:  # a node just back answers once it has caught up
-                    log.debug("%s: desired state not read yet: %s", self.worker_id, exc)
-                    await anyio.sleep(0.5)
+        assert isinstance(cmd, Pause | Resume | UpdateWeights)
+        if cmd.job:  # the job's state, not the pool's
+            return await self.job_control.missed(cmd.job, MISSED_STATE_WAIT_S)
+        desired = await _state_after(self.bus, cmd.seq, self.worker_id)
         if desired is None:
             log.error("%s: missed %s %s and could not read the desired state within %ss; the "
                       "next command brings it back in line", self.worker_id,
@@ -369,6 +377,7 @@ class Worker:
                  served=str(self.rollouts.served),
                  state=self.status.state, paused=str(self.status.paused),
                  asleep=str(self.status.asleep), applied_seq=str(self.receiver.applied_seq))
+        d.update(self.weights.residency.describe())
         return AckFields(detail=d)
 
     async def _update_weights(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
@@ -381,3 +390,16 @@ class Worker:
             self.rollouts.version_moved()
             self._version_metric()
             await self._publish(updating=False)
+
+
+async def _state_after(bus: Bus, seq: int, worker_id: str) -> DesiredState | None:
+    """The desired state no older than command `seq`, read for up to `MISSED_STATE_WAIT_S`
+    (None if it could not be)."""
+    with anyio.move_on_after(MISSED_STATE_WAIT_S):
+        while True:
+            try:
+                return await bus.state.after(seq)
+            except READ_FAILED as exc:  # a node just back answers once it has caught up
+                log.debug("%s: desired state not read yet: %s", worker_id, exc)
+                await anyio.sleep(0.5)
+    return None

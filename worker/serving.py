@@ -42,8 +42,10 @@ from rlfabric.telemetry import instruments, spans
 from rlfabric.worker.admission import HAND_BACK, Admission
 from rlfabric.worker.credits import Credits
 from rlfabric.worker.delivery import Delivery, result_id, traces
+from rlfabric.worker.jobs import JobScopes
 from rlfabric.worker.liveness import KeepAlive
 from rlfabric.worker.policies import Policies
+from rlfabric.worker.residency import Residency
 from rlfabric.worker.streaming import DeltaSender
 
 log = logging.getLogger("rlfabric.worker.rollouts")
@@ -93,8 +95,12 @@ class _Progress:
 class Serving:
     def __init__(self, bus: Bus, engine: Engine, worker_id: str, *, credits: Credits,
                  admission: Admission, deltas: DeltaSender, alive: KeepAlive,
-                 policies: Policies) -> None:
+                 policies: Policies, jobs: JobScopes, residency: Residency) -> None:
         self.bus = bus
+        #: the adapters admitted requests hold resident, released once generated
+        self.residency = residency
+        #: a job's abort pause cancels its requests' generation (they go back to the stream)
+        self.jobs = jobs
         #: names each result's version spans by the policy behind them
         self.policies = policies
         self.engine = engine
@@ -126,7 +132,10 @@ class Serving:
     def dispatch(self, d: Delivery, reqs: list[RolloutRequest]) -> None:
         """A taken message's requests to the engine: in one call, or to the lanes."""
         assert self._tg is not None and self._send is not None
-        if self._many is not None and len({r.request_id for r in reqs}) == len(reqs):
+        # a message naming several adapters on an engine that holds few: one request at a
+        # time, so that none waits for room another of the same message holds
+        if self._many is not None and len({r.request_id for r in reqs}) == len(reqs) and \
+                (not self.residency.limit or len({r.adapter for r in reqs}) == 1):
             self._tg.start_soon(self._serve_many, d, reqs)
             return
         for req, ctx in zip(reqs, traces(d.msg.headers, len(reqs)), strict=True):
@@ -168,6 +177,9 @@ class Serving:
                     await self.admission.failed(d, req, exc)
                 finally:
                     self.credits.done(progress.generated)
+                    if req.adapter in d.pins:
+                        d.pins.remove(req.adapter)
+                        self.residency.unpin(req.adapter)
                 d.left -= 1
                 if d.left == 0:
                     await self.finish(d)
@@ -182,7 +194,8 @@ class Serving:
         tokens = instruments.current.tokens
         left = req.sampling.n
         with spans.span(f"{self.engine.name} generate", attributes={
-                spans.WORKER_ID: self.worker_id, "rlfabric.engine": self.engine.name}) as gen:
+                spans.WORKER_ID: self.worker_id, "rlfabric.engine": self.engine.name}) as gen, \
+                self.jobs.serving(req.job) as scope:
             async for res in self.engine.generate(
                     req, worker_id=self.worker_id,
                     on_tokens=self.deltas.sink({req.request_id: req}) if req.stream else None):
@@ -201,8 +214,12 @@ class Serving:
                 # persisted (PubAck), coalesced with what finished meanwhile, before the
                 # request's message is acked
                 rid = result_id(req, res.sample_index)
-                with spans.producer_span(subject, message_id=rid):
+                with spans.producer_span(subject, message_id=rid), \
+                        anyio.CancelScope(shield=True):  # stored whole, an abort or not
                     await self.outbox.send(subject, [(res, rid)], until=until)
+        if scope.cancelled_caught:  # its job's abort pause: sampled again once it resumes
+            d.serve_again(0.25)
+            return
         self.served += 1
 
     # ---- a message's requests in one call ----
@@ -227,6 +244,10 @@ class Serving:
         except anyio.get_cancelled_exc_class():
             await _hand_back_now(d)
             raise
+        finally:
+            for key in d.pins:
+                self.residency.unpin(key)
+            d.pins.clear()
         await self.finish(d)
 
     async def _generate_many(self, d: Delivery, todo: _Todo) -> None:
@@ -273,37 +294,43 @@ class Serving:
         tokens = instruments.current.tokens
         who = {spans.WORKER_ID: self.worker_id}
         stamp = self.policies.stamp
-        try:
-            results = self._many.generate_many(
-                [req for req, _ in todo.values()], worker_id=self.worker_id,
-                on_tokens=self.deltas.sink({rid: req for rid, (req, _) in todo.items()}))
-            async with contextlib.aclosing(results):
-                async for burst in results:
-                    by_subject: dict[str, list[tuple[RolloutResult, RolloutRequest]]] = {}
-                    n_tokens, generated = 0, []
-                    for res in burst:
-                        req, subject = todo[res.request_id]
-                        res = msgspec.structs.replace(res, attempt=attempt,
-                                                      submission_id=req.submission_id,
-                                                      version_spans=stamp(req, res))
-                        n_tokens += len(res.completion_token_ids)
-                        many.posted[req.request_id] += 1
-                        if many.posted[req.request_id] == req.sampling.n:
-                            generated.append(req.request_id)
-                        by_subject.setdefault(subject, []).append((res, req))
-                    tokens.add(n_tokens, who)  # a burst at a time, as the engine gave them
-                    if generated:  # marked and counted together (`_Many.settle` pairs them)
-                        many.generated.update(generated)
-                        self.credits.generated(len(generated))
-                    for subject, done in by_subject.items():
-                        parent = traced.get(done[0][1].request_id)
-                        await self._store_burst(subject, done, many,
-                                                parent[1] if parent else None)
-        except HAND_BACK as exc:  # not the requests' fault: the message goes back
-            log.debug("%d requests handed back: %r", len(todo), exc)
+        job = next(iter(todo.values()))[0].job  # a message is one client's: one job's
+        with self.jobs.serving(job, len(todo)) as scope:
+            try:
+                results = self._many.generate_many(
+                    [req for req, _ in todo.values()], worker_id=self.worker_id,
+                    on_tokens=self.deltas.sink({rid: req for rid, (req, _) in todo.items()}))
+                async with contextlib.aclosing(results):
+                    async for burst in results:
+                        by_subject: dict[str, list[tuple[RolloutResult, RolloutRequest]]] = {}
+                        n_tokens, generated = 0, []
+                        for res in burst:
+                            req, subject = todo[res.request_id]
+                            res = msgspec.structs.replace(res, attempt=attempt,
+                                                          submission_id=req.submission_id,
+                                                          version_spans=stamp(req, res))
+                            n_tokens += len(res.completion_token_ids)
+                            many.posted[req.request_id] += 1
+                            if many.posted[req.request_id] == req.sampling.n:
+                                generated.append(req.request_id)
+                            by_subject.setdefault(subject, []).append((res, req))
+                        tokens.add(n_tokens, who)  # a burst at a time, as the engine gave them
+                        if generated:  # marked and counted together (`_Many.settle` pairs them)
+                            many.generated.update(generated)
+                            self.credits.generated(len(generated))
+                        # what was generated is stored whole, an abort or not
+                        with anyio.CancelScope(shield=True):
+                            for subject, done in by_subject.items():
+                                parent = traced.get(done[0][1].request_id)
+                                await self._store_burst(subject, done, many,
+                                                        parent[1] if parent else None)
+            except HAND_BACK as exc:  # not the requests' fault: the message goes back
+                log.debug("%d requests handed back: %r", len(todo), exc)
+                d.serve_again(0.25)
+            except Exception as exc:  # never let one message take the worker down
+                return exc
+        if scope.cancelled_caught:  # its job's abort pause: sampled again once it resumes
             d.serve_again(0.25)
-        except Exception as exc:  # never let one message take the worker down
-            return exc
         return None
 
     async def _store_burst(self, subject: str, done: list[tuple[RolloutResult, RolloutRequest]],

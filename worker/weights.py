@@ -32,6 +32,7 @@ from rlfabric.schemas import (
     ErrorEvent,
     InitTransport,
     UpdateWeights,
+    adapter_key,
     base_policy,
 )
 from rlfabric.telemetry import spans
@@ -45,6 +46,7 @@ from rlfabric.transports import (
 )
 from rlfabric.transports.collective import join
 from rlfabric.worker.policies import Policies, desired_policy
+from rlfabric.worker.residency import Residency
 
 log = logging.getLogger("rlfabric.worker.weights")
 
@@ -65,6 +67,9 @@ class WeightSync:
         self.loading = anyio.Lock()
         #: why the desired state could not be loaded last ("" once it was)
         self.unloadable = ""
+        #: the adapters held within the engine's limit: least recently used evicted, reloaded
+        #: on demand
+        self.residency = Residency(int(getattr(engine, "max_adapters", 0) or 0))
 
     # ---- the desired state ----
     def in_line(self, state: DesiredState) -> bool:
@@ -80,10 +85,20 @@ class WeightSync:
             if cmd is not None and not self.in_line(state) and \
                     base_policy(cmd.run, cmd.version, cmd.digest) == desired_policy(state):
                 await self._join_load(cmd, f"weight version {cmd.version}")
-            for name, upd in state.adapters.items():
-                newest = self.engine.adapter_versions().get(name, ())[-1:]
-                if self.policies.adapter_run(name) != upd.run or newest != (upd.version,):
-                    await self._join_load(upd, f"adapter {name!r} v{upd.version}")
+            await self._load_adapters(state, "")
+
+    async def load_job(self, job: str, state: DesiredState) -> None:
+        """Serve the newest versions of job `job`'s adapters (`state`: its desired state)."""
+        async with self.loading:
+            await self._load_adapters(state, job)
+
+    async def _load_adapters(self, state: DesiredState, job: str) -> None:
+        for name, upd in state.adapters.items():
+            upd = keyed(upd)
+            key = upd.target.name if isinstance(upd.target, Adapter) else name
+            newest = self.engine.adapter_versions().get(key, ())[-1:]
+            if self.policies.adapter_run(key) != upd.run or newest != (upd.version,):
+                await self._join_load(upd, f"adapter {key!r} v{upd.version}")
 
     async def _join_load(self, cmd: UpdateWeights, what: str) -> None:
         if isinstance(cmd.transport, Collective | CudaIpc):  # live only during their push
@@ -109,8 +124,43 @@ class WeightSync:
         self.unloadable = ""
         log.info("%s: now serving the fleet's %s", self.worker_id, what)
 
+    async def reload(self, upd: UpdateWeights) -> None:
+        """Load an adapter's version `upd` (the desired state's newest) again: evicted, or
+        never loaded here for want of room. `CommandFailed` if it cannot be."""
+        cmd = keyed(upd)
+        key = cmd.target.name if isinstance(cmd.target, Adapter) else ""
+        async with self.loading:
+            if self.engine.adapter_versions().get(key, ())[-1:] == (cmd.version,) and \
+                    self.policies.adapter_run(key) == cmd.run:
+                return  # another request's reload brought it
+            t0 = time.monotonic()
+            # the push's deadline bounded its sender's wait; a reload is not bound by it
+            await self._apply(msgspec.structs.replace(cmd, deadline=0.0))
+            self.residency.reload_s.append(time.monotonic() - t0)
+        self.residency.reloaded += 1
+        del self.residency.reload_s[:-1000]
+
+    async def unload(self, key: str) -> bool:
+        """Drop every version of adapter `key` (an `UnloadAdapter`): not reloaded again."""
+        held = await self.engine.unload_adapter(key)
+        self.policies.keep_adapters(self.engine.adapter_versions())
+        self.residency.forget(key)
+        return held
+
+    async def _evict(self, key: str) -> bool:
+        held = await self.engine.unload_adapter(key)
+        self.policies.keep_adapters(self.engine.adapter_versions())
+        log.debug("%s: adapter %r evicted for room (--max-adapters %d)", self.worker_id, key,
+                  self.residency.limit)
+        return held
+
     # ---- commands ----
     async def update(self, cmd: UpdateWeights, ctx: CommandContext) -> AckFields:
+        if cmd.job and not isinstance(cmd.target, Adapter):
+            raise CommandFailed(ErrorCode.POOL_ONLY, f"{self.worker_id}: job {cmd.job} sent "
+                                f"base weights v{cmd.version}; base weights are the pool's: "
+                                "push them from a client that names no job")
+        cmd = keyed(cmd)
         collective = isinstance(cmd.transport, Collective)
         if isinstance(cmd.target, Adapter) and collective and self.engine.owns_collective:
             raise CommandFailed(ErrorCode.UNSUPPORTED, f"{self.worker_id} ({self.engine.name}) "
@@ -260,6 +310,7 @@ class WeightSync:
             await self.engine.unload_adapter(adapter.name)
             log.info("%s: adapter %r of run %s replaced by run %s's", self.worker_id,
                      adapter.name, held, cmd.run)
+        await self.residency.make_room(adapter.name, self.engine.adapter_versions, self._evict)
         why = ""
         try:
             checksum = await self.engine.load_adapter(weights, adapter, cmd.version)
@@ -274,6 +325,15 @@ class WeightSync:
         self.policies.set_adapter(adapter.name, cmd.version, cmd.run, cmd.digest)
         return AckFields(weight_version=cmd.version, weights_checksum=checksum,
                          detail={"adapter": adapter.name})
+
+
+def keyed(cmd: UpdateWeights) -> UpdateWeights:
+    """`cmd` with its job's adapter named by its key in the engine (`adapter_key`)."""
+    t = cmd.target
+    if not cmd.job or not isinstance(t, Adapter):
+        return cmd
+    return msgspec.structs.replace(
+        cmd, target=msgspec.structs.replace(t, name=adapter_key(cmd.job, t.name)))
 
 
 async def _digest_in_thread(view: memoryview) -> str:

@@ -222,6 +222,10 @@ class TorchEngine(RuntimeCollective):
     def adapter_versions(self) -> dict[str, tuple[int, ...]]:
         return self.runner.lora.versions()
 
+    @property
+    def max_adapters(self) -> int:
+        return self.runner.lora.max_adapters
+
     async def sleep(self, level: int) -> None:
         await self.pause("abort")
         await anyio.to_thread.run_sync(self.runner.sleep, level)

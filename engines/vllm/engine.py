@@ -606,6 +606,10 @@ class VllmEngine:
     def adapter_versions(self) -> dict[str, tuple[int, ...]]:
         return self.lora.versions()
 
+    @property
+    def max_adapters(self) -> int:
+        return self.lora.max_adapters
+
     # NOTE: the two methods below are the CUDA path, coded to vLLM's weight-transfer API;
     # the same module ships in the CPU build, where NCCL cannot run, so they refuse there
     async def init_transport(self, cmd: InitTransport, rank_offset: int) -> None:

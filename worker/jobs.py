@@ -1,0 +1,69 @@
+"""Per job (`rlfabric.schemas.jobs`): whether its requests are held by its pause, and the
+serving of its requests in flight, counted and cancellable.
+
+A job's pause holds its requests only: `wait` lets those in flight finish first, `abort` ends
+them now (their messages go back to the stream and are sampled again once the job resumes),
+`keep` lets them run on (an adapter pushed meanwhile serves their later tokens; their spans
+name each version). Requests that arrive while the job is paused go back to the stream and
+come again within a second of the resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Iterator
+
+import anyio
+import anyio.lowlevel
+
+from rlfabric.schemas import PauseMode
+
+
+class JobScopes:
+    def __init__(self) -> None:
+        #: paused jobs and how
+        self.paused: dict[str, PauseMode] = {}
+        self._running: dict[str, dict[anyio.CancelScope, int]] = {}
+        self._idle: dict[str, anyio.Event] = {}
+
+    def held(self, job: str) -> bool:
+        return job in self.paused
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests being served, by job (the default job's under "")."""
+        return {job: sum(running.values()) for job, running in self._running.items()}
+
+    @contextlib.contextmanager
+    def serving(self, job: str, requests: int = 1) -> Iterator[anyio.CancelScope]:
+        """The engine serving `requests` of job `job`: cancelled by the job's `abort` pause
+        (`cancelled_caught` then says so)."""
+        scope = anyio.CancelScope()
+        running = self._running.setdefault(job, {})
+        running[scope] = requests
+        try:
+            with scope:
+                yield scope
+        finally:
+            del running[scope]
+            if not running:
+                del self._running[job]
+                idle = self._idle.pop(job, None)
+                if idle is not None:
+                    idle.set()
+
+    def pause(self, job: str, mode: PauseMode) -> Awaitable[None]:
+        """Hold job `job`'s requests now (an `abort` cancels those running); what this returns
+        is awaited until none of them runs (`keep`: at once)."""
+        self.paused[job] = mode
+        if mode == "abort":
+            for scope in list(self._running.get(job, ())):
+                scope.cancel()
+        return self._idle_of(job) if mode != "keep" else anyio.lowlevel.checkpoint()
+
+    async def _idle_of(self, job: str) -> None:
+        while job in self._running:
+            await self._idle.setdefault(job, anyio.Event()).wait()
+
+    def resume(self, job: str) -> bool:
+        """Serve job `job`'s requests again; whether it was paused."""
+        return self.paused.pop(job, None) is not None
