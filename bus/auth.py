@@ -18,6 +18,16 @@ Roles:
 - `observer` (`rlfabric status`): reads stream and consumer info, both buckets and events;
   publishes nothing but read-only JetStream API requests.
 
+A job (`rlfabric.schemas.jobs`; `rlfabric job create NAME --auth DIR`) gets a key of its own,
+`DIR/jobs/<job>.nk`, whose permissions (`job_permissions`) hold it to its own subjects: it sends
+requests on `<prefix>.rollout.request.<job>` only, reads its own results (its own stream) and
+token deltas only, sends commands on `<prefix>.control.job.<job>.*` only (a worker applies
+there a pause, resume, adapter push or unload naming that job, nothing else), writes its own
+desired state (`job.<job>` in `<prefix>_state`) only. It cannot pause the pool, push base
+weights, read another job's results or the gateway's sessions, or send as another job. It
+pushes adapters over shm or filesystem (the nats transport purges the shared weights stream,
+which no job may).
+
 All workers share the worker key, so the server cannot tell one worker's membership key from
 another's; give each worker a user of its own (the same permissions
 with its id in place of the wildcards) where that matters.
@@ -27,14 +37,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nkeys
 
-from rlfabric.bus.subjects import CHECKPOINT_KEY, STATE_KEY, Subjects
+from rlfabric.bus.subjects import CHECKPOINT_KEY, STATE_KEY, Subjects, check_token
+from rlfabric.schemas import job_state_key
 
 ROLES: tuple[str, ...] = ("trainer", "worker", "gateway", "observer")
+#: the folder of the key directory holding each job's key (`<job>.nk`)
+JOBS = "jobs"
+#: where `rlfabric nats --auth DIR` writes its server's pid (for a config reload)
+PID_FILE = "nats.pid"
 
 
 
@@ -154,6 +170,25 @@ def _gateway(s: Subjects) -> Permissions:
     )
 
 
+def job_permissions(job: str, s: Subjects) -> Permissions:
+    """What job `job`'s key may publish and subscribe to on pool `s.prefix`."""
+    p, api, res = s.prefix, _API, s.results_stream_of(check_token(job, "job"))
+    return Permissions(
+        publish_allow=(
+            *_read(s),
+            f"{api}.STREAM.CREATE.{res}", f"{api}.STREAM.INFO.{res}",  # its results' stream
+            f"{api}.CONSUMER.CREATE.{res}", f"{api}.CONSUMER.CREATE.{res}.>",
+            f"{api}.CONSUMER.INFO.{res}.>", f"{api}.CONSUMER.DELETE.{res}.>",
+            s.rollout_request_of(job),
+            f"{p}.control.job.{job}.>", f"{p}.live.job.{job}.>",
+            f"$KV.{s.state_bucket}.{job_state_key(job)}",
+            f"{p}.worker.*.ping",  # a quorum's probe of a silent worker
+            "$JS.FC.>", "_INBOX.>",
+        ),
+        subscribe_allow=("_INBOX.>", f"{p}.ack.*", f"{p}.stream.{job}.>", f"{p}.events.>"),
+    )
+
+
 def _observer(s: Subjects) -> Permissions:
     return Permissions(publish_allow=tuple(_read(s)),
                        subscribe_allow=("_INBOX.>", f"{s.prefix}.events.>"))
@@ -172,31 +207,72 @@ class AuthSetup:
 
 def write_auth(directory: str | os.PathLike[str], *, prefix: str = "rl") -> AuthSetup:
     """Write `DIR/<role>.nk` (a user nkey seed, mode 0600; an existing one is kept, so a
-    restarted server keeps its clients) and `DIR/auth.conf` for job `prefix`."""
+    restarted server keeps its clients) and `DIR/auth.conf` for pool `prefix`, with a user for
+    every job whose key is in `DIR/jobs` (`add_job`)."""
     s = Subjects(prefix)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
     setup = AuthSetup(directory=d)
     users = []
-    for role in ROLES:
-        path = d / f"{role}.nk"
-        if path.exists():
-            seed = path.read_bytes().strip()
-        else:
-            seed = nkeys.encode_seed(os.urandom(32),  # type: ignore[no-untyped-call]  # untyped lib
-                                     nkeys.PREFIX_BYTE_USER)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(seed + b"\n")
-        pair = nkeys.from_seed(seed)  # type: ignore[no-untyped-call]  # untyped lib
-        public = pair.public_key.decode()
-        setup.seed_files[role], setup.public_keys[role] = path, public
-        perms = json.dumps(permissions(role, s).as_config(), indent=2)
-        users.append(f"    # {role}\n    {{ nkey: {json.dumps(public)}, permissions: "
-                     + perms.replace("\n", "\n    ") + " }")
+    who = [(role, d / f"{role}.nk", permissions(role, s)) for role in ROLES]
+    who += [(f"job {path.stem}", path, job_permissions(path.stem, s))
+            for path in sorted((d / JOBS).glob("*.nk"))]
+    for name, path, perms in who:
+        public = _public_key(path)
+        setup.seed_files[name], setup.public_keys[name] = path, public
+        text = json.dumps(perms.as_config(), indent=2)
+        users.append(f"    # {name}\n    {{ nkey: {json.dumps(public)}, permissions: "
+                     + text.replace("\n", "\n    ") + " }")
     setup.config = ("# rlfabric job " + json.dumps(prefix) + ": one nkey per role "
                     "(rlfabric nats --auth)\nauthorization {\n  users = [\n"
                     + ",\n".join(users) + "\n  ]\n}\n")
     (d / "auth.conf").write_text(setup.config)
     return setup
+
+
+def add_job(directory: str | os.PathLike[str], job: str, *, prefix: str = "rl") -> AuthSetup:
+    """Give job `job` a key (`DIR/jobs/<job>.nk`, kept if it exists) and write `DIR/auth.conf`
+    again with it; a running server takes it on a config reload (`rlfabric job create`)."""
+    jobs = Path(directory) / JOBS
+    jobs.mkdir(parents=True, exist_ok=True)
+    os.chmod(jobs, 0o700)
+    _public_key(jobs / f"{check_token(job, 'job')}.nk")
+    return write_auth(directory, prefix=prefix)
+
+
+def remove_job(directory: str | os.PathLike[str], job: str, *, prefix: str = "rl") -> AuthSetup:
+    """Drop job `job`'s key and write `DIR/auth.conf` again without it."""
+    (Path(directory) / JOBS / f"{check_token(job, 'job')}.nk").unlink(missing_ok=True)
+    return write_auth(directory, prefix=prefix)
+
+
+def job_keys(directory: str | os.PathLike[str]) -> dict[str, Path]:
+    """The jobs with a key in `DIR/jobs`, and their seed files."""
+    return {p.stem: p for p in sorted((Path(directory) / JOBS).glob("*.nk"))}
+
+
+def _public_key(path: Path) -> str:
+    """The public key of the user seed at `path`, written first (mode 0600) if absent."""
+    if path.exists():
+        seed = path.read_bytes().strip()
+    else:
+        seed = nkeys.encode_seed(os.urandom(32),  # type: ignore[no-untyped-call]  # untyped lib
+                                 nkeys.PREFIX_BYTE_USER)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(seed + b"\n")
+    pair = nkeys.from_seed(seed)  # type: ignore[no-untyped-call]  # untyped lib
+    return str(pair.public_key.decode())
+
+
+def reload_server(directory: str | os.PathLike[str]) -> int | None:
+    """Have the server `rlfabric nats --auth DIR` runs read its config again (SIGHUP): the
+    pid it serves under, or None if none runs (its pid file is absent or stale)."""
+    path = Path(directory) / PID_FILE
+    try:
+        pid = int(path.read_text().strip())
+        os.kill(pid, signal.SIGHUP)
+    except (OSError, ValueError):
+        return None
+    return pid

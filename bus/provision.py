@@ -152,7 +152,7 @@ def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamCo
     return [
         StreamConfig(
             name=s.rollout_stream,
-            subjects=[s.rollout_request],
+            subjects=[s.rollout_request, f"{s.rollout_request}.*"],  # the pool's, each job's
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=lim.duplicate_window,
@@ -272,15 +272,20 @@ async def _ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
 async def _ensure_rollout_consumer(js: JetStreamContext, s: Subjects, lim: Limits) -> None:
     """The one durable consumer all workers pull from: the workers' queue group."""
     try:
-        await js.consumer_info(s.rollout_stream, s.rollout_consumer)
-        return  # the first process fixed its ack_wait; workers read it back
+        info = await js.consumer_info(s.rollout_stream, s.rollout_consumer)
+        if info.config.filter_subject == s.rollout_requests_all:
+            return  # the first process fixed its ack_wait; workers read it back
+        # made before jobs had subjects of their own: it takes theirs too from now on
+        await js.add_consumer(s.rollout_stream, replace(
+            info.config, filter_subject=s.rollout_requests_all))
+        return
     except NotFoundError:
         pass
     try:
         await js.add_consumer(s.rollout_stream, ConsumerConfig(
             durable_name=s.rollout_consumer, ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL, ack_wait=lim.rollout_ack_wait,
-            max_ack_pending=100_000, max_waiting=4096, filter_subject=s.rollout_request,
+            max_ack_pending=100_000, max_waiting=4096, filter_subject=s.rollout_requests_all,
         ))
     except BadRequestError as exc:
         if exc.err_code not in (JS_CONSUMER_NAME_IN_USE, JS_CONSUMER_ALREADY_EXISTS):
@@ -372,6 +377,18 @@ async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None
     ttl, key_ttl = await _member_ttls(members, lim)
     return Buckets(members=members, state=state,
                    member_ttl=ttl, member_key_ttl=key_ttl, affinity=affinity)
+
+
+async def provision_job(js: JetStreamContext, s: Subjects, job: str, lim: Limits | None = None,
+                        *, servers: int = 1, within: float = PLACEMENT_WITHIN) -> None:
+    """Create (or find) job `job`'s own stream: its clients' results (`results_stream_of`),
+    with the pool's results limits."""
+    lim = lim or Limits()
+    replicas = replicas_for(lim, servers)
+    cfg = next(c for c in stream_configs(s, lim, replicas) if c.name == s.results_stream)
+    cfg = replace(cfg, name=s.results_stream_of(job), subjects=[s.rollout_results_of(job)])
+    await _placed(f"stream {cfg.name}", replicas, partial(_ensure_stream, js, cfg),
+                  within=within)
 
 
 #: the members bucket's description: the job's `member_ttl` follows it

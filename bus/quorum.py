@@ -378,13 +378,14 @@ class Broadcaster:
         control stream."""
         s = self.bus.subjects
         op = op_of(cmd)
+        job = getattr(cmd, "job", "")  # a job's command travels on its job's subjects
         retried: list[Exception] = []  # transient failures: a duplicate after one is ours
         data = encode(cmd)
         hdrs = self.bus.headers({CMD_ID_HEADER: cmd.cmd_id, "Nats-Msg-Id": cmd.cmd_id})
         if self.bus.state.mark is not None:  # a joiner waits for that state (see `Bus`)
             hdrs[STATE_MARK_HEADER] = self.bus.state.mark
         try:
-            ack = await self.bus.persist(s.control(op), data, hdrs,
+            ack = await self.bus.persist(s.control(op, job), data, hdrs,
                                          until=cmd.deadline or None, on_retry=retried.append)
         except TRANSIENT as exc:
             raise BusError(
@@ -401,7 +402,7 @@ class Broadcaster:
             )
         # a duplicate after a retry: stored by an attempt whose PubAck was lost; that seq is ours
         # the live copy: its seq and schema major in the subject, headers only for a trace
-        await self.bus.nc.publish(s.live_copy(op, ack.seq), data,
+        await self.bus.nc.publish(s.live_copy(op, ack.seq, job), data,
                                   headers=self.bus.headers() if spans.enabled() else None)
         return msgspec.structs.replace(cmd, seq=ack.seq)
 

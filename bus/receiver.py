@@ -57,7 +57,7 @@ from nats.js.errors import NotFoundError
 from opentelemetry.trace import StatusCode
 
 from rlfabric.bus.acks import AckFields, Acks, StateFn
-from rlfabric.bus.errors import READ_FAILED, TRANSIENT
+from rlfabric.bus.errors import READ_FAILED, TRANSIENT, CommandFailed
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import Subjects, check_token, is_token
 from rlfabric.concurrency.ratelimit import RateLimited
@@ -67,12 +67,17 @@ from rlfabric.schemas import (
     DECODE_ERRORS,
     SCHEMA_MAJOR,
     Ack,
+    Adapter,
     Command,
     ErrorCode,
     ErrorEvent,
     MalformedMessage,
+    Pause,
+    Resume,
     SchemaError,
     UnknownSchemaVersion,
+    UnloadAdapter,
+    UpdateWeights,
     codec_for,
     op_of,
 )
@@ -153,11 +158,9 @@ class CommandReceiver:
         self.start_end = 0
         #: the sequence of the last command applied (0: none yet)
         self.applied_seq = 0
-        self.handled = 0
-        self.rejected = 0
+        self.handled = self.rejected = 0
         #: commands applied from their live copy / read from the stream to fill a gap
-        self.applied_live = 0
-        self.caught_up = 0
+        self.applied_live = self.caught_up = 0
         #: reads of the control stream (each catch-up ends with one that finds nothing new)
         self.stream_reads = 0
         self._flood = RateLimited(log)
@@ -369,6 +372,8 @@ class CommandReceiver:
         ctx = CommandContext(self, cmd)
         if cmd.deadline and time.time() > cmd.deadline:
             ack = acks.failed(cmd, ctx.t0, None)
+        elif ".job." in subject and (why := out_of_scope(subject, cmd)):
+            ack = acks.failed(cmd, ctx.t0, CommandFailed(ErrorCode.POOL_ONLY, why))
         else:
             try:
                 fields = await self.handler(cmd, ctx)
@@ -455,3 +460,21 @@ async def _keep_in_sync(r: CommandReceiver) -> None:
             timer = arm()
     finally:
         timer.cancel()
+
+
+def out_of_scope(subject: str, cmd: Command) -> str:
+    """Why a command that came on a job's subjects (`Subjects.control(op, job)`) is not
+    applied ("" if it is): a job's credentials reach its own subjects only, so what comes on
+    them may act on that job's requests and adapters only."""
+    job = Subjects.job_of_command(subject)
+    if job is None:
+        return ""
+    op = op_of(cmd)
+    if not isinstance(cmd, Pause | Resume | UpdateWeights | UnloadAdapter) or (
+            isinstance(cmd, UpdateWeights) and not isinstance(cmd.target, Adapter)):
+        return (f"{op} came on job {job}'s subject {subject}; a job may pause and resume its "
+                "own requests and push or unload its own adapters, nothing of the pool's")
+    if cmd.job != job:
+        return (f"{op} names job {cmd.job or '(the pool)'!r} but came on job {job}'s subject "
+                f"{subject}; a job acts on its own requests and adapters only")
+    return ""

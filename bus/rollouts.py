@@ -130,9 +130,11 @@ class RolloutPlane:
     def __init__(self, bus: Bus, client_id: str, *,
                  max_batch: int | Callable[[int, RolloutRequest], int] = 64,
                  affinity: Affinity | None = None, watcher: MembershipWatcher | None = None,
-                 no_worker_wait: float = NO_WORKER_WAIT) -> None:
+                 no_worker_wait: float = NO_WORKER_WAIT, job: str = "") -> None:
         self.bus = bus
         self.client_id = client_id
+        #: the job whose subjects its requests, results and deltas travel on ("": the pool's)
+        self.job = job
         #: routes the requests of a session (`generate(..., session=)`), and puts back in the
         #: queue what a worker that left held; None: all go to the shared queue
         self.affinity = affinity
@@ -152,17 +154,18 @@ class RolloutPlane:
         # session part and a counter (the streams' dedupe windows key on them)
         self._session = uuid.uuid4().hex[:16]
         self._counter = itertools.count()
-        self._request_subject = bus.subjects.rollout_request
+        self._request_subject = bus.subjects.rollout_request_of(job)
 
     async def listen(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Receive this client's results and send its requests; started once the results
         subscription is live."""
         # NOTE: an ordered consumer re-creates itself from the last result it saw once two
         # idle heartbeats are missed: after a broker restart, within a second
-        deltas = await self.bus.nc.subscribe(self.bus.subjects.token_stream(self.client_id),
+        s = self.bus.subjects
+        deltas = await self.bus.nc.subscribe(s.token_stream(self.client_id, self.job),
                                              cb=self.awaited.on_delta)
         sub = await self.bus.js.subscribe(
-            self.bus.subjects.rollout_result(self.client_id), cb=self.awaited.on_result,
+            s.rollout_result(self.client_id, self.job), cb=self.awaited.on_result,
             ordered_consumer=True, deliver_policy=DeliverPolicy.NEW, idle_heartbeat=0.5)
         try:
             async with anyio.create_task_group() as tg:
@@ -392,7 +395,9 @@ class RolloutPlane:
         """Submit: not awaited (no result comes before its request is stored, and a request
         that cannot be stored raises out of `inbox.get`), but a session's turn is offered to
         its worker first."""
-        if session and self.affinity is not None:
+        # a job's client sends a session's turns to the shared queue: an offer goes to one
+        # worker's own subject, which no job's permissions hold it to
+        if session and self.affinity is not None and not self.job:
             sent, ticket, bound = await self._route(session, reqs, inbox, timeout,
                                                     inbox if deltas else None)
             return sent, ticket, _Rebind(self.affinity, affinity_key(session), bound)

@@ -86,8 +86,10 @@ class EmbeddedNats:
                  max_payload: int = DEFAULT_MAX_PAYLOAD, extra_config: str = "",
                  ready_timeout: float = 10.0, binary: str | None = None,
                  max_file_store: int | None = None, sync: str = "",
-                 launcher: list[str] | None = None) -> None:
+                 launcher: list[str] | None = None, includes: tuple[str, ...] = ()) -> None:
         self.host = host
+        #: config files the server's config includes (read again at each reload: `reload()`)
+        self.includes = tuple(os.path.abspath(p) for p in includes)
         self.launcher = list(launcher or [])
         self.sync = check_sync(sync)
         self.requested_port = port
@@ -128,8 +130,18 @@ class EmbeddedNats:
             + (f"  sync_interval: {self.sync}\n" if self.sync == "always"
                else f'  sync_interval: "{self.sync}"\n' if self.sync else "")
             + "}\n"
-            f"{self.extra_config}\n"
+            # nats-server resolves an include against the including file's folder
+            + "".join(f'include "{os.path.relpath(p, self._workdir or ".")}"\n'
+                      for p in self.includes)
+            + f"{self.extra_config}\n"
         )
+
+    def reload(self) -> None:
+        """Have the server read its config again (and what it includes): users and their
+        permissions change without a restart."""
+        if self._proc is None:
+            raise NatsServerError("EmbeddedNats is not running: start() it first")
+        os.kill(self._proc.pid, signal.SIGHUP)
 
     def start(self) -> EmbeddedNats:
         if self._proc is not None:

@@ -1,6 +1,10 @@
-"""Names on the bus, all derived from one job prefix (default `rl`; DESIGN section 3).
+"""Names on the bus, all derived from one pool prefix (default `rl`; DESIGN section 3).
 
-Two jobs on one NATS server use two prefixes and never see each other's traffic.
+Two pools on one NATS server use two prefixes and never see each other's traffic. Within a
+pool, what a job's client sends and receives (`rlfabric.schemas.jobs`) travels on subjects that
+name the job, so that the server's permissions can hold each job to its own (`job_permissions`
+in `rlfabric.bus.auth`): its requests (`rollout_request_of`), results and token deltas (the
+`job` argument), and its commands (`control`, `live`: `<prefix>.control.job.<job>.<op>`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,12 @@ class Subjects:
     def results_stream(self) -> str:
         return f"{self._upper}_RESULTS"
 
+    def results_stream_of(self, job: str) -> str:
+        """Job `job`'s results: a stream of its own, which only it (and the pool's trainer)
+        may read under per-job credentials."""
+        return f"{self._upper}_RESULTS_{check_token(job, 'job')}" if job else \
+            self.results_stream
+
     @property
     def control_stream(self) -> str:
         return f"{self._upper}_CONTROL"
@@ -90,16 +100,38 @@ class Subjects:
     def rollout_request(self) -> str:
         return f"{self.prefix}.rollout.request"
 
-    def rollout_result(self, client_id: str) -> str:
-        return f"{self.prefix}.rollout.result.{check_token(client_id, 'client id')}"
+    def rollout_request_of(self, job: str) -> str:
+        """Where job `job`'s client sends its requests (the pool's own subject for "")."""
+        return f"{self.rollout_request}.{check_token(job, 'job')}" if job else \
+            self.rollout_request
+
+    @property
+    def rollout_requests_all(self) -> str:
+        """What the workers' consumer takes: the pool's requests and every job's."""
+        return f"{self.prefix}.rollout.>"
+
+    def job_of_request(self, subject: str) -> str:
+        """The job whose subject a request came on ("" for the pool's own)."""
+        return subject[len(self.rollout_request) + 1:] if subject != self.rollout_request \
+            else ""
+
+    def rollout_result(self, client_id: str, job: str = "") -> str:
+        scope = f"{check_token(job, 'job')}." if job else ""
+        return f"{self.prefix}.rollout.result.{scope}{check_token(client_id, 'client id')}"
 
     @property
     def rollout_results_all(self) -> str:
-        return f"{self.prefix}.rollout.result.>"
+        """The pool's own clients' results (a job's are `rollout_results_of(job)`)."""
+        return f"{self.prefix}.rollout.result.*"
 
-    def token_stream(self, client_id: str) -> str:
+    def rollout_results_of(self, job: str) -> str:
+        return f"{self.prefix}.rollout.result.{check_token(job, 'job')}.*" if job else \
+            self.rollout_results_all
+
+    def token_stream(self, client_id: str, job: str = "") -> str:
         """Core NATS: the token deltas of a client's streamed requests (`TokenDelta`)."""
-        return f"{self.prefix}.stream.{check_token(client_id, 'client id')}"
+        scope = f"{check_token(job, 'job')}." if job else ""
+        return f"{self.prefix}.stream.{scope}{check_token(client_id, 'client id')}"
 
     @property
     def token_streams_all(self) -> str:
@@ -113,22 +145,29 @@ class Subjects:
     def sessions_all(self) -> str:
         return f"{self.prefix}.session.>"
 
-    def control(self, op: str) -> str:
-        return f"{self.prefix}.control.{op}"
+    def control(self, op: str, job: str = "") -> str:
+        return f"{self.prefix}.control.{_job_part(job)}{op}"
 
     @property
     def control_all(self) -> str:
         return f"{self.prefix}.control.>"
 
-    def live(self, op: str) -> str:
+    def live(self, op: str, job: str = "") -> str:
         """Core NATS: where the copies of persisted `op` commands go straight to every worker
         (what spans name). Each copy's subject adds the schema major it is written in and
         its control-stream sequence (`live_copy`): read from the subject's tokens, no header
         to parse per worker and command."""
-        return f"{self.prefix}.live.{op}"
+        return f"{self.prefix}.live.{_job_part(job)}{op}"
 
-    def live_copy(self, op: str, seq: int) -> str:
-        return f"{self.live(op)}.{SCHEMA_MAJOR}.{int(seq)}"
+    def live_copy(self, op: str, seq: int, job: str = "") -> str:
+        return f"{self.live(op, job)}.{SCHEMA_MAJOR}.{int(seq)}"
+
+    @staticmethod
+    def job_of_command(subject: str) -> str | None:
+        """The job a command's subject (`control` or `live`, without a live copy's tail)
+        names, or None for the pool's."""
+        parts = subject.split(".")
+        return parts[3] if len(parts) == 5 and parts[2] == "job" else None
 
     @staticmethod
     def live_parts(subject: str) -> tuple[str, int, int] | None:
@@ -163,8 +202,11 @@ class Subjects:
         it took it."""
         return f"{self.prefix}.worker.{check_token(worker_id, 'worker id')}.offer"
 
-    def weights(self, version: int) -> str:
-        return f"{self.prefix}.weights.{int(version)}"
+    def weights(self, version: int, tag: str = "") -> str:
+        """Where a push of `version` over the nats transport stores its chunks; `tag` tells
+        pushes of one version number apart (two runs, two jobs, or base and adapter)."""
+        return f"{self.prefix}.weights.{int(version)}" + (
+            f".{check_token(tag, 'weights tag')}" if tag else "")
 
     @property
     def weights_all(self) -> str:
@@ -185,3 +227,7 @@ class Subjects:
     @property
     def events_all(self) -> str:
         return f"{self.prefix}.events.>"
+
+
+def _job_part(job: str) -> str:
+    return f"job.{check_token(job, 'job')}." if job else ""

@@ -12,6 +12,7 @@ from rlfabric.cli import (
     bench_cmd,
     ctl_cmd,
     gateway_cmd,
+    job_cmd,
     nats_cmd,
     schema_cmd,
     status_cmd,
@@ -42,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rlfabric {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for mod in (up_cmd, nats_cmd, worker_cmd, gateway_cmd, status_cmd, ctl_cmd, schema_cmd,
-                bench_cmd):
+    for mod in (up_cmd, nats_cmd, worker_cmd, gateway_cmd, status_cmd, ctl_cmd, job_cmd,
+                schema_cmd, bench_cmd):
         mod.add_parser(sub)
     return p
 

@@ -73,6 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="keys to accept, one per line: 'KEY' or 'TENANT KEY' (the tenant names "
                    "the key's requests in metrics, traces and session records)")
+    p.add_argument("--tenants-are-jobs", action="store_true", help="a key's tenant is its "
+                   "job: its requests, sessions and adapters are that job's (README: jobs)")
     p.add_argument("--max-body-bytes", type=int, default=o["max_body_bytes"],
                    help="larger request bodies get 413 (default %(default)s)")
     p.add_argument("--no-affinity", dest="affinity", action="store_false",
@@ -142,7 +144,8 @@ async def _serve(args: argparse.Namespace) -> None:
                            request_timeout=args.request_timeout,
                            max_model_len=args.max_model_len, affinity=args.affinity,
                            default_max_tokens=args.default_max_tokens,
-                           max_request_tokens=args.max_request_tokens, max_n=args.max_n)
+                           max_request_tokens=args.max_request_tokens, max_n=args.max_n,
+                           tenant_jobs=args.tenants_are_jobs)
     opts = ServeOptions(host=args.host, port=args.port, api_keys=_keys(args),
                         max_body_bytes=args.max_body_bytes,
                         session_idle_timeout=args.session_idle_timeout,

@@ -8,10 +8,11 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 from rlfabric.bus import EmbeddedNats, InvalidName, NatsServerError
-from rlfabric.bus.auth import write_auth
+from rlfabric.bus.auth import PID_FILE, write_auth
 from rlfabric.bus.cluster import EmbeddedCluster
 from rlfabric.bus.server import check_sync
 from rlfabric.bus.tls import TlsSetup, write_tls
@@ -75,19 +76,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     extra = ""
+    includes: tuple[str, ...] = ()
     if args.auth == "":  # the flag alone: under the user's cache, never the working directory
         args.auth = cache_dir("keys", args.prefix)
     if args.tls == "":
         args.tls = cache_dir("tls")
     if args.auth:
         try:
-            setup = write_auth(args.auth, prefix=args.prefix)
+            extra, includes = _auth(args)
         except (OSError, InvalidName) as exc:
             print(f"rlfabric nats: cannot write the keys to {args.auth}: {exc}", file=sys.stderr)
             return 2
-        extra = setup.config
-        for role, path in setup.seed_files.items():
-            print(f"rlfabric nats: {role} key {path} (pass it with --nkey)", flush=True)
     try:
         check_sync(args.sync)
     except ValueError as exc:
@@ -112,22 +111,40 @@ def run(args: argparse.Namespace) -> int:
     if args.cluster:
         return _run_cluster(args, extra, route_tls)
     srv = EmbeddedNats(port=args.port, host=args.host, store_dir=args.store_dir,
-                       extra_config=extra, sync=args.sync)
+                       extra_config=extra, sync=args.sync, includes=includes)
     try:
         srv.start()
     except NatsServerError as exc:
         print(f"rlfabric nats: {exc}", file=sys.stderr)
         return 1
+    pid_file = Path(args.auth) / PID_FILE if args.auth else None
+    if pid_file is not None:  # where `rlfabric job create` finds the server to reload
+        pid_file.write_text(f"{srv.pid}\n")
 
     def announce() -> None:
         print(f"rlfabric nats: ready at {_scheme(srv.url, args)} (JetStream store "
               f"{srv.store_dir}); Ctrl-C to stop", flush=True)
 
-    rc = _foreground(announce, srv.wait, srv.stop)
+    try:
+        rc = _foreground(announce, srv.wait, srv.stop)
+    finally:
+        if pid_file is not None:
+            pid_file.unlink(missing_ok=True)
     if rc:
         print(f"rlfabric nats: server exited with {rc}: " + " | ".join(srv.log_lines[-5:]),
               file=sys.stderr)
     return rc
+
+
+def _auth(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    """The keys written (and said where); the config text a cluster's nodes take, or the file
+    a single server includes (`rlfabric job create` writes it again and has it reloaded)."""
+    setup = write_auth(args.auth, prefix=args.prefix)
+    for role, path in setup.seed_files.items():
+        print(f"rlfabric nats: {role} key {path} (pass it with --nkey)", flush=True)
+    if args.cluster:
+        return setup.config, ()
+    return "", (str(setup.directory / "auth.conf"),)
 
 
 def _run_cluster(args: argparse.Namespace, extra: str, route_tls: str) -> int:

@@ -33,6 +33,7 @@ from rlfabric.gateway.api import ChatRequest, CompletionRequest
 from rlfabric.gateway.errors import APIError, bad_request
 from rlfabric.gateway.service import Gateway
 from rlfabric.schemas import ErrorCode
+from rlfabric.schemas.jobs import SEPARATOR
 from rlfabric.schemas.validation import InvalidRequest
 from rlfabric.telemetry import instruments, spans
 from rlfabric.text import ChatFormatError
@@ -146,6 +147,12 @@ class _Api:
         self.keys = keys
         self.max_body_bytes = max_body_bytes
 
+    def within(self, session_id: str, tenant: str) -> str:
+        """A session id as the store keys it: a job's sessions apart from every other job's
+        (one job's key never reaches another's session of the same id)."""
+        job = self.gateway.config.job_of(tenant)
+        return f"{job}{SEPARATOR}{session_id}" if job else session_id
+
     def tenant_of(self, request: Request) -> str:
         if not self.keys:
             return "default"
@@ -201,7 +208,9 @@ class _Api:
 
     async def chat(self, request: Request, tenant: str) -> Response:
         req = _decode(await self.body(request), ChatRequest)
-        out = await self.gateway.chat(req, session_id=_session_of(request), tenant=tenant)
+        sid = _session_of(request)
+        out = await self.gateway.chat(req, session_id=sid and self.within(sid, tenant),
+                                      tenant=tenant)
         if isinstance(out, msgspec.Struct):
             return _json(out)
         return StreamingResponse(out, media_type="text/event-stream",
@@ -212,7 +221,7 @@ class _Api:
         return _json(await self.gateway.complete(req, tenant=tenant))
 
     async def models(self, request: Request, tenant: str) -> Response:
-        return _json(self.gateway.models())
+        return _json(self.gateway.models(tenant))
 
     async def health(self, request: Request) -> Response:
         h = self.gateway.health()
@@ -223,7 +232,9 @@ class _Api:
         return _json(r, 200 if r["ready"] else 503)
 
     async def trajectory(self, request: Request, tenant: str) -> Response:
-        return _json(await self.gateway.trajectory(request.path_params["session_id"]))
+        sid = request.path_params["session_id"]
+        return _json(await self.gateway.trajectory(sid, self.within(sid, tenant)))
 
     async def finish(self, request: Request, tenant: str) -> Response:
-        return _json(await self.gateway.finish(request.path_params["session_id"]))
+        sid = request.path_params["session_id"]
+        return _json(await self.gateway.finish(sid, self.within(sid, tenant)))

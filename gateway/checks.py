@@ -10,7 +10,7 @@ from rlfabric.bus import MembershipWatcher
 from rlfabric.gateway.api import ChatRequest, CompletionRequest, NamedToolChoice
 from rlfabric.gateway.config import GatewayConfig
 from rlfabric.gateway.errors import APIError, bad_request, unsupported
-from rlfabric.schemas import ErrorCode, SamplingParams
+from rlfabric.schemas import ErrorCode, SamplingParams, job_of_key
 from rlfabric.schemas.validation import MAX_LOGPROBS, MAX_SAMPLES
 from rlfabric.text import PARSERS, ChatFormat, ToolFormat
 
@@ -31,18 +31,23 @@ class RequestChecks:
                              f"{', '.join(PARSERS)}")
         self.tools: ToolFormat = PARSERS[config.tool_parser]
 
-    def adapters(self) -> list[str]:
-        return sorted({n for m in self.watcher.members.values() for n in m.adapters}
-                      - {self.config.name})
+    def adapters(self, job: str = "") -> list[str]:
+        """The adapters a worker holds, as job `job` names them (its own only)."""
+        held = {n for m in self.watcher.members.values() for n in m.adapters}
+        if job:
+            mine = {n[len(job) + 1:] for n in held if job_of_key(n) == job}
+        else:
+            mine = {n for n in held if not job_of_key(n)}
+        return sorted(mine - {self.config.name})
 
 
-    def adapter_of(self, model: str) -> str:
-        """The adapter `model` names ("" for the base model), or 404."""
+    def adapter_of(self, model: str, job: str = "") -> str:
+        """The adapter `model` names ("" for the base model) within job `job`, or 404."""
         if model == self.config.name:
             return ""
-        if model in self.adapters():
+        if model in self.adapters(job):
             return model
-        served = ", ".join(repr(n) for n in [self.config.name, *self.adapters()])
+        served = ", ".join(repr(n) for n in [self.config.name, *self.adapters(job)])
         raise APIError(404, f"model {model!r} is not served here; this gateway serves "
                        f"{served} (GET /v1/models)", param="model",
                        code=ErrorCode.MODEL_NOT_FOUND)
@@ -107,9 +112,9 @@ class RequestChecks:
             raise unsupported("logit_bias", "the workers take no logit bias")
 
 
-    def chat(self, req: ChatRequest) -> str:
+    def chat(self, req: ChatRequest, job: str = "") -> str:
         """The adapter the request's `model` names ("": the base), once every field checks."""
-        adapter = self.adapter_of(req.model)
+        adapter = self.adapter_of(req.model, job)
         self._refuse_unsupported(req)
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise unsupported("response_format", "structured output needs constrained "
@@ -141,10 +146,10 @@ class RequestChecks:
             return self.tools.prefill(None)
         return None
 
-    def completion(self, req: CompletionRequest) -> str:
+    def completion(self, req: CompletionRequest, job: str = "") -> str:
         """The adapter the request's `model` names ("": the base), once every field checks
         (the sampling fields: `sampling`, per prompt)."""
-        adapter = self.adapter_of(req.model)
+        adapter = self.adapter_of(req.model, job)
         self._refuse_unsupported(req)
         if req.echo:
             raise unsupported("echo", "the prompt is returned as prompt_token_ids")

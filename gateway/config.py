@@ -21,6 +21,12 @@ class GatewayConfig:
     max_request_tokens: int = 16384  # --max-request-tokens: n x max_tokens at most
     max_n: int = 16  # --max-n
     gateway_id: str = ""
+    #: --tenants-are-jobs: an API key's tenant is the job (`rlfabric.schemas.jobs`) its
+    #: requests, sessions and adapters belong to (the tenant `default`: the default job)
+    tenant_jobs: bool = False
+
+    def job_of(self, tenant: str) -> str:
+        return tenant if self.tenant_jobs and tenant != "default" else ""
 
     @property
     def name(self) -> str:

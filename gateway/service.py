@@ -88,13 +88,14 @@ class Gateway:
         self.created = int(time.time())
 
     # ---- plain endpoints ----
-    def models(self) -> ModelList:
-        """The base model, then every LoRA adapter a worker holds (by its name)."""
-        return ModelList(data=[ModelCard(id=name, created=self.created,
-                                         max_model_len=self.checks.context_len,
-                                         parent=None if name == self.config.name
-                                         else self.config.name)
-                               for name in [self.config.name, *self.checks.adapters()]])
+    def models(self, tenant: str = "default") -> ModelList:
+        """The base model, then the LoRA adapters workers hold (a job's tenant: its job's)."""
+        base = self.config.name
+        return ModelList(data=[ModelCard(id=name, created=self.created, parent=None if
+                                         name == base else base,
+                                         max_model_len=self.checks.context_len)
+                               for name in [base, *self.checks.adapters(self.config.job_of(
+                                   tenant))]])
 
     def health(self) -> dict[str, Any]:
         members = self.watcher.members
@@ -128,7 +129,7 @@ class Gateway:
     # ---- chat ----
     async def chat(self, req: ChatRequest, *, session_id: str | None, tenant: str = "default",
                    ) -> ChatCompletion | AsyncIterator[bytes]:
-        adapter = self.checks.chat(req)
+        adapter = self.checks.chat(req, job := self.config.job_of(tenant))
         conv = conversation.read(req.messages)
         tools = _tools(req.tools)
         forced = self.checks.forced_call(req.tool_choice, tools)
@@ -157,7 +158,7 @@ class Gateway:
                 affinity=session.key if session_id else None,
                 request=RolloutRequest(request_id=f"gw-{uuid.uuid4().hex}",
                                        prompt_token_ids=PackedI32(p.prompt), stream=req.stream,
-                                       adapter=adapter)), parse,
+                                       adapter=adapter, job=job)), parse,
                 only_tool=tools[0]["function"]["name"] if tools and len(tools) == 1 else "")
         except BaseException:
             await self.turns.end(session)
@@ -303,7 +304,7 @@ class Gateway:
     # ---- completions ----
     async def complete(self, req: CompletionRequest, *, tenant: str = "default",
                        ) -> Completion | AsyncIterator[bytes]:
-        adapter = self.checks.completion(req)
+        adapter = self.checks.completion(req, job := self.config.job_of(tenant))
         prompts = _prompts(self.fmt, req.prompt)
         self._check_workers()
         choices: list[CompletionChoice] = []
@@ -324,7 +325,7 @@ class Gateway:
                          prefill=[], tenant=tenant, model=req.model,
                          request=RolloutRequest(request_id=f"gw-{uuid.uuid4().hex}",
                                                 prompt_token_ids=PackedI32(ids), sampling=sp,
-                                                adapter=adapter))
+                                                adapter=adapter, job=job))
             finals = await self._generate(turn)
             await self._record(turn, finals)
             for j, f in enumerate(finals):
@@ -348,12 +349,12 @@ class Gateway:
                           prompt_token_ids=last_ids if len(prompts) == 1 else None)
 
     # ---- sessions ----
-    async def trajectory(self, session_id: str) -> dict[str, Any]:
-        traj = await self.store.trajectory(session_id)
+    async def trajectory(self, session_id: str, key: str | None = None) -> dict[str, Any]:
+        traj = await self.store.trajectory(key or session_id)
         if traj is None:
             raise APIError(404, f"no session {session_id!r} (none was served, or its records "
                            "aged out)", param="session_id", code=ErrorCode.SESSION_NOT_FOUND)
-        return {"session_id": traj.session_id, "turns": traj.turns, "ended": traj.ended,
+        return {"session_id": session_id, "turns": traj.turns, "ended": traj.ended,
                 "segments": [{"token_ids": s.token_ids.tolist(),
                               "loss_mask": s.loss_mask.tolist(),
                               "logprobs": s.logprobs.tolist(),
@@ -363,8 +364,8 @@ class Gateway:
                               "reason": s.reason, "detail": s.detail, "turns": list(s.turns)}
                              for s in traj.segments]}
 
-    async def finish(self, session_id: str) -> dict[str, Any]:
-        s = await self.store.end(session_id, "finished")
+    async def finish(self, session_id: str, key: str | None = None) -> dict[str, Any]:
+        s = await self.store.end(key or session_id, "finished")
         if s is None:
             raise APIError(404, f"no session {session_id!r}", param="session_id",
                            code=ErrorCode.SESSION_NOT_FOUND)

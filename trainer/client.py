@@ -30,6 +30,7 @@ from rlfabric.bus import (
     new_cmd_id,
 )
 from rlfabric.bus.affinity import Affinity
+from rlfabric.bus.provision import cluster_size, provision_job
 from rlfabric.bus.rollouts import RolloutPlane, in_groups
 from rlfabric.bus.subjects import check_token
 from rlfabric.concurrency.sync import beside
@@ -90,7 +91,7 @@ class FabricClient:
         #: routes `generate(..., session=)` turns to their session's worker
         self.affinity = Affinity(bus, self.watcher)
         self.rollouts = RolloutPlane(bus, self.client_id, max_batch=self._batch_limit,
-                                     affinity=self.affinity)
+                                     affinity=self.affinity, job=self.job)
         self._updates: WeightUpdates | None = None
 
     def _batch_limit(self, queued: int, first: RolloutRequest) -> int:
@@ -135,6 +136,9 @@ class FabricClient:
         are the pool's and refused (`PoolOnly`). "" (default): the pool's own client."""
         async with Bus.connect(url, prefix=prefix, limits=limits) as bus, \
                 beside(cancel_at_exit=True) as tg:
+            if job:  # its results' stream
+                await provision_job(bus.js, bus.subjects, check_token(job, "job"), bus.limits,
+                                    servers=cluster_size(getattr(bus.nc, "_server_info", {})))
             client = cls(bus, client_id or f"c{uuid.uuid4().hex[:12]}", policy or QuorumPolicy(),
                          run=run, job=job)
             await tg.start(client.watcher.run)
@@ -178,7 +182,8 @@ class FabricClient:
 
         A job's client pauses its job's requests only (`rlfabric.worker.jobs`): `wait` acks
         once they finished, `abort` ends them now and samples them again after `resume()`
-        (no partial results), `keep` holds new ones and lets those in flight run on."""
+        (no partial results), `keep` holds new ones and lets those in flight run on (on the
+        version each started under)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause(mode={mode!r}): use one of {', '.join(PAUSE_MODES)}")
         cmd = Pause(cmd_id=new_cmd_id(), mode=mode, job=self.job)

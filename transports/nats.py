@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -80,7 +81,9 @@ class NatsTransport:
 
     async def stage(self, job: StageJob) -> Staged:
         s = self.bus.subjects
-        subject = s.weights(job.version)
+        # its own subject: another push of the same version number (another run's or job's,
+        # or an adapter's beside the base) never purges these chunks
+        subject = s.weights(job.version, uuid.uuid4().hex[:12])
         chunk = self.chunk_bytes()
         chunks = -(-job.size // chunk)
         try:

@@ -62,8 +62,10 @@ class Admission:
         self.worker_id = worker_id
         self.policies = policies
         self.max_request_tokens = max_request_tokens
-        self._result_subjects: dict[str, str] = {}
+        #: (client id, the job whose subject its request came on) -> its results' subject
+        self._result_subjects: dict[tuple[str, str], str] = {}
         self._codec = codec_for(RolloutRequest)
+        self._pool_subject = bus.subjects.rollout_request
         self._batch_codec = codec_for(RolloutRequests)
         self._flood = RateLimited(log)
 
@@ -82,19 +84,32 @@ class Admission:
             reqs = [_keyed(r) for r in reqs]
         return reqs
 
+    def scope_of(self, msg: Msg) -> str:
+        """The job whose subject `msg` came on ("": the pool's): its results and deltas go
+        back on that job's subjects, where its client listens."""
+        subject = msg.subject
+        return "" if subject == self._pool_subject else self.bus.subjects.job_of_request(subject)
+
     async def admit(self, d: Delivery, req: RolloutRequest) -> str | None:
         """The subject `req`'s results go to, if it is to be served now; None once it was
         answered with an error or is to come back later."""
         msg = d.msg
-        subject = self._result_subjects.get(req.client_id)
+        scope = self.scope_of(msg)
+        subject = self._result_subjects.get((req.client_id, scope))
         if subject is None:
             try:
-                subject = self.bus.subjects.rollout_result(req.client_id)
+                subject = self.bus.subjects.rollout_result(req.client_id, scope)
             except ValueError:
                 await self.reply_error(msg, req, ErrorCode.BAD_REQUEST, "request has no usable "
                                        f"client_id ({req.client_id!r})")
                 return None
-            self._result_subjects[req.client_id] = subject
+            self._result_subjects[req.client_id, scope] = subject
+        if scope and req.job != scope:  # another job's, sent with this job's credentials
+            await self.reply_error(msg, req, ErrorCode.BAD_REQUEST,
+                                   f"request {req.request_id} names job {req.job or '(none)'!r} "
+                                   f"but came on job {scope}'s subject: a job's client sends "
+                                   "its own job's requests only")
+            return None
         if req.job and self.jobs.held(req.job):  # back until its job resumes
             tries = d.msg.metadata.num_delivered or 1
             d.serve_again(min(1.0, 0.25 * 2 ** min(tries - 1, 2)))
@@ -247,7 +262,8 @@ class Admission:
                            retryable=retryable,
                            submission_id=req.submission_id if req else "")
         try:
-            await self.bus.persist(self.bus.subjects.rollout_result(client_id), encode(err),
+            await self.bus.persist(self.bus.subjects.rollout_result(client_id, self.scope_of(msg)),
+                                   encode(err),
                                    self.bus.headers({
                                        "Nats-Msg-Id": result_id(req, "error", request_id)}),
                                    until=time.time() + 30.0)

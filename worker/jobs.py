@@ -3,9 +3,9 @@ serving of its requests in flight, counted and cancellable.
 
 A job's pause holds its requests only: `wait` lets those in flight finish first, `abort` ends
 them now (their messages go back to the stream and are sampled again once the job resumes),
-`keep` lets them run on (an adapter pushed meanwhile serves their later tokens; their spans
-name each version). Requests that arrive while the job is paused go back to the stream and
-come again within a second of the resume.
+`keep` lets them run on (on the adapter version each started under; their spans say which).
+Requests that arrive while the job is paused go back to the stream and come again within a
+second of the resume.
 """
 
 from __future__ import annotations

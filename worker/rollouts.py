@@ -175,7 +175,7 @@ class RolloutServer:
         self.alive.add(d)
         c.took(d, reqs, park=park)
         if not isinstance(msg, Offered):  # an offered one's client knows who took it
-            self.deltas.took(self.worker_id, reqs)
+            self.deltas.took(self.worker_id, reqs, self.admission.scope_of(msg))
         if not park:
             self.serving.dispatch(d, reqs)
 

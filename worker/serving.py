@@ -198,7 +198,8 @@ class Serving:
                 self.jobs.serving(req.job) as scope:
             async for res in self.engine.generate(
                     req, worker_id=self.worker_id,
-                    on_tokens=self.deltas.sink({req.request_id: req}) if req.stream else None):
+                    on_tokens=self.deltas.sink({req.request_id: req}, self.admission.scope_of(
+                        d.msg)) if req.stream else None):
                 left -= 1
                 if left == 0:
                     progress.generated = True
@@ -299,7 +300,8 @@ class Serving:
             try:
                 results = self._many.generate_many(
                     [req for req, _ in todo.values()], worker_id=self.worker_id,
-                    on_tokens=self.deltas.sink({rid: req for rid, (req, _) in todo.items()}))
+                    on_tokens=self.deltas.sink({rid: req for rid, (req, _) in todo.items()},
+                                               self.admission.scope_of(d.msg)))
                 async with contextlib.aclosing(results):
                     async for burst in results:
                         by_subject: dict[str, list[tuple[RolloutResult, RolloutRequest]]] = {}

@@ -30,23 +30,24 @@ class DeltaSender:
         self._ready = Signal()
         self._headers = headers()
 
-    def took(self, worker_id: str, reqs: list[RolloutRequest]) -> None:
-        """Tell the clients of `reqs` (taken from the shared queue) that this worker holds
-        them: should it leave before answering, they queue them again at once."""
+    def took(self, worker_id: str, reqs: list[RolloutRequest], scope: str = "") -> None:
+        """Tell the clients of `reqs` (taken from the shared queue; `scope`: the job whose
+        subject they came on) that this worker holds them: should it leave before answering,
+        they queue them again at once."""
         subjects = self.bus.subjects
         self._worker_id = worker_id
         for req in reqs:
             if req.client_id:
                 try:
-                    subject = subjects.token_stream(req.client_id)
+                    subject = subjects.token_stream(req.client_id, scope)
                 except ValueError:  # answered as a bad request by admission
                     continue
                 self._taken.setdefault(subject, {})[req.request_id] = req.submission_id
         self._ready.fire()
 
-    def sink(self, reqs: dict[str, RolloutRequest]) -> TokenSink | None:
-        """What the engine hands the deltas of `reqs` (by request id) to; None when none of
-        them is streamed."""
+    def sink(self, reqs: dict[str, RolloutRequest], scope: str = "") -> TokenSink | None:
+        """What the engine hands the deltas of `reqs` (by request id; `scope`: the job whose
+        subject they came on) to; None when none of them is streamed."""
         if not any(r.stream for r in reqs.values()):
             return None
         subjects = self.bus.subjects
@@ -56,7 +57,7 @@ class DeltaSender:
             if req is None or not req.stream:
                 return
             delta = msgspec.structs.replace(delta, submission_id=req.submission_id)
-            self._deltas.append((subjects.token_stream(req.client_id), delta))
+            self._deltas.append((subjects.token_stream(req.client_id, scope), delta))
             self._ready.fire()
         return on_tokens
 

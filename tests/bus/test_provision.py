@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from nats.js.api import RetentionPolicy, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 
 from rlfabric.bus import Bus, EmbeddedNats, Limits, ProvisioningError, Subjects, connect, provision
 
@@ -23,11 +23,12 @@ async def test_provision_twice_and_repair_drift(nats_url: str, prefix: str) -> N
         assert b1.member_ttl == b2.member_ttl == 3.0
         rollout = await js.stream_info(s.rollout_stream)
         assert rollout.config.retention == RetentionPolicy.WORK_QUEUE
-        assert rollout.config.subjects == [f"{prefix}.rollout.request"]
+        assert rollout.config.subjects == [f"{prefix}.rollout.request",
+                                           f"{prefix}.rollout.request.*"]  # and each job's
         control = await js.stream_info(s.control_stream)
         assert control.config.subjects == [f"{prefix}.control.>"]
         assert (await js.stream_info(s.results_stream)).config.subjects == [
-            f"{prefix}.rollout.result.>"]
+            f"{prefix}.rollout.result.*"]  # a job's results have a stream of their own
         assert (await js.stream_info(s.weights_stream)).config.subjects == [f"{prefix}.weights.>"]
         # the first creator's settings stay; wrong subjects are repaired
         await js.update_stream(StreamConfig(name=s.control_stream, subjects=[f"{prefix}.x.>"],
@@ -35,6 +36,30 @@ async def test_provision_twice_and_repair_drift(nats_url: str, prefix: str) -> N
         await provision(js, s)
         info = await js.stream_info(s.control_stream)
         assert info.config.subjects == [s.control_all] and info.config.max_age == 60.0
+    finally:
+        await nc.close()
+
+
+async def test_a_pool_from_before_jobs_takes_job_requests_once_provisioned(
+        nats_url: str, prefix: str) -> None:
+    """A rollout stream and workers' consumer made before jobs had subjects of their own
+    (the pool's request subject only) are repaired: a job's request is then delivered."""
+    s = Subjects(prefix)
+    nc = await connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=s.rollout_stream, subjects=[s.rollout_request],
+                                         retention=RetentionPolicy.WORK_QUEUE))
+        await js.add_consumer(s.rollout_stream, ConsumerConfig(
+            durable_name=s.rollout_consumer, ack_policy=AckPolicy.EXPLICIT,
+            filter_subject=s.rollout_request))
+        await provision(js, s)
+        info = await js.consumer_info(s.rollout_stream, s.rollout_consumer)
+        assert info.config.filter_subject == f"{prefix}.rollout.>"
+        await js.publish(s.rollout_request_of("exp-a"), b"x")
+        sub = await js.pull_subscribe_bind(s.rollout_consumer, s.rollout_stream)
+        (msg,) = await sub.fetch(1, timeout=5)
+        assert msg.subject == f"{prefix}.rollout.request.exp-a"
     finally:
         await nc.close()
 

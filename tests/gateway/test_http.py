@@ -154,3 +154,57 @@ async def test_a_lora_adapter_is_a_model_the_gateway_lists_and_serves(new_fleet,
     assert abs(want - choice["logprobs"]["token_logprobs"]).max() <= 1e-4
     assert [v["version"] for v in choice["weight_versions"]] == [1]
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.anyio
+async def test_each_jobs_key_is_served_its_own_adapter_and_sessions(new_fleet, chat_format,
+                                                                    tmp_path):
+    """`--tenants-are-jobs`: two jobs both push an adapter named `qv`; each job's key lists
+    and is served its own job's `qv`, and a session one job's key opened is not there for the
+    other job's key (same session id: two sessions)."""
+    import anyio
+    from helpers import taken_logprobs
+
+    from rlfabric.schemas import Adapter
+    from rlfabric.tensors import lora
+    from rlfabric.tensors.models import build_model
+    from rlfabric.trainer import FabricClient
+
+    f = new_fleet()
+    f.workers(["jw0"])
+    keys = tmp_path / "keys"
+    keys.write_text("exp-a sk-a\nexp-b sk-b\n")
+    base = f.gateway("--api-key-file", str(keys), "--tenants-are-jobs")
+    qv = Adapter(name="qv", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    model = build_model(MODEL)
+    states = {j: lora.random_adapter(model, qv, seed=s, std=0.2)
+              for j, s in (("exp-a", 1), ("exp-b", 2))}
+    ids = chat_format().encode("Once upon a time")
+    body = {"model": "qv", "prompt": ids, "max_tokens": 6, "seed": 2, "logprobs": 0}
+
+    def auth(j: str) -> dict[str, str]:
+        return {"authorization": f"Bearer sk-{j[-1]}"}
+
+    for j, state in states.items():
+        async with FabricClient.connect(f.nats, prefix=f.prefix, job=j) as fabric:
+            await fabric.wait_for_workers(1, timeout=60)
+            await fabric.update_weights(1, state_dict=state, adapter=qv)
+    with anyio.fail_after(30):  # the gateway learns of them from the membership
+        while any("qv" not in [m["id"] for m in httpx.get(  # noqa: ASYNC110
+                f"{base}/models", headers=auth(j)).json()["data"]] for j in states):
+            await anyio.sleep(0.1)
+    for j, state in states.items():
+        got = await anyio.to_thread.run_sync(
+            lambda j=j: _post(base, "/completions", body, headers=auth(j)))
+        assert got.status_code == 200, got.text
+        choice = got.json()["choices"][0]
+        want = taken_logprobs(lora.merged(model, state, qv), ids, choice["token_ids"])
+        assert abs(want - choice["logprobs"]["token_logprobs"]).max() <= 1e-4, j
+    chat = {**OK, "model": "qv"}
+    r = await anyio.to_thread.run_sync(lambda: _post(
+        base, "/chat/completions", chat, headers={**auth("exp-a"), "x-session-id": "s1"}))
+    assert r.status_code == 200, r.text
+    mine = httpx.get(f"{base}/sessions/s1/trajectory", headers=auth("exp-a"))
+    theirs = httpx.get(f"{base}/sessions/s1/trajectory", headers=auth("exp-b"))
+    assert mine.status_code == 200 and mine.json()["turns"] == 1
+    assert _error(theirs, 404)["code"] == "session_not_found"

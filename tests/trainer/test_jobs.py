@@ -247,3 +247,31 @@ async def test_more_adapters_than_a_worker_holds_are_all_served_by_their_own(
                 {f"{n}:{ad.name}"}
     assert all(len(w.engine.adapter_versions()) <= 4 for w in workers)
     assert sum(r.reloaded for r in residency) > 0 and sum(r.evicted for r in residency) > 0
+
+
+async def test_two_jobs_pushing_the_same_versions_at_once_over_nats_each_serve_their_own(
+        nats_url, prefix) -> None:
+    """Jobs A and B push their versions 0-2 of `policy` at the same moment over the nats
+    transport (the same version numbers): no push takes another's chunks, and each job is
+    served its own v2."""
+    async with pool(nats_url, prefix, ["n0", "n1"]), job(nats_url, prefix, "exp-a") as a, \
+            job(nats_url, prefix, "exp-b") as b:
+        await a.wait_for_workers(2, timeout=30)
+        last = {"exp-a": adapter_state(22), "exp-b": adapter_state(33)}
+
+        async def push(c: FabricClient, seed: int) -> None:
+            for v in range(3):
+                state = last[c.job] if v == 2 else adapter_state(seed + v)
+                await c.update_weights(v, state_dict=state, adapter=QV, transport="nats")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(push, a, 100)
+            tg.start_soon(push, b, 200)
+        out = {}
+        for c in (a, b):
+            reqs = [req(f"{c.job}{i}", [256, 60 + i], max_tokens=8, seed=i, adapter="policy")
+                    for i in range(4)]
+            out[c.job] = (reqs, await collect(c, reqs))
+    base = build_model("tiny")
+    for name, (reqs, got) in out.items():
+        assert {s.version for r in got for s in r.version_spans} == {2}
+        assert worst_gap(lora.merged(base, last[name], QV), reqs, got) <= 1e-4, name

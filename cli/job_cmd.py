@@ -1,0 +1,128 @@
+"""`rlfabric job create|list|show|delete`: the jobs sharing one pool, and their keys.
+
+A job's key (`DIR/jobs/<job>.nk`, in the key folder `rlfabric nats --auth DIR` serves from)
+lets a client act for that job only (`rlfabric.bus.auth.job_permissions`): it connects with
+`FabricClient.connect(ConnectOptions.from_url(URL, nkey_seed_file=DIR/jobs/NAME.nk),
+job=NAME)`.
+Creating or deleting a key has that server read its config again at once; another
+nats-server that includes `DIR/auth.conf` is told to with `nats-server --signal reload`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from rlfabric.bus import Bus, InvalidName, NatsUnavailable, fleet_view
+from rlfabric.bus.auth import add_job, job_keys, job_permissions, reload_server, remove_job
+from rlfabric.bus.subjects import Subjects
+from rlfabric.cli._common import add_bus_options, connect_options
+from rlfabric.cli._fleet import job_rows
+from rlfabric.text.builtin import cache_dir
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("job", help="create, list, show or delete the jobs sharing a pool",
+                       description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    jsub = p.add_subparsers(dest="job_op", metavar="OP", required=True)
+    for op, help_ in (("create", "give a job a key of its own and let it in"),
+                      ("list", "the jobs with a key, and what the pool holds of each"),
+                      ("show", "one job: its key, what it may do, its adapters and pause"),
+                      ("delete", "take a job's key away (its clients are disconnected)")):
+        jp = jsub.add_parser(op, help=help_, description=help_)
+        if op != "list":
+            jp.add_argument("name", help="the job's name (1-64 of A-Z a-z 0-9 _ -)")
+        g = add_bus_options(jp, title="the pool",
+                            description="--nats (with the trainer's --nkey) to read what the "
+                            "pool holds of the job; --prefix names the pool")
+        g.add_argument("--auth", metavar="DIR", default=None,
+                       help="the key folder of `rlfabric nats --auth DIR` (default: "
+                       f"{cache_dir('keys', '<prefix>')})")
+        g.add_argument("--json", action="store_true", help="print one JSON object")
+        jp.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    keys = Path(args.auth or cache_dir("keys", args.prefix))
+    try:
+        out = _do(args, keys)
+    except (InvalidName, OSError) as exc:
+        print(f"rlfabric job {args.job_op}: {exc}", file=sys.stderr)
+        return 2
+    if args.job_op in ("list", "show"):
+        try:
+            out["pool"] = anyio.run(_pool, args)
+        except NatsUnavailable as exc:
+            out["pool"] = None
+            out["pool_error"] = str(exc)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print(args, out)
+    return 0
+
+
+def _do(args: argparse.Namespace, keys: Path) -> dict[str, Any]:
+    op = args.job_op
+    if op == "create":
+        add_job(keys, args.name, prefix=args.prefix)
+    elif op == "delete":
+        if args.name not in job_keys(keys):
+            raise OSError(f"job {args.name!r} has no key in {keys / 'jobs'}")
+        remove_job(keys, args.name, prefix=args.prefix)
+    out: dict[str, Any] = {"keys": str(keys)}
+    if op in ("create", "delete"):
+        pid = reload_server(keys)
+        out["reloaded"] = pid
+    names = [args.name] if op != "list" else list(job_keys(keys))
+    out["jobs"] = {n: {"key": str(p)} for n, p in job_keys(keys).items() if n in names}
+    if op == "show":
+        out["jobs"].setdefault(args.name, {"key": None})
+        out["jobs"][args.name]["permissions"] = job_permissions(
+            args.name, Subjects(args.prefix)).as_config()
+    return out
+
+
+async def _pool(args: argparse.Namespace) -> list[dict[str, Any]]:
+    async with Bus.connect(connect_options(args, "rlfabric-job"), prefix=args.prefix,
+                           provision_streams=False) as bus:
+        rows = job_rows(await fleet_view(bus, streams=False))
+    return [r for r in rows if args.job_op == "list" or r["job"] == args.name]
+
+
+def _print(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    op = args.job_op
+    if op in ("create", "delete"):
+        what = "key written" if op == "create" else "key removed"
+        where = (f"the server (pid {out['reloaded']}) reloaded its users" if out["reloaded"]
+                 else "no `rlfabric nats --auth` server runs from this folder: have yours "
+                 "reload its config (nats-server --signal reload)")
+        key = out["jobs"].get(args.name, {}).get("key") if op == "create" else None
+        print(f"rlfabric job {op}: job {args.name!r}: {what}{f' ({key})' if key else ''}; "
+              f"{where}")
+        if key:
+            print(f"  connect as the job: FabricClient.connect(ConnectOptions.from_url(URL, "
+                  f"nkey_seed_file={key!r}), prefix={args.prefix!r}, job={args.name!r})")
+        return
+    for name, info in out["jobs"].items():
+        print(f"job {name}: key {info['key'] or '(none)'}")
+        if op == "show":
+            perms = info["permissions"]
+            print("  may publish: " + ", ".join(perms["publish"]["allow"]))
+            print("  may subscribe: " + ", ".join(perms["subscribe"]["allow"]))
+    pool = out.get("pool")
+    if pool is None:
+        print(f"(the pool was not read: {out.get('pool_error', '')})")
+    elif pool:
+        print("on the pool:")
+        for r in pool:
+            print(f"  {r['job']}: {r['state']}, adapters {r['adapters']}, "
+                  f"{r['in_flight']} in flight, held by {r['held_by']}")
+    elif op == "list" and not out["jobs"]:
+        print("no job has a key or a state on the pool yet: `rlfabric job create NAME`")
