@@ -59,8 +59,8 @@ import msgspec
 
 from rlfabric.bench._util import children, cpu_seconds, pct, table
 from rlfabric.bus import EmbeddedCluster, EmbeddedNats, QuorumPolicy
-from rlfabric.bus.cluster import free_ports
-from rlfabric.bus.server import check_sync
+from rlfabric.bus.nats.cluster import free_ports
+from rlfabric.bus.nats.server import check_sync
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     SCHEMA_HEADER,

@@ -46,7 +46,7 @@ import anyio
 
 from rlfabric.bench._util import children, cpu_seconds, descendants, environ, pct, table
 from rlfabric.bus import EmbeddedNats
-from rlfabric.bus.cluster import free_ports
+from rlfabric.bus.nats.cluster import free_ports
 from rlfabric.engines import registry
 from rlfabric.schemas import PackedI32, RolloutRequest, RolloutResult, SamplingParams
 from rlfabric.trainer import FabricClient

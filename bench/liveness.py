@@ -28,9 +28,9 @@ import nats.js.errors
 
 from rlfabric.bench._util import cpu_seconds, table
 from rlfabric.bus import EmbeddedNats, Limits
-from rlfabric.bus.membership import new_worker_info
-from rlfabric.bus.provision import provision
-from rlfabric.bus.receiver import POLL_MAX
+from rlfabric.bus.control.membership import new_worker_info
+from rlfabric.bus.control.receiver import POLL_MAX
+from rlfabric.bus.nats.provision import provision
 from rlfabric.bus.subjects import Subjects
 from rlfabric.schemas import Beats, encode
 

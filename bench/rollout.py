@@ -72,8 +72,8 @@ import anyio.lowlevel
 
 from rlfabric.bench._util import child_pids, children, cpu_seconds, named, pct, table
 from rlfabric.bus import EmbeddedNats
-from rlfabric.bus.cluster import free_ports
-from rlfabric.bus.server import check_sync
+from rlfabric.bus.nats.cluster import free_ports
+from rlfabric.bus.nats.server import check_sync
 from rlfabric.engines import make_engine, registry, running
 from rlfabric.schemas import PackedI32, RolloutRequest, RolloutResult, SamplingParams
 from rlfabric.trainer import FabricClient

@@ -19,10 +19,10 @@ import time
 import anyio
 from anyio.abc import TaskStatus
 
-from rlfabric.bus.acks import AckFields
-from rlfabric.bus.connect import ConnectOptions
-from rlfabric.bus.membership import Registration, new_worker_info
-from rlfabric.bus.receiver import CommandContext, CommandReceiver
+from rlfabric.bus.control.acks import AckFields
+from rlfabric.bus.control.membership import Registration, new_worker_info
+from rlfabric.bus.control.receiver import CommandContext, CommandReceiver
+from rlfabric.bus.nats.connect import ConnectOptions
 from rlfabric.bus.session import Bus
 from rlfabric.cli._common import settle_heap
 from rlfabric.schemas import (

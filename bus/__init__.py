@@ -1,8 +1,15 @@
 """The bus: NATS connection, embedded server, subjects, streams/KV, membership, quorum."""
 
-from rlfabric.bus.acks import AckFields
-from rlfabric.bus.cluster import EmbeddedCluster
-from rlfabric.bus.connect import ConnectOptions, connect
+from rlfabric.bus.control.acks import AckFields
+from rlfabric.bus.control.membership import (
+    MembershipWatcher,
+    Registration,
+    fingerprint,
+    new_worker_info,
+)
+from rlfabric.bus.control.quorum import Broadcaster, Fanout, QuorumPolicy, new_cmd_id
+from rlfabric.bus.control.receiver import CommandContext, CommandReceiver
+from rlfabric.bus.control.view import fleet_view
 from rlfabric.bus.errors import (
     BusError,
     CommandFailed,
@@ -19,14 +26,12 @@ from rlfabric.bus.errors import (
     QuorumNotReached,
     StorageFull,
 )
-from rlfabric.bus.membership import MembershipWatcher, Registration, fingerprint, new_worker_info
-from rlfabric.bus.provision import Limits, provision
-from rlfabric.bus.quorum import Broadcaster, Fanout, QuorumPolicy, new_cmd_id
-from rlfabric.bus.receiver import CommandContext, CommandReceiver
-from rlfabric.bus.server import EmbeddedNats, find_nats_server
+from rlfabric.bus.nats.cluster import EmbeddedCluster
+from rlfabric.bus.nats.connect import ConnectOptions, connect
+from rlfabric.bus.nats.provision import Limits, provision
+from rlfabric.bus.nats.server import EmbeddedNats, find_nats_server
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import Subjects
-from rlfabric.bus.view import fleet_view
 
 __all__ = [
     "AckFields",

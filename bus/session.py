@@ -22,12 +22,12 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from rlfabric.bus.connect import ConnectOptions, Link, connect
+from rlfabric.bus.control.fleet import FleetReads
+from rlfabric.bus.control.state import StateStore
 from rlfabric.bus.errors import BusError
-from rlfabric.bus.fleet import FleetReads
-from rlfabric.bus.provision import Buckets, Limits, bind_buckets, cluster_size, provision
-from rlfabric.bus.publish import Publisher
-from rlfabric.bus.state import StateStore
+from rlfabric.bus.nats.connect import ConnectOptions, Link, connect
+from rlfabric.bus.nats.provision import Buckets, Limits, bind_buckets, cluster_size, provision
+from rlfabric.bus.nats.publish import Publisher
 from rlfabric.bus.subjects import Subjects
 
 log = logging.getLogger("rlfabric.bus")

@@ -3,7 +3,7 @@
 Two pools on one NATS server use two prefixes and never see each other's traffic. Within a
 pool, what a job's client sends and receives (`rlfabric.schemas.jobs`) travels on subjects that
 name the job, so that the server's permissions can hold each job to its own (`job_permissions`
-in `rlfabric.bus.auth`): its requests (`rollout_request_of`), results and token deltas (the
+in `rlfabric.bus.nats.auth`): its requests (`rollout_request_of`), results and token deltas (the
 `job` argument), and its commands (`control`, `live`: `<prefix>.control.job.<job>.<op>`).
 """
 

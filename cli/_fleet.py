@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from rlfabric.schemas import FleetView, WorkerInfo
+from rlfabric.schemas.jobs import ENDED
 
 #: the columns of the members table, in order
 COLUMNS = ["worker_id", "engine", "model", "weight_version", "state", "age_s", "in_flight",
@@ -79,7 +80,8 @@ def job_rows(view: FleetView) -> list[dict[str, Any]]:
         held = [m.worker_id for m in view.members if job in m.paused_jobs]
         rows.append({
             "job": job,
-            "state": (f"paused ({d.pause_mode})" if d is not None and d.paused else "running"),
+            "state": ("deleted" if d is not None and d.pause_mode == ENDED else
+                      f"paused ({d.pause_mode})" if d is not None and d.paused else "running"),
             "adapters": " ".join(f"{n}@v{u.version}" for n, u in sorted(d.adapters.items()))
             if d is not None and d.adapters else "-",
             "in_flight": sum(m.jobs.get(job, 0) for m in view.members),

@@ -1,7 +1,7 @@
 """`rlfabric job create|list|show|delete`: the jobs sharing one pool, and their keys.
 
 A job's key (`DIR/jobs/<job>.nk`, in the key folder `rlfabric nats --auth DIR` serves from)
-lets a client act for that job only (`rlfabric.bus.auth.job_permissions`): it connects with
+lets a client act for that job only (`rlfabric.bus.nats.auth.job_permissions`): it connects with
 `FabricClient.connect(ConnectOptions.from_url(URL, nkey_seed_file=DIR/jobs/NAME.nk),
 job=NAME)`.
 Creating or deleting a key has that server read its config again at once; another
@@ -19,11 +19,12 @@ from typing import Any
 import anyio
 
 from rlfabric.bus import Bus, InvalidName, NatsUnavailable, fleet_view
-from rlfabric.bus.auth import add_job, job_keys, job_permissions, reload_server, remove_job
+from rlfabric.bus.nats.auth import add_job, job_keys, job_permissions, reload_server, remove_job
 from rlfabric.bus.subjects import Subjects
 from rlfabric.cli._common import add_bus_options, connect_options
 from rlfabric.cli._fleet import job_rows
 from rlfabric.text.builtin import cache_dir
+from rlfabric.trainer import FabricClient
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,11 +73,17 @@ def _do(args: argparse.Namespace, keys: Path) -> dict[str, Any]:
     op = args.job_op
     if op == "create":
         add_job(keys, args.name, prefix=args.prefix)
-    elif op == "delete":
-        if args.name not in job_keys(keys):
-            raise OSError(f"job {args.name!r} has no key in {keys / 'jobs'}")
-        remove_job(keys, args.name, prefix=args.prefix)
     out: dict[str, Any] = {"keys": str(keys)}
+    if op == "delete":
+        try:  # its requests answered `job_deleted`, its adapters dropped
+            rep = anyio.run(_end, args)
+            out["ended"] = {"ok": list(rep.ok), "failed": list(rep.failed),
+                            "missing": list(rep.missing)}
+        except Exception as exc:  # the key is taken away all the same; said how it failed
+            out["ended"] = None
+            out["end_error"] = f"{type(exc).__name__}: {exc}"
+        if args.name in job_keys(keys):
+            remove_job(keys, args.name, prefix=args.prefix)
     if op in ("create", "delete"):
         pid = reload_server(keys)
         out["reloaded"] = pid
@@ -87,6 +94,12 @@ def _do(args: argparse.Namespace, keys: Path) -> dict[str, Any]:
         out["jobs"][args.name]["permissions"] = job_permissions(
             args.name, Subjects(args.prefix)).as_config()
     return out
+
+
+async def _end(args: argparse.Namespace) -> Any:
+    async with FabricClient.connect(connect_options(args, "rlfabric-job"),
+                                    prefix=args.prefix) as operator:
+        return await operator.end_job(args.name)
 
 
 async def _pool(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -106,6 +119,11 @@ def _print(args: argparse.Namespace, out: dict[str, Any]) -> None:
         key = out["jobs"].get(args.name, {}).get("key") if op == "create" else None
         print(f"rlfabric job {op}: job {args.name!r}: {what}{f' ({key})' if key else ''}; "
               f"{where}")
+        if op == "delete":
+            ended = out["ended"]
+            print(f"  ended on the pool: {len(ended['ok'])} worker(s) acked" if ended else
+                  f"  not ended on the pool ({out['end_error']}): pass --nats and the "
+                  "trainer's --nkey to answer its requests job_deleted")
         if key:
             print(f"  connect as the job: FabricClient.connect(ConnectOptions.from_url(URL, "
                   f"nkey_seed_file={key!r}), prefix={args.prefix!r}, job={args.name!r})")

@@ -12,10 +12,10 @@ from pathlib import Path
 from types import FrameType
 
 from rlfabric.bus import EmbeddedNats, InvalidName, NatsServerError
-from rlfabric.bus.auth import PID_FILE, write_auth
-from rlfabric.bus.cluster import EmbeddedCluster
-from rlfabric.bus.server import check_sync
-from rlfabric.bus.tls import TlsSetup, write_tls
+from rlfabric.bus.nats.auth import PID_FILE, write_auth
+from rlfabric.bus.nats.cluster import EmbeddedCluster
+from rlfabric.bus.nats.server import check_sync
+from rlfabric.bus.nats.tls import TlsSetup, write_tls
 from rlfabric.text.builtin import cache_dir
 
 

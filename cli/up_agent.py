@@ -15,7 +15,7 @@ from typing import IO, TYPE_CHECKING
 
 import anyio
 
-from rlfabric.bus.server import die_with_parent
+from rlfabric.bus.nats.server import die_with_parent
 from rlfabric.errors import LaunchError
 
 if TYPE_CHECKING:

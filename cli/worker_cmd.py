@@ -14,7 +14,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.bus import Bus, NatsUnavailable
-from rlfabric.bus.receiver import POLL_MAX
+from rlfabric.bus.control.receiver import POLL_MAX
 from rlfabric.cli._common import (
     add_bus_options,
     add_telemetry_options,

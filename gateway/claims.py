@@ -1,13 +1,13 @@
-"""One turn of a session at a time, on any gateway of the job: a turn claims its session before
-anything is sampled (`rlfabric.bus.turns`), or is refused at once with 409 `session_conflict`;
-its claim is released when the turn ends, however it ends."""
+"""One turn of a session at a time, on any gateway of the job: a turn claims its session
+before anything is sampled (`rlfabric.bus.sessions.turns`), or is refused at once with 409
+`session_conflict`; its claim is released when the turn ends, however it ends."""
 
 from __future__ import annotations
 
 import anyio
 
 from rlfabric.bus import Bus
-from rlfabric.bus.turns import Claim, TurnClaims
+from rlfabric.bus.sessions.turns import Claim, TurnClaims
 from rlfabric.gateway.config import GatewayConfig
 from rlfabric.gateway.errors import APIError
 from rlfabric.gateway.sessions import PENDING, Session, SessionStore

@@ -19,8 +19,8 @@ import anyio
 from anyio.abc import TaskStatus
 
 from rlfabric.bus import Bus, ConnectOptions, Limits, MembershipWatcher
-from rlfabric.bus.affinity import Affinity
-from rlfabric.bus.rollouts import RolloutPlane
+from rlfabric.bus.rollouts.affinity import Affinity
+from rlfabric.bus.rollouts.plane import RolloutPlane
 from rlfabric.concurrency.sync import beside
 from rlfabric.gateway.app import create_app
 from rlfabric.gateway.config import GatewayConfig, ServeOptions

@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 
 from rlfabric.bus import Bus, MembershipWatcher
-from rlfabric.bus.rollouts import RolloutPlane
-from rlfabric.bus.sessions import SessionConflict
+from rlfabric.bus.rollouts.plane import RolloutPlane
+from rlfabric.bus.sessions.log import SessionConflict
 from rlfabric.gateway import conversation
 from rlfabric.gateway.api import (
     ChatChunk,

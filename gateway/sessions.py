@@ -10,7 +10,7 @@
 - A turn is planned against this copy; a new segment is declared only against the freshest
   state (`refresh`): the caller reads the bus again and plans again if it changed.
 - One turn of a session at a time, on any gateway: a turn claims its session before anything is
-  sampled (`rlfabric.bus.turns`), and a second one is refused at once (409
+  sampled (`rlfabric.bus.sessions.turns`), and a second one is refused at once (409
   `session_conflict`); the conditional append (`SessionConflict`) stays as the last guard.
 - Idle sessions end (`SessionEnd(reason="expired")`) after the idle timeout. The cache holds at
   most `max_cached` sessions and about `max_bytes` of their tokens: to take a new one it drops
@@ -32,7 +32,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus
-from rlfabric.bus.sessions import WRITER_HEADER, SessionConflict, SessionLog, session_key
+from rlfabric.bus.sessions.log import WRITER_HEADER, SessionConflict, SessionLog, session_key
 from rlfabric.gateway.errors import APIError
 from rlfabric.schemas import ErrorCode, SessionEnd, SessionFold, SessionRecord, Trajectory
 from rlfabric.telemetry import instruments
@@ -61,7 +61,7 @@ class Session:
     stale: bool = True
     #: set once this gateway's last write of it is stored (or failed)
     written: anyio.Event | None = None
-    #: its turn in flight: the claim on the bus (`rlfabric.bus.turns`), PENDING while taken
+    #: its turn in flight: the claim on the bus (`rlfabric.bus.sessions.turns`), PENDING while taken
     claim: object | None = None
     #: moves whenever `fold` does: a turn planned on one state records only onto it
     changes: int = 0

@@ -53,7 +53,7 @@ except ImportError as exc:  # an optional extra
                       "pip install 'rlfabric[trl]'") from exc
 
 from rlfabric.bus import QuorumPolicy
-from rlfabric.bus.sessions import read_trajectory
+from rlfabric.bus.sessions.log import read_trajectory
 from rlfabric.errors import RLFabricError
 from rlfabric.schemas import (
     Adapter,

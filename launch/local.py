@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
-from rlfabric.bus.server import EmbeddedNats, die_with_parent
+from rlfabric.bus.nats.server import EmbeddedNats, die_with_parent
 from rlfabric.engines import checkpoint_dir, registry
 from rlfabric.errors import LaunchError
 

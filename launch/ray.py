@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlfabric.bus import Bus, ConnectOptions
-from rlfabric.bus.receiver import POLL_MAX
+from rlfabric.bus.control.receiver import POLL_MAX
 from rlfabric.errors import LaunchError
 from rlfabric.worker.runtime import CAPACITY, check_knobs
 

@@ -23,6 +23,7 @@ from rlfabric.schemas.codes import ErrorCode
 from rlfabric.schemas.control import (
     COLLECTIVE_BACKENDS,
     COMMAND_TYPES,
+    JOB_COMMANDS,
     PAUSE_MODES,
     TRANSPORT_KINDS,
     Ack,
@@ -162,6 +163,7 @@ __all__ = [
     "COLLECTIVE_BACKENDS",
     "COUNT_HEADER",
     "DECODE_ERRORS",
+    "JOB_COMMANDS",
     "JOB_STATE_PREFIX",
     "MESSAGE_TYPES",
     "PAUSE_MODES",

@@ -38,6 +38,7 @@ class ErrorCode(StrEnum):
     STORAGE_FULL = "storage_full"  # the transport's storage has no room for the push
     MEMORY_UNAVAILABLE = "memory_unavailable"  # the engine cannot get the memory it was given
     BASE_MISMATCH = "base_mismatch"  # an adapter trained on other base weights than served
+    JOB_DELETED = "job_deleted"  # the request's job was ended (rlfabric job delete)
     POOL_ONLY = "pool_only"  # a job asked for what only the pool's operator does (base weights)
     STALE_PREFIX_CACHE = "stale_prefix_cache"  # a kept prefix cache would serve other weights
 

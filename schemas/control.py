@@ -229,7 +229,10 @@ class UnloadAdapter(_Command, tag="unload_adapter", frozen=True, kw_only=True):
 
 
 class Shutdown(_Command, tag="shutdown", frozen=True, kw_only=True):
-    pass
+    """Drain and leave; or, naming a `job` (the pool's operator only), end that job: its
+    requests, queued or running, are answered `job_deleted`, its adapters dropped."""
+
+    job: str = ""
 
 
 Command = (
@@ -245,6 +248,8 @@ Command = (
     | Shutdown
 )
 COMMAND_TYPES: tuple[type[_Command], ...] = get_args(Command)
+#: what a job may send for itself, on its own subjects (`rlfabric.schemas.jobs`)
+JOB_COMMANDS = Pause | Resume | UpdateWeights | UnloadAdapter
 
 
 def op_of(cmd: _Command) -> str:

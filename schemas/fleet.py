@@ -35,7 +35,7 @@ class WorkerInfo(Message, frozen=True, kw_only=True):
     ranks: int = 1
     started_at: float = 0.0
     #: when the worker last wrote this key (at every state change, and every third of the
-    #: key's TTL; its liveness is its beats, `rlfabric.bus.membership`)
+    #: key's TTL; its liveness is its beats, `rlfabric.bus.control.membership`)
     heartbeat_at: float = 0.0
     #: the weights checksum of the checkpoint the worker started from (see `CheckpointClaim`)
     checkpoint: str = ""

@@ -20,6 +20,8 @@ import re
 SEPARATOR = ":"
 #: keys of the state bucket holding each job's desired state (adapters, paused)
 JOB_STATE_PREFIX = "job."
+#: the `pause_mode` of the desired state of a job its pool's operator ended
+ENDED = "deleted"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Iterator
 
 from rlfabric.bus import EmbeddedNats
-from rlfabric.bus.cluster import knows_meta_leader, route_config
+from rlfabric.bus.nats.cluster import knows_meta_leader, route_config
 
 CLONE_NEWNET = 0x40000000
 CLIENT_PORT, ROUTE_PORT, HTTP_PORT = 4222, 6222, 8222

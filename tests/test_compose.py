@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rlfabric.bus.cluster import free_ports
-from rlfabric.bus.server import find_nats_server
+from rlfabric.bus.nats.cluster import free_ports
+from rlfabric.bus.nats.server import find_nats_server
 from rlfabric.cli import build_parser
 
 ROOT = Path(__file__).parents[1]

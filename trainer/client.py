@@ -29,9 +29,9 @@ from rlfabric.bus import (
     QuorumPolicy,
     new_cmd_id,
 )
-from rlfabric.bus.affinity import Affinity
-from rlfabric.bus.provision import cluster_size, provision_job
-from rlfabric.bus.rollouts import RolloutPlane, in_groups
+from rlfabric.bus.nats.provision import cluster_size, provision_job
+from rlfabric.bus.rollouts.affinity import Affinity
+from rlfabric.bus.rollouts.plane import RolloutPlane, in_groups
 from rlfabric.bus.subjects import check_token
 from rlfabric.concurrency.sync import beside
 from rlfabric.schemas import (
@@ -41,6 +41,7 @@ from rlfabric.schemas import (
     CollectiveBackend,
     Command,
     Describe,
+    DesiredState,
     FanoutReport,
     MembershipSnapshot,
     Pause,
@@ -50,12 +51,13 @@ from rlfabric.schemas import (
     RolloutReply,
     RolloutRequest,
     RolloutResult,
+    Shutdown,
     Sleep,
     Target,
     UnloadAdapter,
     Wake,
 )
-from rlfabric.schemas.jobs import SEPARATOR
+from rlfabric.schemas.jobs import ENDED, SEPARATOR
 from rlfabric.telemetry import spans
 from rlfabric.trainer.continuation import continue_aborted
 from rlfabric.trainer.desired import DesiredStateWriter
@@ -212,6 +214,15 @@ class FabricClient:
         self._pool_only("wake()")
         return await self.broadcast(Wake(cmd_id=new_cmd_id(), tags=tuple(tags)), policy)
 
+    async def end_job(self, job: str, *, policy: QuorumPolicy | None = None) -> FanoutReport:
+        """End job `job` on the pool (the pool's operator only): its requests, queued or
+        running, are answered `job_deleted` from now on, its adapters dropped on every worker
+        (and on every worker that joins later); other jobs serve on."""
+        self._pool_only(f"end_job({job!r})")
+        await self.bus.state.put(DesiredState(paused=True, pause_mode=ENDED),
+                                 job=check_token(job, "job"))
+        return await self.broadcast(Shutdown(cmd_id=new_cmd_id(), job=job), policy)
+
     def _pool_only(self, what: str) -> None:
         if self.job:
             raise PoolOnly(f"{what}: this client acts for job {self.job!r}, and {what} acts "
@@ -351,7 +362,7 @@ class FabricClient:
         `session`: the requests are the next turn of this agent session: they go to the
         worker that served its last turn while it lives and has room (its prefix is in that
         worker's cache), else to the least-loaded worker; the binding is shared by every
-        client and gateway of the job (`rlfabric.bus.affinity`).
+        client and gateway of the job (`rlfabric.bus.rollouts.affinity`).
 
         Policies: once this client pushed base weights (or an adapter), its requests for them
         are served by this run's weights only (`RolloutRequest.run`), and a result holding

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import msgspec
 
-from rlfabric.bus.rollouts import RolloutPlane
+from rlfabric.bus.rollouts.plane import RolloutPlane
 from rlfabric.schemas import RolloutReply, RolloutRequest, RolloutResult
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 
 from rlfabric.bus import Bus
-from rlfabric.bus.sessions import read_trajectory
+from rlfabric.bus.sessions.log import read_trajectory
 from rlfabric.schemas import Trajectory, VersionSpan
 
 MODEL = "tinychat"

@@ -110,6 +110,12 @@ class Admission:
                                    f"but came on job {scope}'s subject: a job's client sends "
                                    "its own job's requests only")
             return None
+        if req.job and req.job in self.jobs.ended:
+            await self.reply_error(msg, req, ErrorCode.JOB_DELETED,
+                                   f"request {req.request_id}: job {req.job} was deleted by the "
+                                   "pool's operator (rlfabric job delete); its requests are not "
+                                   "served")
+            return None
         if req.job and self.jobs.held(req.job):  # back until its job resumes
             tries = d.msg.metadata.num_delivered or 1
             d.serve_again(min(1.0, 0.25 * 2 ** min(tries - 1, 2)))

@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from rlfabric.bus import AckFields, CommandFailed, Registration
-from rlfabric.schemas import DesiredState, ErrorCode, Pause
+from rlfabric.schemas import DesiredState, ErrorCode, Pause, job_of_key
+from rlfabric.schemas.jobs import ENDED
 from rlfabric.worker.jobs import JobScopes
 from rlfabric.worker.rollouts import RolloutServer
 from rlfabric.worker.weights import WeightSync
@@ -61,8 +62,22 @@ class JobControl:
         with anyio.move_on_after(wait):
             await self.take(job, await self.weights.bus.state.read(job))
 
+    async def end(self, job: str) -> AckFields:
+        """End job `job` (the operator's `Shutdown(job=...)`): its requests are refused from
+        now on (`job_deleted`), those running cancelled, its adapters dropped."""
+        self.scopes.end(job)
+        for key in [k for k in self.weights.engine.adapter_versions() if job_of_key(k) == job]:
+            await self.weights.unload(key)
+        self._written()
+        await self.publish()
+        return AckFields(detail={"job": job, "ended": "true"})
+
     async def take(self, job: str, state: DesiredState) -> None:
-        """Take job `job`'s desired state: its adapters' newest versions, paused or not."""
+        """Take job `job`'s desired state: its adapters' newest versions, paused or not
+        (ended: see `end`)."""
+        if state.pause_mode == ENDED:
+            await self.end(job)
+            return
         await self.weights.load_job(job, state)
         if state.paused:
             self.scopes.paused.setdefault(job, "keep")

@@ -23,6 +23,8 @@ class JobScopes:
     def __init__(self) -> None:
         #: paused jobs and how
         self.paused: dict[str, PauseMode] = {}
+        #: jobs ended by the pool's operator (`Shutdown(job=...)`): their requests are refused
+        self.ended: set[str] = set()
         self._running: dict[str, dict[anyio.CancelScope, int]] = {}
         self._idle: dict[str, anyio.Event] = {}
 
@@ -63,6 +65,14 @@ class JobScopes:
     async def _idle_of(self, job: str) -> None:
         while job in self._running:
             await self._idle.setdefault(job, anyio.Event()).wait()
+
+    def end(self, job: str) -> None:
+        """End job `job`: its running requests are cancelled (their messages go back, and
+        are then refused as every later one of the job)."""
+        self.ended.add(job)
+        self.paused.pop(job, None)
+        for scope in list(self._running.get(job, ())):
+            scope.cancel()
 
     def resume(self, job: str) -> bool:
         """Serve job `job`'s requests again; whether it was paused."""

@@ -14,7 +14,7 @@ import anyio
 from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus
-from rlfabric.bus.affinity import BUSY, OFFER_UNTIL_HEADER, TAKEN
+from rlfabric.bus.rollouts.affinity import BUSY, OFFER_UNTIL_HEADER, TAKEN
 
 _FIRST_DELIVERY = SimpleNamespace(num_delivered=1)
 

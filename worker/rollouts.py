@@ -36,7 +36,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus, Registration
-from rlfabric.bus.pull import Puller
+from rlfabric.bus.nats.pull import Puller
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import ErrorCode, SchemaError
 from rlfabric.worker.admission import MAX_REQUEST_TOKENS, Admission

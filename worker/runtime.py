@@ -39,8 +39,8 @@ from rlfabric.bus import (
     Registration,
     new_worker_info,
 )
+from rlfabric.bus.control.receiver import POLL_MAX
 from rlfabric.bus.errors import READ_FAILED
-from rlfabric.bus.receiver import POLL_MAX
 from rlfabric.bus.subjects import check_token
 from rlfabric.concurrency.sync import beside
 from rlfabric.engines.errors import EngineDied, EngineError
@@ -290,6 +290,8 @@ class Worker:
                 return AckFields(detail={"unloaded": str(held).lower()})
             case Describe():
                 return self._describe()
+            case Shutdown() if cmd.job:  # that job ends, the worker serves on
+                return await self.job_control.end(cmd.job)
             case Shutdown():
                 # once acked (leaving first would read as "left" to the sender), in-flight
                 # work finishes, then the worker leaves

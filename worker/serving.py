@@ -35,7 +35,7 @@ from opentelemetry.trace import INVALID_SPAN, Span
 
 from rlfabric.bus import Bus
 from rlfabric.bus.errors import PayloadTooLarge
-from rlfabric.bus.outbox import Outbox
+from rlfabric.bus.nats.outbox import Outbox
 from rlfabric.engines.protocol import Engine, ServesMany
 from rlfabric.schemas import RolloutReplies, RolloutRequest, RolloutResult
 from rlfabric.telemetry import instruments, spans

@@ -26,7 +26,7 @@ from rlfabric.bus import (
     PermissionDenied,
     connect,
 )
-from rlfabric.bus.auth import ROLES, write_auth
+from rlfabric.bus.nats.auth import ROLES, write_auth
 from rlfabric.schemas import (
     DesiredState,
     Pause,

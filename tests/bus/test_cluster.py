@@ -19,10 +19,10 @@ import anyio
 import pytest
 
 from rlfabric.bus import Bus, EmbeddedCluster
-from rlfabric.bus.cluster import knows_meta_leader
 from rlfabric.bus.errors import TRANSIENT, ProvisioningError
-from rlfabric.bus.provision import Limits, provision
-from rlfabric.bus.sessions import SessionConflict, SessionLog
+from rlfabric.bus.nats.cluster import knows_meta_leader
+from rlfabric.bus.nats.provision import Limits, provision
+from rlfabric.bus.sessions.log import SessionConflict, SessionLog
 from rlfabric.bus.subjects import CHECKPOINT_KEY
 from rlfabric.schemas import CheckpointClaim, PackedI32, SessionTurn
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rlfabric.bus import ConnectOptions, EmbeddedNats, NatsAuthFailed, NatsUnavailable, connect
-from rlfabric.bus.cluster import free_ports
+from rlfabric.bus.nats.cluster import free_ports
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 

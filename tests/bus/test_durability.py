@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from rlfabric.bus import EmbeddedNats
-from rlfabric.bus.cluster import free_ports
+from rlfabric.bus.nats.cluster import free_ports
 
 
 def jetstream_config(sync: str) -> dict:

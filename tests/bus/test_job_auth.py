@@ -186,10 +186,10 @@ async def test_job_list_show_and_delete(pool, prefix) -> None:
     takes a key away: that key no longer connects."""
     url, keys = pool
 
-    def job(*argv: str) -> subprocess.CompletedProcess[str]:
+    def job(*argv: str, role: str = "observer") -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "rlfabric", "job", *argv, "--auth",
                                str(keys), "--prefix", prefix, "--nats", url, "--nkey",
-                               str(keys / "observer.nk"), "--wait", "3"],
+                               str(keys / f"{role}.nk"), "--wait", "3"],
                               capture_output=True, text=True, timeout=60)
     listed = job("list")
     assert listed.returncode == 0 and "job exp-a" in listed.stdout and "job exp-b" in listed.stdout
@@ -197,8 +197,9 @@ async def test_job_list_show_and_delete(pool, prefix) -> None:
     assert shown.returncode == 0 and f"{prefix}.rollout.request.exp-a" in shown.stdout
     kept = keys.parent / "exp-b.nk"
     kept.write_bytes((keys / "jobs" / "exp-b.nk").read_bytes())
-    gone = job("delete", "exp-b")
-    assert gone.returncode == 0 and "reloaded its users" in gone.stdout
+    gone = job("delete", "exp-b", role="trainer")  # the pool's operator
+    assert gone.returncode == 0 and "reloaded its users" in gone.stdout, gone
+    assert "ended on the pool: 1 worker(s) acked" in gone.stdout
     assert "job exp-b" not in job("list").stdout
     with pytest.raises(NatsAuthFailed):  # its key no longer lets a client in
         await connect(ConnectOptions.from_url(url, nkey_seed_file=str(kept), connect_wait=1))

@@ -22,7 +22,7 @@ from rlfabric.bus import (
     new_cmd_id,
     new_worker_info,
 )
-from rlfabric.bus.receiver import CommandContext
+from rlfabric.bus.control.receiver import CommandContext
 from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import (
     CMD_ID_HEADER,

@@ -12,7 +12,7 @@ import pytest
 
 from rlfabric.bus import Bus, EmbeddedNats
 from rlfabric.bus.errors import TRANSIENT
-from rlfabric.bus.outbox import Outbox, batch_id
+from rlfabric.bus.nats.outbox import Outbox, batch_id
 from rlfabric.schemas import COUNT_HEADER, RolloutRequest, RolloutRequests, codec_for
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]

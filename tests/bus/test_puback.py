@@ -16,7 +16,7 @@ import pytest
 from nats.js.api import StorageType, StreamConfig
 
 from rlfabric.bus import Bus
-from rlfabric.bus.puback import PubAcks
+from rlfabric.bus.nats.puback import PubAcks
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 

@@ -14,7 +14,7 @@ import pytest
 from nats.js.api import PubAck
 
 from rlfabric.bus import Bus, EmbeddedNats
-from rlfabric.bus.sessions import SessionConflict, SessionLog
+from rlfabric.bus.sessions.log import SessionConflict, SessionLog
 from rlfabric.schemas import PackedI32, SessionTurn
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]

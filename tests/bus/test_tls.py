@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from rlfabric.bus import Bus, EmbeddedCluster, EmbeddedNats, NatsUnavailable
-from rlfabric.bus.connect import ConnectOptions
-from rlfabric.bus.tls import TlsSetup, write_tls
+from rlfabric.bus.nats.connect import ConnectOptions
+from rlfabric.bus.nats.tls import TlsSetup, write_tls
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -85,7 +85,7 @@ async def test_a_clusters_nodes_route_to_each_other_over_mutual_tls(certs, tmp_p
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
-    from rlfabric.bus.tls import _cert, _write
+    from rlfabric.bus.nats.tls import _cert, _write
 
     old = tmp_path / "old"
     shutil.copytree(Path(ours.ca).parent, old)

@@ -56,7 +56,7 @@ async def test_3_nan_temperature_is_refused_and_its_batch_is_served(
         with pytest.raises(InvalidRequest, match="temperature=nan"):
             await collect(fabric, [req("bad", temperature=math.nan)])
         # a client that does not check (another language, an old build): the worker does
-        monkeypatch.setattr("rlfabric.bus.rollouts.check_request", lambda r: None)
+        monkeypatch.setattr("rlfabric.bus.rollouts.plane.check_request", lambda r: None)
         batch = [req(f"ok{i}", max_tokens=16, seed=i) for i in range(7)]
         batch.insert(3, req("nan", temperature=math.nan))
         got = await collect(fabric, batch)

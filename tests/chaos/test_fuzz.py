@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlfabric.bus import Bus
-from rlfabric.bus.server import DEFAULT_MAX_PAYLOAD
+from rlfabric.bus.nats.server import DEFAULT_MAX_PAYLOAD
 from rlfabric.bus.subjects import STATE_KEY
 from rlfabric.schemas import (
     CMD_ID_HEADER,

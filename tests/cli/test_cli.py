@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfabric.bus.cluster import free_ports
+from rlfabric.bus.nats.cluster import free_ports
 
 pytestmark = pytest.mark.nats
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfabric.bus.tls import write_tls
+from rlfabric.bus.nats.tls import write_tls
 from rlfabric.telemetry.report import by_trace, process_of, read_spans
 from rlfabric.tensors.models import build_model
 

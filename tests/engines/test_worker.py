@@ -302,7 +302,7 @@ async def test_bad_requests_get_typed_errors_and_the_worker_goes_on(client, work
                  req("too-long", [256] * 600, max_tokens=4)]
         out = {r.request_id: r for r in await collect(fabric, model)}
         # a client that does not check (another language, an old build): the worker does
-        monkeypatch.setattr("rlfabric.bus.rollouts.check_request", lambda r: None)
+        monkeypatch.setattr("rlfabric.bus.rollouts.plane.check_request", lambda r: None)
         sent = [b for b in anyone if b.sampling.n]
         out.update({r.request_id: r for r in await collect(fabric, sent)})
         out.update({r.request_id: r async for r in fabric.generate([anyone[2]], timeout=30)})

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from rlfabric.bus import Bus
-from rlfabric.bus.sessions import read_trajectory
+from rlfabric.bus.sessions.log import read_trajectory
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 MODEL = "tinychat"

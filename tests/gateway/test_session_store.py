@@ -10,7 +10,7 @@ import textwrap
 import anyio
 
 from rlfabric.bus import Bus
-from rlfabric.bus.sessions import read_trajectory
+from rlfabric.bus.sessions.log import read_trajectory
 
 # two turns recorded (the first write of a connection is stored another way than the next
 # ones), then the process dies at once: no task of it runs after (as with a SIGKILL right

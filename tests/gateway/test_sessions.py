@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from rlfabric.bus import Bus
-from rlfabric.bus.sessions import read_trajectory
+from rlfabric.bus.sessions.log import read_trajectory
 from rlfabric.schemas import checkpoint_policy
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]

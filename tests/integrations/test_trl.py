@@ -328,7 +328,7 @@ def test_ctrl_c_ends_a_waiting_rollout_and_a_dead_port_ends_the_process(
     import subprocess
     import sys
 
-    from rlfabric.bus.cluster import free_ports
+    from rlfabric.bus.nats.cluster import free_ports
 
     waiting = (
         "import sys\n"

@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from rlfabric.bus import Bus, EmbeddedNats, PayloadTooLarge
-from rlfabric.bus.outbox import Outbox
+from rlfabric.bus.nats.outbox import Outbox
 from rlfabric.bus.subjects import Subjects
 from rlfabric.schemas import TRACEPARENTS_HEADER, RolloutRequest, RolloutRequests, SamplingParams
 from rlfabric.telemetry import configure, spans

@@ -13,7 +13,7 @@ import anyio
 import pytest
 from helpers import collect, req
 
-from rlfabric.bus.cluster import free_ports
+from rlfabric.bus.nats.cluster import free_ports
 from rlfabric.schemas import RolloutError, RolloutResult
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]

@@ -16,6 +16,7 @@ from rlfabric.cli._fleet import job_rows
 from rlfabric.engines.torch import TorchEngine
 from rlfabric.schemas import (
     Adapter,
+    RolloutError,
     RolloutReply,
     RolloutRequest,
     RolloutResult,
@@ -275,3 +276,41 @@ async def test_two_jobs_pushing_the_same_versions_at_once_over_nats_each_serve_t
     for name, (reqs, got) in out.items():
         assert {s.version for r in got for s in r.version_spans} == {2}
         assert worst_gap(lora.merged(base, last[name], QV), reqs, got) <= 1e-4, name
+
+
+async def test_the_operator_ends_a_job_its_requests_get_job_deleted_and_the_others_serve(
+        nats_url, prefix) -> None:
+    """Job A has long requests running when the pool's operator ends it: they, and the ones
+    A sends after, are answered `job_deleted` (none lost, none served), A's adapter is
+    dropped, a worker that joins later refuses A too, and job B serves throughout."""
+    async with pool(nats_url, prefix, ["e0"]) as bus, job(nats_url, prefix, "exp-a") as a, \
+            job(nats_url, prefix, "exp-b") as b, job(nats_url, prefix) as operator:
+        await a.wait_for_workers(1, timeout=30)
+        await a.update_weights(0, state_dict=adapter_state(1), adapter=QV)
+        long = [RolloutRequest(**{**{f: getattr(q, f) for f in q.__struct_fields__},
+                                  "stream": True})
+                for q in (req(f"a{i}", [256, 7 + i], max_tokens=400, seed=i, adapter="policy")
+                          for i in range(2))]
+        got_a: list[RolloutReply] = []
+        began = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_first_delta, a, long, began, got_a)
+            with anyio.fail_after(60):
+                await began.wait()
+            with pytest.raises(PoolOnly):
+                await a.end_job("exp-b")
+            rep = await operator.end_job("exp-a")
+            assert rep.ok == ("e0",)
+        assert sorted(r.request_id for r in got_a) == ["a0", "a1"]
+        assert {(type(r), getattr(r, "code", "")) for r in got_a} == {(RolloutError,
+                                                                       "job_deleted")}
+        later = await collect(a, [req("a-later", [256, 3], max_tokens=4)], timeout=30)
+        assert [getattr(r, "code", "") for r in later] == ["job_deleted"]
+        assert "exp-a:policy" not in (await a.bus.fleet.members())["e0"].adapters
+        async with anyio.create_task_group() as tg:
+            await tg.start(Worker(bus, TorchEngine("tiny"), "e1", capacity=4).run)
+            info = (await a.bus.fleet.members())["e1"]
+            tg.cancel_scope.cancel()
+        b_out = await collect(b, [req("b", [256, 3], max_tokens=4)], timeout=30)
+    assert [type(r) for r in b_out] == [RolloutResult]
+    assert "exp-a:policy" not in info.adapters

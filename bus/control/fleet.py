@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from rlfabric.bus.provision import Buckets
+from rlfabric.bus.nats.provision import Buckets
 from rlfabric.bus.subjects import Subjects
 from rlfabric.concurrency import RateLimited
 from rlfabric.schemas import SchemaError, WorkerInfo, codec_for

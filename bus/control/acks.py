@@ -17,7 +17,7 @@ from rlfabric.bus.session import Bus
 from rlfabric.schemas import Ack, Command, ErrorCode, codec_for, op_of
 from rlfabric.telemetry import instruments, spans
 
-log = logging.getLogger("rlfabric.bus.receiver")
+log = logging.getLogger("rlfabric.bus.control.receiver")
 #: () -> (the weight version a worker serves now, its checksum)
 StateFn = Callable[[], tuple[int, str]]
 

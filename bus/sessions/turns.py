@@ -17,7 +17,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
-from rlfabric.bus.affinity import affinity_key
+from rlfabric.bus.rollouts.affinity import affinity_key
 from rlfabric.bus.session import Bus
 
 log = logging.getLogger("rlfabric.bus")

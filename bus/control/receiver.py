@@ -56,7 +56,7 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 from opentelemetry.trace import StatusCode
 
-from rlfabric.bus.acks import AckFields, Acks, StateFn
+from rlfabric.bus.control.acks import AckFields, Acks, StateFn
 from rlfabric.bus.errors import READ_FAILED, TRANSIENT, CommandFailed
 from rlfabric.bus.session import Bus
 from rlfabric.bus.subjects import Subjects, check_token, is_token
@@ -65,6 +65,7 @@ from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     DECODE_ERRORS,
+    JOB_COMMANDS,
     SCHEMA_MAJOR,
     Ack,
     Adapter,
@@ -72,18 +73,15 @@ from rlfabric.schemas import (
     ErrorCode,
     ErrorEvent,
     MalformedMessage,
-    Pause,
-    Resume,
     SchemaError,
     UnknownSchemaVersion,
-    UnloadAdapter,
     UpdateWeights,
     codec_for,
     op_of,
 )
 from rlfabric.telemetry import spans
 
-log = logging.getLogger("rlfabric.bus.receiver")
+log = logging.getLogger("rlfabric.bus.control.receiver")
 #: seconds an idle worker's control-stream polls back off to, unless told
 #: (`rlfabric worker --poll-max`)
 POLL_MAX = 8.0
@@ -470,7 +468,7 @@ def out_of_scope(subject: str, cmd: Command) -> str:
     if job is None:
         return ""
     op = op_of(cmd)
-    if not isinstance(cmd, Pause | Resume | UpdateWeights | UnloadAdapter) or (
+    if not isinstance(cmd, JOB_COMMANDS) or (
             isinstance(cmd, UpdateWeights) and not isinstance(cmd.target, Adapter)):
         return (f"{op} came on job {job}'s subject {subject}; a job may pause and resume its "
                 "own requests and push or unload its own adapters, nothing of the pool's")

@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from rlfabric.bus.session import Bus
 from rlfabric.concurrency.sync import Signal, wait_any
 
-log = logging.getLogger("rlfabric.bus.pull")
+log = logging.getLogger("rlfabric.bus.nats.pull")
 #: pull requests in a row that expire unanswered before the owner is told (`on_silent`)
 SILENT_PULLS = 2
 

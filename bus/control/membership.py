@@ -48,7 +48,7 @@ from rlfabric.concurrency.ratelimit import RateLimited
 from rlfabric.concurrency.sync import Signal, wait_any
 from rlfabric.schemas import Beats, MembershipSnapshot, SchemaError, WorkerInfo, codec_for, encode
 
-log = logging.getLogger("rlfabric.bus.membership")
+log = logging.getLogger("rlfabric.bus.control.membership")
 
 #: seconds after a (re)connect during which a worker that does not answer may still be
 #: reconnecting itself (its reconnect wait, 0.5 s by default, plus a margin)

@@ -15,7 +15,7 @@ result twice, so results are deduplicated by (request_id, sample_index) here, at
 place that knows what is still awaited.
 
 The requests of an agent session's turn (`generate(..., session=)`) are offered to the worker
-that served its last turn first (`rlfabric.bus.affinity`); those it does not take go to the
+that served its last turn first (`rlfabric.bus.rollouts.affinity`); those it does not take go to the
 queue like the rest.
 
 Token deltas of requests submitted with `stream` set come on core NATS
@@ -44,10 +44,10 @@ from anyio.streams.memory import MemoryObjectSendStream
 from nats.js.api import DeliverPolicy
 from opentelemetry.trace import INVALID_SPAN
 
-from rlfabric.bus.affinity import Affinity, affinity_key
-from rlfabric.bus.awaited import NO_MEMBERS, Awaited, Inbox, Item, NoMembers, Sink
-from rlfabric.bus.membership import MembershipWatcher
-from rlfabric.bus.outbox import Outbox, Ticket
+from rlfabric.bus.control.membership import MembershipWatcher
+from rlfabric.bus.nats.outbox import Outbox, Ticket
+from rlfabric.bus.rollouts.affinity import Affinity, affinity_key
+from rlfabric.bus.rollouts.awaited import NO_MEMBERS, Awaited, Inbox, Item, NoMembers, Sink
 from rlfabric.bus.session import Bus
 from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import (

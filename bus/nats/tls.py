@@ -10,7 +10,7 @@ present it to each other, `route_config`) and `client-cert.pem`/
 `client-key.pem` (`--tls-cert`/`--tls-key`, when the server requires client certificates).
 Files already there are kept: a restarted server serves the same certificates, and the
 clients holding them keep connecting. Keys are written owner-only. TLS combines with the
-per-role nkeys of `rlfabric.bus.auth`: TLS says who the server is (and, with `verify`, that
+per-role nkeys of `rlfabric.bus.nats.auth`: TLS says who the server is (and, with `verify`, that
 the client holds a certificate the CA signed), the nkey which role the client plays.
 """
 

@@ -37,7 +37,7 @@ import nats.errors
 import nats.js.errors
 from anyio.abc import TaskStatus
 
-from rlfabric.bus.membership import MembershipWatcher
+from rlfabric.bus.control.membership import MembershipWatcher
 from rlfabric.bus.session import Bus
 from rlfabric.concurrency import RateLimited, Signal
 from rlfabric.schemas import WorkerInfo

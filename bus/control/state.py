@@ -24,8 +24,8 @@ from rlfabric.bus.errors import (
     BusError,
     storage_refused,
 )
-from rlfabric.bus.provision import Buckets
-from rlfabric.bus.publish import PUB_ACK_TIMEOUT, Publisher
+from rlfabric.bus.nats.provision import Buckets
+from rlfabric.bus.nats.publish import PUB_ACK_TIMEOUT, Publisher
 from rlfabric.bus.subjects import CHECKPOINT_KEY, STATE_KEY
 from rlfabric.concurrency import RateLimited
 from rlfabric.schemas import (

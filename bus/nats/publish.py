@@ -17,10 +17,10 @@ from nats.aio.client import Client as NATS
 from nats.js.api import PubAck
 from opentelemetry import propagate, trace
 
-from rlfabric.bus.connect import Link
 from rlfabric.bus.errors import PUBLISH_FAILED, TRANSIENT, retryable
-from rlfabric.bus.puback import PubAcks
-from rlfabric.bus.refusals import Refusals
+from rlfabric.bus.nats.connect import Link
+from rlfabric.bus.nats.puback import PubAcks
+from rlfabric.bus.nats.refusals import Refusals
 from rlfabric.bus.subjects import Subjects
 from rlfabric.concurrency import RateLimited, wait_any
 from rlfabric.schemas import ErrorEvent, StateEvent, encode

@@ -20,7 +20,7 @@ import time
 from types import TracebackType
 
 from rlfabric.bus.errors import NatsServerError
-from rlfabric.bus.server import DEFAULT_MAX_PAYLOAD, EmbeddedNats
+from rlfabric.bus.nats.server import DEFAULT_MAX_PAYLOAD, EmbeddedNats
 
 #: in every line a node logs when its metadata leader changes (nats-server's
 #: `processLeaderChange`): one elected ("Self is new JetStream cluster metadata leader",

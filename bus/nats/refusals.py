@@ -8,8 +8,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from rlfabric.bus.connect import Link
 from rlfabric.bus.errors import TRANSIENT, PermissionDenied
+from rlfabric.bus.nats.connect import Link
 from rlfabric.concurrency import beside
 
 T = TypeVar("T")

@@ -30,18 +30,19 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.trace import INVALID_SPAN, Span
 
+from rlfabric.bus.control.membership import RECONNECT_SETTLE, MembershipWatcher, fingerprint
 from rlfabric.bus.errors import (
     TRANSIENT,
     BusError,
     MembershipChanged,
     QuorumNotReached,
 )
-from rlfabric.bus.membership import RECONNECT_SETTLE, MembershipWatcher, fingerprint
 from rlfabric.bus.session import Bus
 from rlfabric.concurrency.sync import Signal, beside
 from rlfabric.schemas import (
     CMD_ID_HEADER,
     DECODE_ERRORS,
+    JOB_COMMANDS,
     STATE_MARK_HEADER,
     Ack,
     Command,
@@ -378,7 +379,8 @@ class Broadcaster:
         control stream."""
         s = self.bus.subjects
         op = op_of(cmd)
-        job = getattr(cmd, "job", "")  # a job's command travels on its job's subjects
+        # a job's own command travels on its job's subjects
+        job = cmd.job if isinstance(cmd, JOB_COMMANDS) else ""
         retried: list[Exception] = []  # transient failures: a duplicate after one is ours
         data = encode(cmd)
         hdrs = self.bus.headers({CMD_ID_HEADER: cmd.cmd_id, "Nats-Msg-Id": cmd.cmd_id})

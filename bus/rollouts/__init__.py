@@ -1,0 +1,2 @@
+"""The data plane's client side: requests sent, results and token deltas awaited once each,
+session affinity."""
