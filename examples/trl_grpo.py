@@ -14,7 +14,8 @@ tokens that are `a`); the reward climbs from about 0.01 to 1 within the default 
 (`rlfabric bench trl --seeds 0,1,2` shows it).
 
 Two runs on one pool, as two jobs, each training a LoRA adapter named `policy` for its own
-letter (the pool's workers serve both; neither sees the other's adapter or pause):
+letter (the pool's workers serve both; neither sees the other's adapter or pause; an adapter on
+the blocks alone learns this toy task far slower than the full weights do: docs/benchmarks.md):
 
     python examples/trl_grpo.py --nats URL --job exp-a --lora --letter a &
     python examples/trl_grpo.py --nats URL --job exp-b --lora --letter b
@@ -35,6 +36,8 @@ from trl import GRPOConfig, GRPOTrainer
 from rlfabric.integrations.trl import TrlFabric
 from rlfabric.launch.local import LocalFleet
 from rlfabric.text.builtin import runs_dir
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def reward_of(letter: str) -> Any:
@@ -77,8 +80,11 @@ def options() -> argparse.Namespace:
                    help="the job this run is on a shared pool (default: the pool's own run; "
                    "a job trains a LoRA adapter: use it with --lora)")
     p.add_argument("--lora", action="store_true",
-                   help="train a LoRA adapter (PEFT, rank 8 on q_proj and v_proj), served as "
-                   "adapter `policy`, instead of the full weights")
+                   help="train a LoRA adapter (PEFT, rank 8 on every linear module of the "
+                   "blocks), served as adapter `policy`, instead of the full weights")
+    p.add_argument("--lora-alpha", type=float, default=16.0,
+                   help="the adapter's alpha (its update is scaled by alpha / 8; default "
+                   "%(default)s)")
     p.add_argument("--letter", default="a",
                    help="the byte the prompts ask for and the reward counts (default a)")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -86,7 +92,8 @@ def options() -> argparse.Namespace:
     return p.parse_args()
 
 
-def train(args: argparse.Namespace, url: str, model: str, out: Path) -> list[float]:
+def train(args: argparse.Namespace, url: str, model: str, out: Path
+          ) -> tuple[list[float], dict[int, Any]]:
     data = Dataset.from_dict({"prompt": [[{"role": "user",
                                            "content": f"say {args.letter} #{i}:"}]
                                          for i in range(512)]})
@@ -99,8 +106,9 @@ def train(args: argparse.Namespace, url: str, model: str, out: Path) -> list[flo
     if args.lora:
         import peft
 
+        # every linear module of the blocks (TRL refuses one on the head)
         policy = peft.get_peft_model(policy, peft.LoraConfig(
-            r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+            r=8, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=LORA_TARGETS))
     with TrlFabric(url, prefix=args.prefix, job=args.job, adapter="policy") as fabric:
         fabric.call(fabric.client.wait_for_workers, 1, 300)
         trainer = GRPOTrainer(model=policy,
@@ -110,7 +118,7 @@ def train(args: argparse.Namespace, url: str, model: str, out: Path) -> list[flo
                               rollout_func=fabric.rollout_func,  # 1: workers generate
                               callbacks=[fabric.sync, rewards])  # 2: each step's weights
         trainer.train()
-    return rewards.seen
+    return rewards.seen, dict(fabric.reports)
 
 
 def main() -> int:
@@ -119,12 +127,12 @@ def main() -> int:
         "trl-%Y%m%d-%H%M%S")
     t0 = time.monotonic()
     if args.nats:
-        seen = train(args, args.nats, args.model, out)
+        seen, reports = train(args, args.nats, args.model, out)
     else:
         with LocalFleet(args.model, workers=2, logs=out, prefix=args.prefix) as fleet:
             print(f"trl_grpo: NATS at {fleet.url}, 2 workers serving {fleet.path} (logs in "
                   f"{out})", flush=True)
-            seen = train(args, fleet.url, fleet.path, out)
+            seen, reports = train(args, fleet.url, fleet.path, out)
     final = sum(seen[-3:]) / max(1, len(seen[-3:]))
     passed = len(seen) == args.steps and final > args.threshold
     print(f"trl_grpo: {'job ' + args.job + ', ' if args.job else ''}seed {args.seed}, "
@@ -132,6 +140,10 @@ def main() -> int:
           f"reward {seen[0] if seen else float('nan'):.3f} -> {final:.3f} (the last 3 steps' "
           f"mean; threshold {args.threshold}); {'PASS' if passed else 'FAIL'}; files in {out}")
     print(f"trl_grpo: reward by step {' '.join(f'{r:.2f}' for r in seen)}")
+    acked = sorted({w for rep in reports.values() for w in rep.ok})
+    print(f"trl_grpo: {len(reports)} pushes, each acked by "
+          f"{min((len(r.ok) for r in reports.values()), default=0)} of the workers "
+          f"({', '.join(acked)})")
     return 0 if passed else 1
 
 
