@@ -1,8 +1,10 @@
 """Which adapters an engine holds, within its `--max-adapters`: a new one evicts the least
-recently used that no admitted request holds (waiting for one to free if every one is held);
-an evicted adapter is loaded again from the desired state when a request names it
-(`WeightSync.reload`), its digest verified as at any load. A request for a known adapter
-therefore never fails for capacity: it waits for the reload.
+recently used that no admitted request holds; an evicted adapter is loaded again from the
+desired state when a request names it (`WeightSync.reload`), its digest verified as at any
+load. A request for a known adapter therefore never fails for capacity: it waits for the
+reload, and for a held one to free if every one is held. A push finds no room only while every
+adapter held serves a request: it fails at once (`adapter_limit`) rather than hold the worker's
+commands (a resume among them) behind requests that may be frozen by a `keep` pause.
 
 Requests pin the adapter they were admitted under until their message is done, so a reload
 for another request cannot evict it between admission and generation.
@@ -44,22 +46,27 @@ class Residency:
             self._freed.set()
             self._freed = anyio.Event()
 
+    def freed(self) -> anyio.Event:
+        """Set when a request next lets go of its adapter."""
+        return self._freed
+
     async def make_room(self, key: str, held: Callable[[], dict[str, tuple[int, ...]]],
-                        unload: Callable[[str], Awaitable[bool]]) -> None:
+                        unload: Callable[[str], Awaitable[bool]]) -> bool:
         """Before `key` is loaded: while the engine holds `limit` other adapters, unload the
-        least recently used one no request holds (waiting for one to free)."""
+        least recently used one no request holds. False (nothing unloaded past that) if every
+        one serves a request now."""
         if self.limit < 1:
-            return
+            return True
         while key not in (names := held()) and len(names) >= self.limit:
             victim = next((k for k in [*self._recent, *names] if k in names
                            and not self._pins[k]), None)
-            if victim is None:  # every one serves a request now
-                await self._freed.wait()
-                continue
+            if victim is None:
+                return False
             await unload(victim)
             self._recent.pop(victim, None)
             self.evicted += 1
         self.touch(key)
+        return True
 
     def forget(self, key: str) -> None:
         self._recent.pop(key, None)

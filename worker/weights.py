@@ -129,16 +129,25 @@ class WeightSync:
         never loaded here for want of room. `CommandFailed` if it cannot be."""
         cmd = keyed(upd)
         key = cmd.target.name if isinstance(cmd.target, Adapter) else ""
-        async with self.loading:
-            if self.engine.adapter_versions().get(key, ())[-1:] == (cmd.version,) and \
-                    self.policies.adapter_run(key) == cmd.run:
-                return  # another request's reload brought it
-            t0 = time.monotonic()
-            # the push's deadline bounded its sender's wait; a reload is not bound by it
-            await self._apply(msgspec.structs.replace(cmd, deadline=0.0))
-            self.residency.reload_s.append(time.monotonic() - t0)
-        self.residency.reloaded += 1
-        del self.residency.reload_s[:-1000]
+        while True:
+            freed = self.residency.freed()
+            async with self.loading:
+                if self.engine.adapter_versions().get(key, ())[-1:] == (cmd.version,) and \
+                        self.policies.adapter_run(key) == cmd.run:
+                    return  # another request's reload brought it
+                t0 = time.monotonic()
+                try:
+                    # the push's deadline bounded its sender's wait; a reload is not bound by it
+                    await self._apply(msgspec.structs.replace(cmd, deadline=0.0))
+                except CommandFailed as exc:
+                    if exc.code != ErrorCode.ADAPTER_LIMIT:
+                        raise
+                else:
+                    self.residency.reload_s.append(time.monotonic() - t0)
+                    del self.residency.reload_s[:-1000]
+                    self.residency.reloaded += 1
+                    return
+            await freed.wait()  # every adapter held serves a request: until one is done
 
     async def unload(self, key: str) -> bool:
         """Drop every version of adapter `key` (an `UnloadAdapter`): not reloaded again."""
@@ -310,7 +319,13 @@ class WeightSync:
             await self.engine.unload_adapter(adapter.name)
             log.info("%s: adapter %r of run %s replaced by run %s's", self.worker_id,
                      adapter.name, held, cmd.run)
-        await self.residency.make_room(adapter.name, self.engine.adapter_versions, self._evict)
+        if not await self.residency.make_room(adapter.name, self.engine.adapter_versions,
+                                              self._evict):
+            raise CommandFailed(ErrorCode.ADAPTER_LIMIT, (
+                f"{self.worker_id}: adapter {adapter.name!r} v{cmd.version} not loaded: each "
+                f"of the {self.residency.limit} adapters it holds (--max-adapters) serves a "
+                "request now; push it again once one is done, or start workers with a larger "
+                "--max-adapters"))
         why = ""
         try:
             checksum = await self.engine.load_adapter(weights, adapter, cmd.version)

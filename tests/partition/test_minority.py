@@ -122,8 +122,9 @@ async def test_a_worker_back_from_a_cut_serves_nothing_before_it_holds_the_pushe
 async def test_a_push_failed_by_a_cut_is_taken_back_and_the_fleet_serves_one_version(
         site, prefix) -> None:
     """A worker and its node are cut off as v2 is pushed (policy `fail`): the push fails once
-    the worker is found gone, after the two others applied v2; they go back to v1. After the
-    heal every result is v1's, on all three workers."""
+    the worker is found gone, mostly after the two others applied v2 (they go back to v1), in
+    about 1 run in 10 before either did (nothing to take back). After the heal every result is
+    v1's, on all three workers."""
     s = await anyio.to_thread.run_sync(site)
     with s.net.hosts["tr"].entered():
         async with at_v0(s, prefix, QuorumPolicy(timeout=30)) as (fabric, mine):
@@ -151,8 +152,12 @@ async def test_a_push_failed_by_a_cut_is_taken_back_and_the_fleet_serves_one_ver
                 lambda sn: len(sn.members) == 3 and all(mb.weight_version == 1
                                                         for mb in sn.members), timeout=60)
     t.assert_each_once()
-    assert failed.value.report.ok and gone not in failed.value.report.ok  # v2 was applied
-    assert "taken back to v1: the fleet serves it again" in str(failed.value)
+    report = failed.value.report
+    assert gone not in report.ok
+    if report.ok:  # the others applied v2 before the cut-off worker was found gone
+        assert "taken back to v1: the fleet serves it again" in str(failed.value)
+    else:  # found gone first (their chunk consumers wait on the cut): nothing to take back
+        assert "taken back to v1 (none had applied v2" in str(failed.value)
 
 
 async def test_a_push_rides_out_a_minority_cut_of_the_weights_streams_leader(site,

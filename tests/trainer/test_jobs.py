@@ -314,3 +314,37 @@ async def test_the_operator_ends_a_job_its_requests_get_job_deleted_and_the_othe
         b_out = await collect(b, [req("b", [256, 3], max_tokens=4)], timeout=30)
     assert [type(r) for r in b_out] == [RolloutResult]
     assert "exp-a:policy" not in info.adapters
+
+
+async def test_a_push_with_every_adapter_in_use_under_a_keep_pause_fails_at_once(
+        nats_url, prefix) -> None:
+    """One adapter held at most, its request frozen by the pool's `keep` pause: a push of
+    another adapter finds no room and fails at once (`adapter_limit`) instead of holding the
+    worker's commands, so the resume goes through; the frozen request then finishes, and a
+    request for the other adapter gets it loaded."""
+    y = Adapter(name="other", rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"))
+    async with Bus.connect(nats_url, prefix=prefix) as bus, anyio.create_task_group() as tg:
+        await tg.start(Worker(bus, TorchEngine("tiny", max_adapters=1), "r0", capacity=8).run)
+        async with job(nats_url, prefix) as c:
+            await c.wait_for_workers(1, timeout=30)
+            await c.update_weights(0, state_dict=adapter_state(1), adapter=QV)
+            long = [RolloutRequest(**{**{f: getattr(q, f) for f in q.__struct_fields__},
+                                      "stream": True})
+                    for q in [req("x", [256, 7], max_tokens=400, seed=1, adapter="policy")]]
+            got: list[RolloutReply] = []
+            began = anyio.Event()
+            async with anyio.create_task_group() as run:
+                run.start_soon(_first_delta, c, long, began, got)
+                with anyio.fail_after(60):
+                    await began.wait()
+                await c.pause("keep")
+                with anyio.fail_after(10), pytest.raises(QuorumNotReached) as full:
+                    await c.update_weights(0, state_dict=adapter_state(2), adapter=y)
+                assert full.value.report.acks["r0"].error_code == "adapter_limit"
+                assert (await c.resume()).ok == ("r0",)
+            assert [type(r) for r in got] == [RolloutResult]
+            await c.update_weights(0, state_dict=adapter_state(2), adapter=y)
+            other = await collect(c, [req("y", [256, 9], max_tokens=4, adapter="other"),
+                                      req("x2", [256, 9], max_tokens=4, adapter="policy")])
+        tg.cancel_scope.cancel()
+    assert all(isinstance(r, RolloutResult) for r in other), other
