@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.nats, pytest.mark.anyio, pytest.mark.timeout(120)]
 ROOTS = tuple(str(Path(m.__file__).parent) for m in (rlfabric.bus, rlfabric.worker))
 #: functions whose only job is a span: called when tracing is on, and only then
 SPAN_ONLY = {"receiver.py:_apply_traced", "acks.py:_send_traced", "serving.py:_span_attributes",
-             "delivery.py:traces", "rollouts.py:stored", "outbox.py:_trace_headers",
+             "delivery.py:traces", "plane.py:stored", "outbox.py:_trace_headers",
              "outbox.py:<genexpr>"}
 
 #: functions of timers (heartbeats): whether a run calls them depends on how long it took
