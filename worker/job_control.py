@@ -62,21 +62,23 @@ class JobControl:
         with anyio.move_on_after(wait):
             await self.take(job, await self.weights.bus.state.read(job))
 
-    async def end(self, job: str) -> AckFields:
+    async def end(self, job: str, *, publish: bool = True) -> AckFields:
         """End job `job` (the operator's `Shutdown(job=...)`): its requests are refused from
-        now on (`job_deleted`), those running cancelled, its adapters dropped."""
+        now on (`job_deleted`), those running cancelled, its adapters dropped. `publish`:
+        write the worker's state now (not at join: it is no member yet)."""
         self.scopes.end(job)
         for key in [k for k in self.weights.engine.adapter_versions() if job_of_key(k) == job]:
             await self.weights.unload(key)
         self._written()
-        await self.publish()
+        if publish:
+            await self.publish()
         return AckFields(detail={"job": job, "ended": "true"})
 
     async def take(self, job: str, state: DesiredState) -> None:
         """Take job `job`'s desired state: its adapters' newest versions, paused or not
         (ended: see `end`)."""
         if state.pause_mode == ENDED:
-            await self.end(job)
+            await self.end(job, publish=False)
             return
         await self.weights.load_job(job, state)
         if state.paused:
