@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import anyio
+import msgspec
 import pytest
 import torch
 from helpers import collect, req, worst_gap
@@ -105,8 +106,7 @@ async def test_a_jobs_abort_pause_and_pushes_leave_the_other_job_serving(
         await b.update_weights(0, state_dict=adapter_state(2), adapter=QV)
         long = [req(f"a{i}", [256, 7 + i], max_tokens=400, seed=i, adapter="policy")
                 for i in range(4)]
-        long = [RolloutRequest(**{**{f: getattr(q, f) for f in q.__struct_fields__},
-                                  "stream": True}) for q in long]
+        long = [msgspec.structs.replace(q, stream=True) for q in long]
         got_a: list[RolloutReply] = []
         began = anyio.Event()
         async with anyio.create_task_group() as tg:
@@ -287,10 +287,8 @@ async def test_the_operator_ends_a_job_its_requests_get_job_deleted_and_the_othe
             job(nats_url, prefix, "exp-b") as b, job(nats_url, prefix) as operator:
         await a.wait_for_workers(1, timeout=30)
         await a.update_weights(0, state_dict=adapter_state(1), adapter=QV)
-        long = [RolloutRequest(**{**{f: getattr(q, f) for f in q.__struct_fields__},
-                                  "stream": True})
-                for q in (req(f"a{i}", [256, 7 + i], max_tokens=400, seed=i, adapter="policy")
-                          for i in range(2))]
+        long = [msgspec.structs.replace(req(f"a{i}", [256, 7 + i], max_tokens=400, seed=i,
+                                            adapter="policy"), stream=True) for i in range(2)]
         got_a: list[RolloutReply] = []
         began = anyio.Event()
         async with anyio.create_task_group() as tg:
@@ -328,9 +326,8 @@ async def test_a_push_with_every_adapter_in_use_under_a_keep_pause_fails_at_once
         async with job(nats_url, prefix) as c:
             await c.wait_for_workers(1, timeout=30)
             await c.update_weights(0, state_dict=adapter_state(1), adapter=QV)
-            long = [RolloutRequest(**{**{f: getattr(q, f) for f in q.__struct_fields__},
-                                      "stream": True})
-                    for q in [req("x", [256, 7], max_tokens=400, seed=1, adapter="policy")]]
+            long = [msgspec.structs.replace(req("x", [256, 7], max_tokens=400, seed=1,
+                                                adapter="policy"), stream=True)]
             got: list[RolloutReply] = []
             began = anyio.Event()
             async with anyio.create_task_group() as run:
