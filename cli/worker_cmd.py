@@ -37,6 +37,15 @@ from rlfabric.worker.runtime import CAPACITY, check_knobs
 log = logging.getLogger("rlfabric.worker")
 
 
+MODEL_HELP = (
+    "a local Hugging Face checkpoint directory, or a built-in model (random weights, written "
+    f"once under {cache_dir('checkpoints')} for engines that load from a directory): "
+    f"{', '.join(BUILTIN)}. tiny: byte tokens; tiny64: the same with 64-wide heads (vLLM's CPU "
+    "build needs them); tinychat: bytes with a chat template and a one-token tool call; "
+    "tinylora: tinychat with a head a LoRA adapter can steer; tinyqwen: the Qwen2.5 tokenizer; "
+    "small64: a 9.4M-parameter body; qwen05b: Qwen2.5-0.5B's shape (default %(default)s)")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "worker", help="run one inference worker (engine + bus runtime)",
@@ -46,14 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_bus_options(p)
     p.add_argument("--engine", default="torch", choices=registry.names(),
                    help=registry.engine_help())
-    p.add_argument("--model", default="tiny",
-                   help="a local Hugging Face checkpoint directory, or a built-in model "
-                   f"(random weights, written once under {cache_dir('checkpoints')} for "
-                   f"engines that load from a directory): {', '.join(BUILTIN)}. tiny: byte "
-                   "tokens; tiny64: the same with 64-wide heads (vLLM's CPU build needs them); "
-                   "tinychat: bytes with a chat template and a one-token tool call; "
-                   "tinyqwen: the Qwen2.5 tokenizer; small64: a 9.4M-parameter body; qwen05b: "
-                   "Qwen2.5-0.5B's shape (default %(default)s)")
+    p.add_argument("--model", default="tiny", help=MODEL_HELP)
     p.add_argument("--worker-id", default=None,
                    help="unique id on the bus (default: <host>-<pid>); letters, digits, _ -")
     p.add_argument("--capacity", type=int, default=CAPACITY,
@@ -89,7 +91,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(a bfloat16 trainer: --dtype bfloat16)")
     p.add_argument("--max-adapters", type=int, default=None, metavar="N",
                    help=f"LoRA adapters (by name) held at once (default: {registry.MAX_ADAPTERS} "
-                   "on torch; 0, LoRA off, on vllm); one more is refused (adapter_limit)")
+                   "on torch; 0, LoRA off, on vllm); past it the least recently used is "
+                   "unloaded and loaded again when a request names it")
     p.add_argument("--adapter-versions", type=int, default=registry.ADAPTER_VERSIONS,
                    metavar="K", help="versions of each adapter kept loaded, so requests running "
                    "under an older one finish on it; a request for a dropped one fails "

@@ -13,17 +13,22 @@ The toy task: answer "say a #i:" with the byte `a` (reward: the fraction of the 
 tokens that are `a`); the reward climbs from about 0.01 to 1 within the default 30 steps
 (`rlfabric bench trl --seeds 0,1,2` shows it).
 
-Two runs on one pool, as two jobs, each training a LoRA adapter named `policy` for its own
-letter (the pool's workers serve both; neither sees the other's adapter or pause; an adapter on
-the blocks alone learns this toy task far slower than the full weights do: docs/benchmarks.md):
+Two runs on one pool at once, as two jobs, each training a LoRA adapter named `policy` for its
+own letter (the pool's workers serve both; neither sees the other's adapter or pause), each run
+a process of its own; exits non-zero unless both learned:
 
-    python examples/trl_grpo.py --nats URL --job exp-a --lora --letter a &
-    python examples/trl_grpo.py --nats URL --job exp-b --lora --letter b
+    python examples/trl_grpo.py --jobs exp-a:a,exp-b:b
+
+An adapter learns on `tinylora` (the default with --lora or --jobs), not on `tinychat`: a
+random-init head keeps every logit within a few nats of the others, and an adapter on the blocks
+cannot change the head (TRL refuses one on it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +38,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from rlfabric.engines import checkpoint_dir
 from rlfabric.integrations.trl import TrlFabric
 from rlfabric.launch.local import LocalFleet
 from rlfabric.text.builtin import runs_dir
@@ -66,9 +72,10 @@ def options() -> argparse.Namespace:
                    help="a running fleet's NATS server (default: start a server and two "
                    "workers here)")
     p.add_argument("--prefix", default="rl", help="its job prefix (default %(default)s)")
-    p.add_argument("--model", default="tinychat",
+    p.add_argument("--model", default=None,
                    help="the checkpoint the trainer (and the workers it starts) load: a "
-                   "directory, or a built-in name (default %(default)s)")
+                   "directory, or a built-in name (default tinychat; tinylora with --lora or "
+                   "--jobs)")
     p.add_argument("--steps", type=int, default=30, help="training steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="TRL's seed (default %(default)s)")
     p.add_argument("--lr", type=float, default=1e-2,
@@ -87,9 +94,14 @@ def options() -> argparse.Namespace:
                    "%(default)s)")
     p.add_argument("--letter", default="a",
                    help="the byte the prompts ask for and the reward counts (default a)")
+    p.add_argument("--jobs", default=None, metavar="JOB:LETTER,...",
+                   help="one LoRA run per job at once on one pool (its own process, its own "
+                   "letter; the same --steps, --seed, --lr); exits 0 only if each learned")
     p.add_argument("--out", default=None, metavar="DIR",
                    help=f"the run's folder (default: a new one under {runs_dir()})")
-    return p.parse_args()
+    args = p.parse_args()
+    args.model = args.model or ("tinylora" if args.lora or args.jobs else "tinychat")
+    return args
 
 
 def train(args: argparse.Namespace, url: str, model: str, out: Path
@@ -121,22 +133,12 @@ def train(args: argparse.Namespace, url: str, model: str, out: Path
     return rewards.seen, dict(fabric.reports)
 
 
-def main() -> int:
-    args = options()
-    out = Path(args.out) if args.out else Path(runs_dir()) / time.strftime(
-        "trl-%Y%m%d-%H%M%S")
-    t0 = time.monotonic()
-    if args.nats:
-        seen, reports = train(args, args.nats, args.model, out)
-    else:
-        with LocalFleet(args.model, workers=2, logs=out, prefix=args.prefix) as fleet:
-            print(f"trl_grpo: NATS at {fleet.url}, 2 workers serving {fleet.path} (logs in "
-                  f"{out})", flush=True)
-            seen, reports = train(args, fleet.url, fleet.path, out)
+def summarize(args: argparse.Namespace, seen: list[float], reports: dict[int, Any],
+              seconds: float, out: Path) -> bool:
     final = sum(seen[-3:]) / max(1, len(seen[-3:]))
     passed = len(seen) == args.steps and final > args.threshold
     print(f"trl_grpo: {'job ' + args.job + ', ' if args.job else ''}seed {args.seed}, "
-          f"{len(seen)} steps in {time.monotonic() - t0:.0f}s: "
+          f"{len(seen)} steps in {seconds:.0f}s: "
           f"reward {seen[0] if seen else float('nan'):.3f} -> {final:.3f} (the last 3 steps' "
           f"mean; threshold {args.threshold}); {'PASS' if passed else 'FAIL'}; files in {out}")
     print(f"trl_grpo: reward by step {' '.join(f'{r:.2f}' for r in seen)}")
@@ -144,7 +146,61 @@ def main() -> int:
     print(f"trl_grpo: {len(reports)} pushes, each acked by "
           f"{min((len(r.ok) for r in reports.values()), default=0)} of the workers "
           f"({', '.join(acked)})")
-    return 0 if passed else 1
+    return passed
+
+
+def run_jobs(args: argparse.Namespace, out: Path) -> int:
+    """Each job's run as a process of its own, all at once on one pool; 0 if each passed."""
+    jobs = [j.split(":") for j in args.jobs.split(",")]
+    if any(len(j) != 2 or not j[0] or len(j[1]) != 1 for j in jobs):
+        sys.exit(f"trl_grpo: --jobs {args.jobs!r}: want JOB:LETTER,... (e.g. exp-a:a,exp-b:b)")
+    with contextlib.ExitStack() as stack:
+        url, model = args.nats, checkpoint_dir(args.model)
+        if not url:
+            fleet = stack.enter_context(LocalFleet(args.model, workers=2, logs=out,
+                                                   prefix=args.prefix))
+            url = fleet.url
+            print(f"trl_grpo: NATS at {url}, 2 workers serving {model}; jobs "
+                  f"{', '.join(j for j, _ in jobs)} (logs in {out})", flush=True)
+        runs = []
+        for job, letter in jobs:
+            cmd = [sys.executable, __file__, "--nats", url, "--prefix", args.prefix, "--model",
+                   model, "--job", job, "--lora", "--letter", letter, "--steps",
+                   str(args.steps), "--seed", str(args.seed), "--lr", str(args.lr),
+                   "--lora-alpha", str(args.lora_alpha), "--threshold", str(args.threshold),
+                   "--out", str(out / job)]
+            log = stack.enter_context(open(out / f"{job}.log", "w"))
+            runs.append((job, stack.enter_context(subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT))))
+        try:
+            codes = [proc.wait() for _, proc in runs]
+        finally:
+            for _, proc in runs:  # Ctrl-C: no run outlives this one
+                proc.terminate()
+    for job, _ in runs:
+        lines = (out / f"{job}.log").read_text().splitlines()
+        print("\n".join(f"[{job}] {line}" for line in lines if line.startswith("trl_grpo:")))
+    print(f"trl_grpo: {sum(c == 0 for c in codes)} of {len(runs)} jobs passed; "
+          f"{'PASS' if not any(codes) else 'FAIL'}")
+    return 0 if not any(codes) else 1
+
+
+def main() -> int:
+    args = options()
+    out = Path(args.out) if args.out else Path(runs_dir()) / time.strftime(
+        "trl-%Y%m%d-%H%M%S")
+    if args.jobs:
+        out.mkdir(parents=True, exist_ok=True)
+        return run_jobs(args, out)
+    t0 = time.monotonic()
+    if args.nats:
+        seen, reports = train(args, args.nats, checkpoint_dir(args.model), out)
+    else:
+        with LocalFleet(args.model, workers=2, logs=out, prefix=args.prefix) as fleet:
+            print(f"trl_grpo: NATS at {fleet.url}, 2 workers serving {fleet.path} (logs in "
+                  f"{out})", flush=True)
+            seen, reports = train(args, fleet.url, fleet.path, out)
+    return 0 if summarize(args, seen, reports, time.monotonic() - t0, out) else 1
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from rlfabric.schemas._base import Message
 
 
@@ -35,6 +37,10 @@ class ModelSpec(Message, frozen=True, kw_only=True):
     tokenizer: str = ""
     #: the chat template of a model with a tokenizer (`rlfabric.text.templates.TEMPLATES`)
     chat_template: str = ""
+    #: the output head's initial weights times this: a head at the usual init (std 0.02) over
+    #: RMS-normed hidden states keeps every logit within about +-2.6 of the others, so only
+    #: training the head itself (not an adapter on the blocks) can make one token likely
+    head_scale: float = 1.0
 
     def hf_config(self) -> dict[str, Any]:
         """Keyword arguments for the `transformers` config of `arch` (LlamaConfig, Qwen2Config)."""
@@ -71,6 +77,9 @@ SMALL64 = ModelSpec(name="small64", hidden_size=384, intermediate_size=1024, num
 TINYCHAT = ModelSpec(name="tinychat", vocab_size=262, hidden_size=128, intermediate_size=256,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                      eos_token_id=260, tokenizer="bytes-chat", chat_template="tinychat")
+#: tinychat with its head 4x as wide at init, as a trained model's head spreads its logits: a
+#: LoRA adapter on the blocks alone can learn a task on it (`examples/trl_grpo.py --jobs`)
+TINYLORA = msgspec.structs.replace(TINYCHAT, name="tinylora", head_scale=4.0)
 #: Qwen2.5-0.5B's shape with an untied head (630M parameters, 2,404 MiB in fp32), random
 #: weights: what `rlfabric bench weights --device cuda` pushes
 QWEN05B = ModelSpec(name="qwen05b", arch="qwen2", vocab_size=151936, hidden_size=896,
@@ -79,7 +88,7 @@ QWEN05B = ModelSpec(name="qwen05b", arch="qwen2", vocab_size=151936, hidden_size
                     eos_token_id=151645, pad_token_id=151643, tokenizer="qwen2.5",
                     chat_template="chatml-tools")
 BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (TINY, TINY64, TINYQWEN, SMALL64,
-                                                     TINYCHAT, QWEN05B)}
+                                                     TINYCHAT, TINYLORA, QWEN05B)}
 
 
 def byte_tokens(text: str | bytes, *, bos: bool = True) -> list[int]:

@@ -27,6 +27,9 @@ def build_model(name_or_path: str, *, dtype: torch.dtype | None = None,
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
             model: Any = AutoModelForCausalLM.from_config(cfg)
+        if spec.head_scale != 1.0:
+            with torch.no_grad():
+                model.get_output_embeddings().weight.mul_(spec.head_scale)
         model = model.to(dtype=dtype)
     elif os.path.isdir(name_or_path):
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,

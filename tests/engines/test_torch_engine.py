@@ -128,3 +128,21 @@ async def test_a_checkpoint_stops_at_every_end_token_its_files_name(tmp_path) ->
     assert past_an_end(out, LLAMA3_ENDS) == []
     ended = {r.completion_token_ids.tolist()[-1] for r in out if r.finish_reason == "stop"}
     assert ended == LLAMA3_ENDS  # stopped at the config's and at the tokenizer's
+
+
+def test_tinylora_is_tinychat_with_a_head_an_adapter_can_steer() -> None:
+    """The same blocks as tinychat; only the head is wider, so a hidden state the blocks turn
+    toward one token's row can make that token likely (tinychat's head cannot)."""
+    from rlfabric.tensors.models import build_model
+
+    chat, wide = build_model("tinychat"), build_model("tinylora")
+    a, b = chat.state_dict(), wide.state_dict()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == ["lm_head.weight"]
+    assert torch.equal(b["lm_head.weight"], 4 * a["lm_head.weight"])
+
+    def best_chance(head: torch.Tensor, token: int) -> float:
+        h = head[token] / head[token].norm() * head.shape[1] ** 0.5  # an RMS-normed state
+        return float(torch.softmax(head @ h, dim=0)[token])
+
+    assert best_chance(a["lm_head.weight"], ord("a")) < 0.1
+    assert best_chance(b["lm_head.weight"], ord("a")) > 0.5
