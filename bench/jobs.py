@@ -1,4 +1,5 @@
-"""Two jobs on one pool: does one job's pause and pushes reach the other's streams?
+"""Two jobs on one pool: does one job's pause and pushes reach the other's streams? (With
+`--fair`: how the pool shares its workers between jobs, `rlfabric.bench.share`.)
 
 An embedded NATS server and 2 torch workers (`tinychat`); jobs `exp-a` and `exp-b` each push
 a LoRA adapter named `policy` and stream requests without pause (B: `--b-streams` requests at
@@ -29,6 +30,7 @@ from typing import Any
 
 import anyio
 
+from rlfabric.bench import share
 from rlfabric.bench._util import pct, table
 from rlfabric.schemas import Adapter
 
@@ -49,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-adapters", type=int, default=4,
                    help="residency: each worker's --max-adapters (default %(default)s)")
     p.add_argument("--out", default=None, help="the workers' logs (default: a temp folder)")
+    share.add_arguments(p)
 
 
 async def _stream(c: Any, name: str, until: float, n: int, max_tokens: int,
@@ -226,6 +229,8 @@ def _describe() -> Any:
 def main(args: argparse.Namespace) -> int:
     import tempfile
 
+    if args.fair:
+        return share.main(args)
     from rlfabric.launch.local import LocalFleet
 
     out = Path(args.out or tempfile.mkdtemp(prefix="rlf-bench-jobs-"))

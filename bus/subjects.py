@@ -82,6 +82,13 @@ class Subjects:
         """The one durable consumer every worker pulls from: the workers' queue group."""
         return f"{self._upper}_WORKERS"
 
+    def consumer_of(self, job: str) -> str:
+        """The durable consumer job `job`'s requests are pulled from (the pool's: the
+        workers' queue group); one per job, so that each worker chooses between the jobs with
+        work (`rlfabric.worker.fair`) rather than taking one queue's order."""
+        return f"{self.rollout_consumer}_{check_token(job, 'job')}" if job else \
+            self.rollout_consumer
+
     @property
     def members_bucket(self) -> str:
         return f"{self.prefix}_members"
@@ -104,11 +111,6 @@ class Subjects:
         """Where job `job`'s client sends its requests (the pool's own subject for "")."""
         return f"{self.rollout_request}.{check_token(job, 'job')}" if job else \
             self.rollout_request
-
-    @property
-    def rollout_requests_all(self) -> str:
-        """What the workers' consumer takes: the pool's requests and every job's."""
-        return f"{self.prefix}.rollout.>"
 
     def job_of_request(self, subject: str) -> str:
         """The job whose subject a request came on ("" for the pool's own)."""

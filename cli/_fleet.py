@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from rlfabric.schemas import FleetView, WorkerInfo
+from rlfabric.schemas import FleetView, JobShare, WorkerInfo
 from rlfabric.schemas.jobs import ENDED
 
 #: the columns of the members table, in order
@@ -71,12 +71,19 @@ def desired_line(view: FleetView) -> str:
 
 def job_rows(view: FleetView) -> list[dict[str, Any]]:
     """Each job on the pool: its pause, its adapters' desired versions, its requests in
-    flight (summed over the workers) and the workers holding its requests."""
+    flight (summed over the workers), the workers holding its requests, its weight and quota,
+    and its share of the tokens served in the last minute beside its weight's share of the
+    jobs served then ("" is the pool's own job)."""
     names = set(view.jobs) | {j for m in view.members for j in m.jobs if j} | \
-        {j for m in view.members for j in m.paused_jobs}
+        {j for m in view.members for j in m.paused_jobs} | set(view.shares) | \
+        {j for m in view.members for j in m.job_tokens}
+    tokens = {j: sum(m.job_tokens.get(j, 0) for m in view.members) for j in names}
+    served = sum(tokens.values())
+    weights = {j: view.shares.get(j, JobShare()).weight for j in names if tokens[j]}
     rows = []
     for job in sorted(names):
         d = view.jobs.get(job)
+        share = view.shares.get(job, JobShare())
         held = [m.worker_id for m in view.members if job in m.paused_jobs]
         rows.append({
             "job": job,
@@ -86,6 +93,13 @@ def job_rows(view: FleetView) -> list[dict[str, Any]]:
             if d is not None and d.adapters else "-",
             "in_flight": sum(m.jobs.get(job, 0) for m in view.members),
             "held_by": ",".join(held) or "-",
+            "weight": share.weight,
+            "quota": share.max_in_flight or "-",
+            "tokens_1m": tokens[job],
+            # its part of the tokens served beside its weight's part among the jobs served
+            "share_1m": f"{tokens[job] / served:.2f}" if served else "-",
+            "weight_share": f"{share.weight / sum(weights.values()):.2f}"
+            if job in weights else "-",
         })
     return rows
 

@@ -6,6 +6,13 @@ lets a client act for that job only (`rlfabric.bus.nats.auth.job_permissions`): 
 job=NAME)`.
 Creating or deleting a key has that server read its config again at once; another
 nats-server that includes `DIR/auth.conf` is told to with `nats-server --signal reload`.
+
+A job's share of the pool (`create` or `set`, with --nats and the operator's key): workers
+share their tokens between the jobs that have work in proportion to their `--weight`s (a job
+alone gets every worker), and hold at most `--max-in-flight` of a job's requests at once
+(the rest wait in the queue, they are not refused). Both can change while the job runs;
+workers read them within a second. `rlfabric status` shows each job's share of the tokens
+served in the last minute beside its weight's.
 """
 
 from __future__ import annotations
@@ -17,14 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from rlfabric.bus import Bus, InvalidName, NatsUnavailable, fleet_view
 from rlfabric.bus.nats.auth import add_job, job_keys, job_permissions, reload_server, remove_job
 from rlfabric.bus.subjects import Subjects
 from rlfabric.cli._common import add_bus_options, connect_options
 from rlfabric.cli._fleet import job_rows
+from rlfabric.schemas import JobShare
 from rlfabric.text.builtin import cache_dir
-from rlfabric.trainer import FabricClient
+from rlfabric.trainer import FabricClient, PoolOnly
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     jsub = p.add_subparsers(dest="job_op", metavar="OP", required=True)
-    for op, help_ in (("create", "give a job a key of its own and let it in"),
+    for op, help_ in (("create", "give a job a key of its own and let it in (and its share)"),
+                      ("set", "change a job's weight or quota while it runs"),
                       ("list", "the jobs with a key, and what the pool holds of each"),
                       ("show", "one job: its key, what it may do, its adapters and pause"),
                       ("delete", "take a job's key away (its clients are disconnected)")):
@@ -46,6 +56,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="the key folder of `rlfabric nats --auth DIR` (default: "
                        f"{cache_dir('keys', '<prefix>')})")
         g.add_argument("--json", action="store_true", help="print one JSON object")
+        if op in ("create", "set"):
+            sg = jp.add_argument_group("its share of the pool (set on the pool through --nats)")
+            sg.add_argument("--weight", type=float, default=None,
+                           help="its part of the workers' tokens while jobs compete, against "
+                           "the other jobs' weights (default 1; set keeps the current)")
+            sg.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+                           help="its requests held by the workers at once, at most (default 0: "
+                           "no quota; set keeps the current); the rest wait their turn")
         jp.set_defaults(func=run)
 
 
@@ -53,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     keys = Path(args.auth or cache_dir("keys", args.prefix))
     try:
         out = _do(args, keys)
-    except (InvalidName, OSError) as exc:
+    except (InvalidName, OSError, ValueError, NatsUnavailable, PoolOnly) as exc:
         print(f"rlfabric job {args.job_op}: {exc}", file=sys.stderr)
         return 2
     if args.job_op in ("list", "show"):
@@ -71,9 +89,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _do(args: argparse.Namespace, keys: Path) -> dict[str, Any]:
     op = args.job_op
+    out: dict[str, Any] = {"keys": str(keys)}
+    if op == "set" or (op == "create" and (args.weight, args.max_in_flight) != (None, None)):
+        out["share"] = msgspec.to_builtins(anyio.run(_set_share, args))
+        if op == "set":
+            out["jobs"] = {}
+            return out
     if op == "create":
         add_job(keys, args.name, prefix=args.prefix)
-    out: dict[str, Any] = {"keys": str(keys)}
     if op == "delete":
         try:  # its requests answered `job_deleted`, its adapters dropped
             rep = anyio.run(_end, args)
@@ -96,6 +119,17 @@ def _do(args: argparse.Namespace, keys: Path) -> dict[str, Any]:
     return out
 
 
+async def _set_share(args: argparse.Namespace) -> JobShare:
+    async with FabricClient.connect(connect_options(args, "rlfabric-job"),
+                                    prefix=args.prefix) as operator:
+        now = await operator.bus.state.share(args.name)
+        share = JobShare(weight=now.weight if args.weight is None else args.weight,
+                         max_in_flight=now.max_in_flight if args.max_in_flight is None
+                         else args.max_in_flight)
+        await operator.set_share(args.name, share)
+        return share
+
+
 async def _end(args: argparse.Namespace) -> Any:
     async with FabricClient.connect(connect_options(args, "rlfabric-job"),
                                     prefix=args.prefix) as operator:
@@ -111,6 +145,13 @@ async def _pool(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _print(args: argparse.Namespace, out: dict[str, Any]) -> None:
     op = args.job_op
+    if "share" in out:
+        sh = out["share"]
+        print(f"rlfabric job {op}: job {args.name!r}: weight {sh.get('weight', 1.0):g}, "
+              f"quota {sh.get('max_in_flight') or 'none'} (the workers take it within a "
+              "second)")
+        if op == "set":
+            return
     if op in ("create", "delete"):
         what = "key written" if op == "create" else "key removed"
         where = (f"the server (pid {out['reloaded']}) reloaded its users" if out["reloaded"]
@@ -140,7 +181,9 @@ def _print(args: argparse.Namespace, out: dict[str, Any]) -> None:
     elif pool:
         print("on the pool:")
         for r in pool:
-            print(f"  {r['job']}: {r['state']}, adapters {r['adapters']}, "
-                  f"{r['in_flight']} in flight, held by {r['held_by']}")
+            print(f"  {r['job'] or '(pool)'}: {r['state']}, adapters {r['adapters']}, "
+                  f"{r['in_flight']} in flight, held by {r['held_by']}; weight "
+                  f"{r['weight']:g}, quota {r['quota']}, {r['tokens_1m']} tokens in the last "
+                  f"minute (share {r['share_1m']}, its weight's {r['weight_share']})")
     elif op == "list" and not out["jobs"]:
         print("no job has a key or a state on the pool yet: `rlfabric job create NAME`")

@@ -67,5 +67,7 @@ def run(args: argparse.Namespace) -> int:
     print(info["desired_state"]["text"])
     if info["jobs"]:
         print(f"\njobs on the pool: {len(info['jobs'])}")
-        print(_table(info["jobs"], ["job", "state", "adapters", "in_flight", "held_by"]))
+        print(_table(info["jobs"], ["job", "state", "adapters", "in_flight", "held_by",
+                                    "weight", "quota", "tokens_1m", "share_1m",
+                                    "weight_share"]))
     return 0

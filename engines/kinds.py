@@ -144,6 +144,15 @@ VLLM = register(EngineKind(
         weight_transfer=a.weight_transfer)},
     # vLLM's CPU build takes 64-wide heads only
     default_model="tiny64", up_worker_args=("--kv-cache-gib", "1")))
+def _null_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("null engine")
+    g.add_argument("--token-s", type=float, default=0.0, metavar="S",
+                   help="seconds of wall time a request takes per max token, sleeping, not "
+                   "computing: a device's decode time without the CPU, for benchmarks of "
+                   "scheduling on machines without one (default 0: at once)")
+
+
 NULL = register(EngineKind(
     name="null", help="echoes prompts (benchmarks)", factory=_null, trains=False,
+    add_options=_null_options, options=lambda a: {"token_s": a.token_s},
     torch_threads=False))

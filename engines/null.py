@@ -1,5 +1,8 @@
 """The null engine: echoes the prompt back as the completion, instantly, logprob 0 for every
-token. It takes the model out of a measurement, leaving the fabric's own costs."""
+token. It takes the model out of a measurement, leaving the fabric's own costs. With
+`token_s`, a request takes that many seconds per max token, asleep: a device that decodes
+every admitted request at once, at a fixed speed, without the CPU (scheduling benchmarks on
+machines without one)."""
 
 from __future__ import annotations
 
@@ -35,8 +38,9 @@ class NullEngine(RuntimeCollective):
     weights_device = "cpu"
 
     def __init__(self, model: str = "none", *, vocab_size: int = 1 << 20,
-                 adapter_versions: int = ADAPTER_VERSIONS) -> None:
+                 adapter_versions: int = ADAPTER_VERSIONS, token_s: float = 0.0) -> None:
         self.model = model
+        self.token_s = token_s
         self.vocab_size = vocab_size
         self._keep = adapter_versions
         self._adapters: dict[str, tuple[int, ...]] = {}
@@ -65,6 +69,8 @@ class NullEngine(RuntimeCollective):
                        on_tokens: TokenSink | None = None) -> AsyncIterator[RolloutResult]:
         self.check(request)
         await self._resumed.wait()
+        if self.token_s:
+            await anyio.sleep(self.token_s * request.sampling.max_tokens)
         for res in self._echo(request, worker_id, on_tokens):
             yield res
 
@@ -73,6 +79,8 @@ class NullEngine(RuntimeCollective):
                             ) -> AsyncGenerator[list[RolloutResult], None]:
         if not self._resumed.is_set():
             await self._resumed.wait()
+        if self.token_s:
+            await anyio.sleep(self.token_s * max(r.sampling.max_tokens for r in requests))
         yield [res for request in requests for res in self._echo(request, worker_id, on_tokens)]
 
     def _echo(self, request: RolloutRequest, worker_id: str,

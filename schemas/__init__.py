@@ -75,10 +75,13 @@ from rlfabric.schemas.fleet import (
 )
 from rlfabric.schemas.jobs import (
     JOB_STATE_PREFIX,
+    SHARE_KEY,
+    JobShare,
     adapter_key,
     is_job,
     job_of_key,
     job_state_key,
+    share_key,
 )
 from rlfabric.schemas.policy import (
     CHECKPOINT,
@@ -172,6 +175,7 @@ __all__ = [
     "SCHEMA_MAJOR",
     "SCHEMA_VERSION",
     "SEGMENT_REASONS",
+    "SHARE_KEY",
     "STATE_MARK_HEADER",
     "TRACEPARENTS_HEADER",
     "TRANSPORT_KINDS",
@@ -197,6 +201,7 @@ __all__ = [
     "FinishReason",
     "FleetView",
     "InitTransport",
+    "JobShare",
     "MalformedMessage",
     "MembershipSnapshot",
     "Nats",
@@ -255,4 +260,5 @@ __all__ = [
     "json_schema",
     "op_of",
     "run_of",
+    "share_key",
 ]

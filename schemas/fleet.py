@@ -14,6 +14,7 @@ from typing import Literal
 
 from rlfabric.schemas._base import Message
 from rlfabric.schemas.control import Ack, UpdateWeights
+from rlfabric.schemas.jobs import JobShare
 
 _WORKER_ID = operator.attrgetter("worker_id")
 
@@ -50,6 +51,8 @@ class WorkerInfo(Message, frozen=True, kw_only=True):
     jobs: dict[str, int] = {}
     #: the jobs whose requests it holds (their own pause; the pool's is `state`)
     paused_jobs: tuple[str, ...] = ()
+    #: tokens it served in the last minute, by job (refreshed every few seconds at most)
+    job_tokens: dict[str, int] = {}
 
 
 class Beats(Message, frozen=True, kw_only=True):
@@ -120,6 +123,8 @@ class FleetView(Message, frozen=True, kw_only=True):
     at: float = 0.0
     #: each job's desired state (its adapters and pause; `rlfabric.schemas.jobs`), by job
     jobs: dict[str, DesiredState] = {}
+    #: each job's weight and quota as its operator set them (a job not named: weight 1)
+    shares: dict[str, JobShare] = {}
 
     @property
     def pushed(self) -> bool:

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import re
 
+from rlfabric.schemas._base import Message
+
 #: between a job and its adapter's name in the engine's key
 SEPARATOR = ":"
 #: keys of the state bucket holding each job's desired state (adapters, paused)
 JOB_STATE_PREFIX = "job."
+#: the state-bucket key of the pool's own job's share; a job's is `share.<job>` (`share_key`)
+SHARE_KEY = "share"
 #: the `pause_mode` of the desired state of a job its pool's operator ended
 ENDED = "deleted"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -43,3 +47,18 @@ def job_of_key(key: str) -> str:
 def job_state_key(job: str) -> str:
     """The state-bucket key of job `job`'s desired state."""
     return JOB_STATE_PREFIX + job
+
+
+def share_key(job: str) -> str:
+    """The state-bucket key of job `job`'s `JobShare`."""
+    return f"{SHARE_KEY}.{job}" if job else SHARE_KEY
+
+
+class JobShare(Message, frozen=True, kw_only=True):
+    """What the pool's operator gives a job (`rlfabric job create|set`): its `weight` (workers
+    share their tokens between the jobs with work in proportion to their weights) and its
+    quota, `max_in_flight` requests in workers at most (0: none; a request past it waits in
+    the queue, it is not refused). A job with no share has weight 1 and no quota."""
+
+    weight: float = 1.0
+    max_in_flight: int = 0

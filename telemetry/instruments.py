@@ -3,7 +3,8 @@ exists (`configure(metrics_path=...)`, OTLP, or the application's own global one
 
 - `rlfabric.rollout.results` (counter): results and errors the trainer hands to callers,
   by `outcome` (ok, or the error code);
-- `rlfabric.rollout.tokens` (counter): completion tokens, per worker;
+- `rlfabric.rollout.tokens` (counter): completion tokens, per worker and job (`rlfabric.job`:
+  a job's share of the pool is its rate over the sum of all);
 - `rlfabric.rollout.queue_depth` (gauge): requests awaiting results on the trainer, in flight
   on a worker;
 - `rlfabric.control.ack.duration` (histogram, s): from a command's publish to each worker's

@@ -35,6 +35,8 @@ MESSAGE_ID = "messaging.message.id"
 CONSUMER_GROUP = "messaging.consumer.group.name"
 BATCH_COUNT = "messaging.batch.message_count"
 WORKER_ID = "rlfabric.worker.id"
+#: the job a request is of ("" the pool's own; `rlfabric.schemas.jobs`)
+JOB = "rlfabric.job"
 WEIGHT_VERSION = "rlfabric.weight.version"
 CMD_ID = "rlfabric.cmd.id"
 CMD_OP = "rlfabric.cmd.op"

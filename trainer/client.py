@@ -29,7 +29,7 @@ from rlfabric.bus import (
     QuorumPolicy,
     new_cmd_id,
 )
-from rlfabric.bus.nats.provision import cluster_size, provision_job
+from rlfabric.bus.nats.provision import cluster_size, ensure_consumer, provision_job
 from rlfabric.bus.rollouts.affinity import Affinity
 from rlfabric.bus.rollouts.plane import RolloutPlane, in_groups
 from rlfabric.bus.subjects import check_token
@@ -43,6 +43,7 @@ from rlfabric.schemas import (
     Describe,
     DesiredState,
     FanoutReport,
+    JobShare,
     MembershipSnapshot,
     Pause,
     PauseMode,
@@ -63,11 +64,15 @@ from rlfabric.trainer.continuation import continue_aborted
 from rlfabric.trainer.desired import DesiredStateWriter
 from rlfabric.trainer.errors import PoolOnly
 from rlfabric.trainer.policies import PushedPolicies, adapters_of
+from rlfabric.trainer.share import ShareFollower
 
 #: samples a request message holds at least when what is queued is spread over the workers
 MIN_SPREAD = 8
 #: requests a request message holds at most
 MAX_BATCH = 64
+#: a job's request message holds at most this part of a worker's capacity: a worker that
+#: serves several jobs frees room for another's message as one of them ends
+JOB_PARTS = 4
 
 if TYPE_CHECKING:  # the weight path imports torch: loaded on the first weight call
     from rlfabric.trainer.updates import Verify, WeightUpdates
@@ -90,6 +95,8 @@ class FabricClient:
         self.watcher = MembershipWatcher(bus)
         self.broadcaster = Broadcaster(bus, self.watcher)
         self.desired = DesiredStateWriter(bus, job=self.job)
+        #: the job's weight and quota, as the pool's operator set them
+        self.share = ShareFollower(bus, self.job)
         #: routes `generate(..., session=)` turns to their session's worker
         self.affinity = Affinity(bus, self.watcher)
         self.rollouts = RolloutPlane(bus, self.client_id, max_batch=self._batch_limit,
@@ -110,6 +117,8 @@ class FabricClient:
         lanes that only a smaller one could use). A whole capacity's worth queued together
         goes as one message: an engine that batches statically runs it as one batch, not as
         two halves that stay a batch apart."""
+        if (one := self.share.per_message) is not None:
+            return one
         members = self.watcher.members.values()
         if not members:
             return 8
@@ -119,6 +128,8 @@ class FabricClient:
         share = max(-(-queued // n), fair, -(-MIN_SPREAD // max(1, first.sampling.n)))
         cap = max(1, min(m.capacity for m in members))
         parts = -(-cap // MAX_BATCH)  # messages a full worker holds, each at most MAX_BATCH
+        if self.job:  # a worker shares its room between jobs a message at a time
+            parts = max(parts, JOB_PARTS)
         return max(1, min(share, -(-cap // parts)))
 
     @classmethod
@@ -144,6 +155,7 @@ class FabricClient:
             client = cls(bus, client_id or f"c{uuid.uuid4().hex[:12]}", policy or QuorumPolicy(),
                          run=run, job=job)
             await tg.start(client.watcher.run)
+            await tg.start(client.share.run)
             await tg.start(client.rollouts.listen)
             await client.desired.load()
             try:
@@ -222,6 +234,22 @@ class FabricClient:
         await self.bus.state.put(DesiredState(paused=True, pause_mode=ENDED),
                                  job=check_token(job, "job"))
         return await self.broadcast(Shutdown(cmd_id=new_cmd_id(), job=job), policy)
+
+    async def set_share(self, job: str, share: JobShare) -> None:
+        """Give job `job` ("" the pool's own) its weight and quota (the pool's operator
+        only): workers share their tokens between the jobs with work in proportion to their
+        weights (they read it within a second); its consumer holds no more than
+        `max_in_flight` of its messages unacked from now on (its clients then send one request
+        a message, within a second)."""
+        self._pool_only(f"set_share({job!r})")
+        if share.weight <= 0 or share.max_in_flight < 0:
+            raise ValueError(f"job {job!r}: a weight must be > 0 and a quota >= 0 (0: none), "
+                             f"not {share.weight} and {share.max_in_flight}")
+        job = check_token(job, "job") if job else ""
+        await self.bus.state.put_share(job, share)
+        await ensure_consumer(self.bus.js, self.bus.subjects, job,
+                              ack_wait=self.bus.limits.rollout_ack_wait,
+                              max_in_flight=share.max_in_flight)
 
     def _pool_only(self, what: str) -> None:
         if self.job:

@@ -21,9 +21,31 @@ class Delivery:
     #: adapters its admitted requests hold resident until it is done (`Residency.pin`)
     pins: list[str] = field(default_factory=list)
 
+    #: a part of a message split between engine calls: the message's own delivery, which is
+    #: acked once its last part is done
+    whole: Delivery | None = None
+    parts: int = 0  # parts of this message being served
+    rest: int = 0  # requests of this message waiting for a part of their own
+
     def serve_again(self, delay: float) -> None:
         """Nak the message (after `delay` at least) once all its requests are done."""
         self.back = max(self.back or 0.0, delay)
+
+    def part(self, n: int, rest: int) -> Delivery:
+        """The next `n` requests as a part of their own; `rest` are left waiting."""
+        self.parts += 1
+        self.rest = rest
+        return Delivery(self.msg, n, self.t0, whole=self)
+
+    def part_done(self) -> Delivery | None:
+        """A part is done: the message's delivery if that was its last (to ack), else None."""
+        w = self.whole
+        if w is None:
+            return self
+        if self.back is not None:
+            w.serve_again(self.back)
+        w.parts -= 1
+        return w if w.parts == 0 and w.rest == 0 else None
 
 
 def result_id(req: RolloutRequest | None, sample: int | str, request_id: str = "") -> str:

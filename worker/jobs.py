@@ -11,6 +11,8 @@ second of the resume.
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import Counter, deque
 from collections.abc import Awaitable, Iterator
 
 import anyio
@@ -18,9 +20,48 @@ import anyio.lowlevel
 
 from rlfabric.schemas import PauseMode
 
+#: seconds between two refreshes of the last minute's tokens in the members key (a key
+#: write each)
+TOKENS_EVERY = 10.0
+
+
+class TokenWindow:
+    """Tokens served by job over the last `span` seconds, in one-second buckets."""
+
+    def __init__(self, span: int = 60) -> None:
+        self.span = span
+        self._buckets: deque[tuple[int, Counter[str]]] = deque()
+        self._snapshot: tuple[float, dict[str, int]] = (-TOKENS_EVERY, {})
+
+    def snapshot(self) -> dict[str, int]:
+        """`totals()`, taken again every `TOKENS_EVERY` seconds at most."""
+        if time.monotonic() - self._snapshot[0] >= TOKENS_EVERY:
+            self._snapshot = (time.monotonic(), self.totals())
+        return self._snapshot[1]
+
+    def add(self, job: str, tokens: int) -> None:
+        now = int(time.monotonic())
+        if not self._buckets or self._buckets[-1][0] != now:
+            self._buckets.append((now, Counter()))
+            self._trim(now)
+        self._buckets[-1][1][job] += tokens
+
+    def _trim(self, now: int) -> None:
+        while self._buckets and self._buckets[0][0] <= now - self.span:
+            self._buckets.popleft()
+
+    def totals(self) -> dict[str, int]:
+        self._trim(int(time.monotonic()))
+        out: Counter[str] = Counter()
+        for _, c in self._buckets:
+            out.update(c)
+        return dict(out)
+
 
 class JobScopes:
     def __init__(self) -> None:
+        #: tokens served in the last minute, by job
+        self.tokens = TokenWindow()
         #: paused jobs and how
         self.paused: dict[str, PauseMode] = {}
         #: jobs ended by the pool's operator (`Shutdown(job=...)`): their requests are refused

@@ -36,12 +36,12 @@ from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.msg import Msg
 
 from rlfabric.bus import Bus, Registration
-from rlfabric.bus.nats.pull import Puller
 from rlfabric.engines.protocol import Engine
 from rlfabric.schemas import ErrorCode, SchemaError
 from rlfabric.worker.admission import MAX_REQUEST_TOKENS, Admission
 from rlfabric.worker.credits import Credits
 from rlfabric.worker.delivery import Delivery
+from rlfabric.worker.job_pulls import JobPulls
 from rlfabric.worker.jobs import JobScopes
 from rlfabric.worker.liveness import KeepAlive, LoadReport
 from rlfabric.worker.offers import Offered, offers
@@ -70,6 +70,7 @@ class RolloutServer:
         self.status = status or WorkerStatus()
         self.credits = Credits(capacity, prefetch)
         self.credits.on_room = self._unpark
+        self.credits.running_of = lambda job: self.jobs.in_flight().get(job, 0)
         self.policies = policies or Policies()
         self.admission = Admission(bus, engine, worker_id, self.policies,
                                    max_request_tokens=max_request_tokens, jobs=self.jobs,
@@ -82,6 +83,8 @@ class RolloutServer:
                                policies=self.policies, jobs=self.jobs,
                                residency=weights.residency if weights else Residency(0))
         self._tg: TaskGroup | None = None
+        #: the jobs pulled for, their consumers and shares (once running)
+        self.pulls: JobPulls | None = None
         self.status.watch(self._held)
 
     # ---- read by the runtime and the launchers ----
@@ -138,14 +141,15 @@ class RolloutServer:
             tg.start_soon(self.alive.run)
             tg.start_soon(self.report.run)
             tg.start_soon(self.deltas.run)
-            puller = Puller(self.bus, s.rollout_stream, s.rollout_consumer, self._on_message,
-                            kick=self.credits.room, on_silent=self._on_silent)
-            await tg.start(puller.run)
+            self.pulls = JobPulls(self.bus, self.credits, self._on_message,
+                                  kick=self.credits.room, ack_wait=self.alive.ack_wait,
+                                  on_silent=self._on_silent)
+            await tg.start(self.pulls.run)
             try:
                 async with offers(self.bus, self.worker_id, self._on_message, self._has_room):
                     task_status.started()
                     with send:  # closed once draining: lanes finish what they hold, then end
-                        await self._pull(puller)
+                        await self._pull(self.pulls)
             finally:  # stopped: prefetched requests go back now, not at ack_wait
                 with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                     await self._nak_parked()
@@ -166,9 +170,11 @@ class RolloutServer:
             await msg.term()
             c.room.fire()  # its credit is spent and no request will say so: pull again
             return
-        c.came(len(reqs))
-        park = c.should_park(len(reqs))
-        if park and c.parked + len(reqs) > c.prefetch:
+        c.came(len(reqs), reqs[0].job if reqs else "",
+               getattr(msg.metadata, "num_pending", 0) or 0)
+        park = c.should_park(len(reqs), reqs[0].job if reqs else "")
+        jobs = len(self.pulls.pullers) if self.pulls is not None else 1
+        if park and not c.may_park(reqs[0].job if reqs else "", len(reqs), jobs):
             await msg.nak()  # more than we have room for: back, for anyone
             return
         d = Delivery(msg, len(reqs), time.monotonic())
@@ -178,6 +184,8 @@ class RolloutServer:
             self.deltas.took(self.worker_id, reqs, self.admission.scope_of(msg))
         if not park:
             self.serving.dispatch(d, reqs)
+        elif c.several:  # it waits in the fair order only while others go first
+            self._unpark()
 
     def _unpark(self) -> None:
         """Parked messages to the engine, in the order they came, while they fit."""
@@ -194,15 +202,18 @@ class RolloutServer:
             for _ in reqs:
                 self.credits.done()
 
-    async def _pull(self, puller: Puller) -> None:
-        """Keep pull requests out for exactly our free capacity, until draining."""
+    async def _pull(self, pulls: JobPulls) -> None:
+        """Keep pull requests out for exactly our free capacity (and, with several jobs, each
+        job's depth: `Credits.want_for`), until draining."""
         while not self.status.draining:
             if self.status.held:  # until the status changes (`_held`)
                 await self.credits.room.event().wait()
                 continue
             room = self.credits.room.event()
+            pullers = list(pulls.pullers.items())
             try:
-                await puller.want(self.credits.want())
+                for job, puller in pullers:
+                    await puller.want(self.credits.want_for(job, len(pullers)))
             except nats.errors.Error as exc:  # a reconnect: try again shortly
                 log.warning("%s: pull request failed (%s); retrying", self.worker_id, exc)
                 await anyio.sleep(0.5)

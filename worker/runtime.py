@@ -248,13 +248,12 @@ class Worker:
                       STATE_WRITE_S)
 
     def _refresh_info(self, info: WorkerInfo) -> WorkerInfo:
-        in_flight = self.rollouts.load
-        policy = self.weights.policies.base
-        jobs = self.jobs.in_flight()
+        in_flight, policy = self.rollouts.load, self.weights.policies.base
+        jobs, tokens = self.jobs.in_flight(), self.jobs.tokens.snapshot()
         if info.in_flight == in_flight and info.weight_version == self.engine.version and \
-                info.policy == policy and info.jobs == jobs:
+                info.policy == policy and info.jobs == jobs and info.job_tokens == tokens:
             return info
-        return msgspec.structs.replace(info, in_flight=in_flight, jobs=jobs,
+        return msgspec.structs.replace(info, in_flight=in_flight, jobs=jobs, job_tokens=tokens,
                                        weight_version=self.engine.version, policy=policy)
 
     # ---- commands: one method per op ----

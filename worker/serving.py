@@ -143,7 +143,12 @@ class Serving:
 
     async def finish(self, d: Delivery) -> None:
         """Every request of the message answered: ack it; or, if one must be served again
-        (handed back, waiting for a version), nak it: the client drops what it already has."""
+        (handed back, waiting for a version), nak it: the client drops what it already has.
+        A part of a split message: once the message's last part is done."""
+        whole = d.part_done()
+        if whole is None:
+            return
+        d = whole
         self.alive.remove(d)
         try:
             if d.back is None:
@@ -208,7 +213,8 @@ class Serving:
                                               submission_id=req.submission_id,
                                               version_spans=self.policies.stamp(req, res))
                 n = len(res.completion_token_ids)
-                tokens.add(n, {spans.WORKER_ID: self.worker_id})
+                tokens.add(n, {spans.WORKER_ID: self.worker_id, spans.JOB: req.job})
+                self.jobs.tokens.add(req.job, n)
                 if gen.is_recording():
                     gen.add_event("sample", {"index": res.sample_index, "tokens": n,
                                              "finish_reason": res.finish_reason})
@@ -293,9 +299,9 @@ class Serving:
         assert self._many is not None
         attempt = d.msg.metadata.num_delivered or 1
         tokens = instruments.current.tokens
-        who = {spans.WORKER_ID: self.worker_id}
         stamp = self.policies.stamp
         job = next(iter(todo.values()))[0].job  # a message is one client's: one job's
+        who = {spans.WORKER_ID: self.worker_id, spans.JOB: job}
         with self.jobs.serving(job, len(todo)) as scope:
             try:
                 results = self._many.generate_many(
@@ -317,6 +323,7 @@ class Serving:
                                 generated.append(req.request_id)
                             by_subject.setdefault(subject, []).append((res, req))
                         tokens.add(n_tokens, who)  # a burst at a time, as the engine gave them
+                        self.jobs.tokens.add(job, n_tokens)
                         if generated:  # marked and counted together (`_Many.settle` pairs them)
                             many.generated.update(generated)
                             self.credits.generated(len(generated))

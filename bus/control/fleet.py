@@ -101,7 +101,7 @@ class FleetReads:
 
     async def stream_depths(self) -> dict[str, int | None]:
         """Messages held per stream (None if the stream does not exist), and the rollout
-        requests not yet delivered to any worker."""
+        requests not yet delivered to any worker (every job's)."""
         s = self.subjects
         out: dict[str, int | None] = {}
         for name in (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
@@ -110,10 +110,10 @@ class FleetReads:
                 out[name] = (await self.js.stream_info(name)).state.messages
             except NotFoundError:
                 out[name] = None
-        try:
-            ci = await self.js.consumer_info(s.rollout_stream, s.rollout_consumer)
-            out["rollout_pending"] = ci.num_pending
-            out["rollout_in_flight"] = ci.num_ack_pending
+        try:  # the pool's consumer and each job's
+            cis = await self.js.consumers_info(s.rollout_stream)
+            out["rollout_pending"] = sum(ci.num_pending or 0 for ci in cis)
+            out["rollout_in_flight"] = sum(ci.num_ack_pending or 0 for ci in cis)
         except NotFoundError:
             pass
         return out

@@ -30,13 +30,16 @@ from rlfabric.bus.subjects import CHECKPOINT_KEY, STATE_KEY
 from rlfabric.concurrency import RateLimited
 from rlfabric.schemas import (
     JOB_STATE_PREFIX,
+    SHARE_KEY,
     STATE_MARK_HEADER,
     CheckpointClaim,
     DesiredState,
+    JobShare,
     SchemaError,
     codec_for,
     encode,
     job_state_key,
+    share_key,
 )
 
 #: seconds a desired-state write keeps retrying (a cluster's leader election takes 5-7 s)
@@ -46,7 +49,7 @@ STATE_WRITE_WITHIN = 15.0
 JOIN_STATE_WAIT_S = 2.0
 log = logging.getLogger("rlfabric.bus")
 _garbage = RateLimited(log)
-S = TypeVar("S", DesiredState, CheckpointClaim)
+S = TypeVar("S", DesiredState, CheckpointClaim, JobShare)
 
 
 class StateStore:
@@ -109,6 +112,37 @@ class StateStore:
             if state is not None:
                 out[job] = state
         return out
+
+    async def shares(self) -> tuple[dict[str, JobShare], set[str]]:
+        """Each job's share as the operator set it (`JobShare`), and every job the bucket
+        names (by a share or a desired state)."""
+        if self._buckets is None:
+            return {}, set()
+        try:
+            keys = await self._buckets.state.keys()
+        except nats.js.errors.NoKeysError:
+            return {}, set()
+        named, out = set(), {}
+        for key in keys:
+            if key.startswith(JOB_STATE_PREFIX):
+                named.add(key[len(JOB_STATE_PREFIX):])
+            elif key == SHARE_KEY or key.startswith(SHARE_KEY + "."):
+                job = key[len(SHARE_KEY) + 1:]
+                share = await self._get(key, JobShare, f"job {job or '(pool)'}'s share")
+                if share is not None:
+                    named.add(job)
+                    out[job] = share
+        return out, named
+
+    async def share(self, job: str) -> JobShare:
+        """Job `job`'s share (weight 1, no quota if none was set)."""
+        return await self._get(share_key(job), JobShare, f"job {job}'s share") or JobShare()
+
+    async def put_share(self, job: str, share: JobShare) -> None:
+        """Set job `job`'s share (the pool's operator's: a job's key may not)."""
+        if self._buckets is None:
+            raise BusError("the pool's state bucket is not bound: connect with provisioning")
+        await self._buckets.state.put(share_key(job), encode(share))
 
     async def delete_job(self, job: str) -> None:
         """Forget job `job`'s desired state (a joiner no longer loads its adapters)."""

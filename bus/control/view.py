@@ -13,9 +13,10 @@ from rlfabric.schemas import FleetView
 async def fleet_view(bus: Bus, *, streams: bool = True) -> FleetView:
     """Read the fleet once (read-only: creates nothing)."""
     members = await bus.fleet.members()
+    shares, _ = await bus.state.shares()
     return FleetView(
         prefix=bus.subjects.prefix,
         members=tuple(members[w] for w in sorted(members)),
         desired=await bus.state.read(), checkpoint=await bus.state.checkpoint_claim(),
         streams=await bus.fleet.stream_depths() if streams else {}, at=time.time(),
-        jobs=await bus.state.jobs())
+        jobs=await bus.state.jobs(), shares=shares)

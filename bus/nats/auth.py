@@ -98,6 +98,7 @@ def _read(s: Subjects) -> list[str]:
         f"{_API}.INFO", f"{_API}.STREAM.NAMES",
         *(f"{_API}.STREAM.INFO.{x}" for x in _streams(s)),
         *(f"{_API}.CONSUMER.INFO.{x}.>" for x in _streams(s)),
+        f"{_API}.CONSUMER.LIST.{s.rollout_stream}", f"{_API}.CONSUMER.NAMES.{s.rollout_stream}",
         *(f"{_API}.DIRECT.GET.{b}.>" for b in buckets),
         *(f"{_API}.DIRECT.GET.{b}" for b in buckets),
         *(f"{_API}.STREAM.MSG.GET.{b}" for b in buckets),
@@ -124,9 +125,10 @@ def _worker(s: Subjects) -> Permissions:
             *_read(s),
             *(f"{api}.STREAM.CREATE.{x}" for x in _streams(s)),  # whoever comes first
             f"{api}.STREAM.MSG.GET.{ctl}",  # a gap in the live commands, from the log
-            f"{api}.CONSUMER.CREATE.{roll}.{s.rollout_consumer}.>",
-            f"{api}.CONSUMER.DURABLE.CREATE.{roll}.{s.rollout_consumer}",
-            f"{api}.CONSUMER.MSG.NEXT.{roll}.{s.rollout_consumer}",
+            # the pool's consumer and each job's (`Subjects.consumer_of`), quota as set
+            f"{api}.CONSUMER.CREATE.{roll}.*", f"{api}.CONSUMER.CREATE.{roll}.*.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.{roll}.*",
+            f"{api}.CONSUMER.MSG.NEXT.{roll}.*",
             f"{api}.CONSUMER.CREATE.{w}", f"{api}.CONSUMER.CREATE.{w}.>",
             f"$JS.ACK.{roll}.>",
             f"{p}.rollout.result.>", f"{p}.ack.>", f"{p}.events.>",

@@ -269,24 +269,32 @@ async def _ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
             raise ProvisioningError(f"KV bucket {cfg.bucket} could not be created") from exc
 
 
-async def _ensure_rollout_consumer(js: JetStreamContext, s: Subjects, lim: Limits) -> None:
-    """The one durable consumer all workers pull from: the workers' queue group."""
+#: a consumer's `max_ack_pending` where its job has no quota
+NO_QUOTA = 100_000
+
+
+async def ensure_consumer(js: JetStreamContext, s: Subjects, job: str = "", *,
+                          ack_wait: float, max_in_flight: int = 0) -> None:
+    """Job `job`'s durable consumer (`Subjects.consumer_of`), which every worker pulls that
+    job's requests from: created, or set to take only that job's subject and to hold at most
+    `max_in_flight` messages unacked (0: no quota). An existing one keeps its `ack_wait`."""
+    name, subject = s.consumer_of(job), s.rollout_request_of(job)
+    pending = max_in_flight or NO_QUOTA
     try:
-        info = await js.consumer_info(s.rollout_stream, s.rollout_consumer)
-        if info.config.filter_subject == s.rollout_requests_all:
-            return  # the first process fixed its ack_wait; workers read it back
-        # made before jobs had subjects of their own: it takes theirs too from now on
+        info = await js.consumer_info(s.rollout_stream, name)
+        if info.config.filter_subject == subject and info.config.max_ack_pending == pending:
+            return
+        # made before each job had a consumer (it took every job's), or the quota changed
         await js.add_consumer(s.rollout_stream, replace(
-            info.config, filter_subject=s.rollout_requests_all))
+            info.config, filter_subject=subject, max_ack_pending=pending))
         return
     except NotFoundError:
         pass
     try:
         await js.add_consumer(s.rollout_stream, ConsumerConfig(
-            durable_name=s.rollout_consumer, ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL, ack_wait=lim.rollout_ack_wait,
-            max_ack_pending=100_000, max_waiting=4096, filter_subject=s.rollout_requests_all,
-        ))
+            durable_name=name, ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+            ack_wait=ack_wait, max_ack_pending=pending, max_waiting=4096,
+            filter_subject=subject))
     except BadRequestError as exc:
         if exc.err_code not in (JS_CONSUMER_NAME_IN_USE, JS_CONSUMER_ALREADY_EXISTS):
             raise  # anything else than "created concurrently by another process"
@@ -350,7 +358,7 @@ async def provision(js: JetStreamContext, s: Subjects, lim: Limits | None = None
         await _placed(f"stream {cfg.name}", replicas, partial(_ensure_stream, js, cfg),
                       within=within)
     await _placed(f"consumer {s.rollout_consumer}", replicas,
-                  lambda: _ensure_rollout_consumer(js, s, lim), within=within)
+                  lambda: ensure_consumer(js, s, ack_wait=lim.rollout_ack_wait), within=within)
     members = await _placed(f"KV bucket {s.members_bucket}", replicas, lambda: _ensure_bucket(
         js,
         KeyValueConfig(

@@ -37,10 +37,12 @@ from rlfabric.bus import (
     QuorumNotReached,
     connect,
 )
+from rlfabric.bus.nats.provision import ensure_consumer
 from rlfabric.schemas import (
     Ack,
     Adapter,
     DesiredState,
+    JobShare,
     Pause,
     RolloutError,
     RolloutRequest,
@@ -158,7 +160,9 @@ async def test_a_jobs_key_does_its_jobs_work_and_nothing_of_the_pools_or_another
                               (s.rollout_request_of("exp-b"), req("b1", job="exp-b")),
                               (s.rollout_request, req("p2")),
                               (f"$KV.{s.state_bucket}.desired", DesiredState()),
-                              (f"$KV.{s.state_bucket}.job.exp-b", DesiredState())):
+                              (f"$KV.{s.state_bucket}.job.exp-b", DesiredState()),
+                              # its own weight and quota are the operator's to set
+                              (f"$KV.{s.state_bucket}.share.exp-a", JobShare(weight=100.0))):
             t0 = time.monotonic()
             with pytest.raises(PermissionDenied, match="publishing to") as denied:
                 await bus.persist(subject, encode(body), bus.headers({"Nats-Msg-Id": subject}))
@@ -168,6 +172,12 @@ async def test_a_jobs_key_does_its_jobs_work_and_nothing_of_the_pools_or_another
         why = await refused_at_once(bus, f"$JS.API.CONSUMER.CREATE.{b_results}", lambda: (
             bus.js.subscribe(s.rollout_result("cB", "exp-b"), stream=b_results,
                              ordered_consumer=True)))
+        assert "publish" in why.lower()
+        mine = s.consumer_of("exp-a")  # its consumer holds its quota: not its to change
+        why = await refused_at_once(bus, f"$JS.API.CONSUMER.CREATE.{s.rollout_stream}.{mine}"
+                                    f".{s.rollout_request_of('exp-a')}",
+                                    lambda: ensure_consumer(bus.js, s, "exp-a", ack_wait=15,
+                                                            max_in_flight=1000))
         assert "publish" in why.lower()
         for subject in (s.token_stream("cB", "exp-b"), s.sessions_all):
             why = await refused_at_once(bus, subject, lambda subject=subject: (
@@ -191,8 +201,13 @@ async def test_job_list_show_and_delete(pool, prefix) -> None:
                                str(keys), "--prefix", prefix, "--nats", url, "--nkey",
                                str(keys / f"{role}.nk"), "--wait", "3"],
                               capture_output=True, text=True, timeout=60)
+    shared = job("set", "exp-a", "--weight", "2", "--max-in-flight", "3", role="trainer")
+    assert shared.returncode == 0 and "weight 2, quota 3" in shared.stdout, shared
+    refused = job("set", "exp-a", "--weight", "0", role="trainer")
+    assert refused.returncode == 2 and "a weight must be > 0" in refused.stderr, refused
     listed = job("list")
     assert listed.returncode == 0 and "job exp-a" in listed.stdout and "job exp-b" in listed.stdout
+    assert "exp-a: running" in listed.stdout and "weight 2, quota 3" in listed.stdout, listed
     shown = job("show", "exp-a")
     assert shown.returncode == 0 and f"{prefix}.rollout.request.exp-a" in shown.stdout
     kept = keys.parent / "exp-b.nk"

@@ -9,6 +9,7 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 
 from rlfabric.bus import Bus, EmbeddedNats, Limits, ProvisioningError, Subjects, connect, provision
+from rlfabric.bus.nats.provision import ensure_consumer
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -40,10 +41,11 @@ async def test_provision_twice_and_repair_drift(nats_url: str, prefix: str) -> N
         await nc.close()
 
 
-async def test_a_pool_from_before_jobs_takes_job_requests_once_provisioned(
+async def test_a_pool_from_before_job_consumers_gives_each_job_its_own_once_provisioned(
         nats_url: str, prefix: str) -> None:
-    """A rollout stream and workers' consumer made before jobs had subjects of their own
-    (the pool's request subject only) are repaired: a job's request is then delivered."""
+    """A rollout stream from before jobs had subjects, and a workers' consumer that took every
+    job's requests (schema 1.3), are repaired: the pool's consumer takes the pool's requests
+    only, and a job's request goes to that job's consumer."""
     s = Subjects(prefix)
     nc = await connect(nats_url)
     try:
@@ -52,12 +54,15 @@ async def test_a_pool_from_before_jobs_takes_job_requests_once_provisioned(
                                          retention=RetentionPolicy.WORK_QUEUE))
         await js.add_consumer(s.rollout_stream, ConsumerConfig(
             durable_name=s.rollout_consumer, ack_policy=AckPolicy.EXPLICIT,
-            filter_subject=s.rollout_request))
+            filter_subject=f"{prefix}.rollout.>"))
         await provision(js, s)
         info = await js.consumer_info(s.rollout_stream, s.rollout_consumer)
-        assert info.config.filter_subject == f"{prefix}.rollout.>"
+        assert info.config.filter_subject == s.rollout_request
+        await ensure_consumer(js, s, "exp-a", ack_wait=15.0, max_in_flight=3)
+        mine = await js.consumer_info(s.rollout_stream, s.consumer_of("exp-a"))
+        assert mine.config.max_ack_pending == 3
         await js.publish(s.rollout_request_of("exp-a"), b"x")
-        sub = await js.pull_subscribe_bind(s.rollout_consumer, s.rollout_stream)
+        sub = await js.pull_subscribe_bind(s.consumer_of("exp-a"), s.rollout_stream)
         (msg,) = await sub.fetch(1, timeout=5)
         assert msg.subject == f"{prefix}.rollout.request.exp-a"
     finally:
