@@ -247,9 +247,10 @@ class FabricClient:
                              f"not {share.weight} and {share.max_in_flight}")
         job = check_token(job, "job") if job else ""
         await self.bus.state.put_share(job, share)
-        await ensure_consumer(self.bus.js, self.bus.subjects, job,
-                              ack_wait=self.bus.limits.rollout_ack_wait,
-                              max_in_flight=share.max_in_flight)
+        s = self.bus.subjects  # the job's consumer waits for an ack as the pool's does
+        pool = await self.bus.js.consumer_info(s.rollout_stream, s.rollout_consumer)
+        await ensure_consumer(self.bus.js, s, job, max_in_flight=share.max_in_flight,
+                              ack_wait=pool.config.ack_wait or self.bus.limits.rollout_ack_wait)
 
     def _pool_only(self, what: str) -> None:
         if self.job:

@@ -34,11 +34,13 @@ class ShareFollower:
         return self.share
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        await self.refresh()
-        task_status.started()
+        started = False
         while True:
-            await anyio.sleep(SCAN_S)
             try:
                 await self.refresh()
             except Exception as exc:  # the next read tries again
                 log.debug("job %r's share not read (%s)", self.job, exc)
+            if not started:
+                started = True
+                task_status.started()
+            await anyio.sleep(SCAN_S)

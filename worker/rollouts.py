@@ -170,11 +170,11 @@ class RolloutServer:
             await msg.term()
             c.room.fire()  # its credit is spent and no request will say so: pull again
             return
-        c.came(len(reqs), reqs[0].job if reqs else "",
-               getattr(msg.metadata, "num_pending", 0) or 0)
-        park = c.should_park(len(reqs), reqs[0].job if reqs else "")
+        job = reqs[0].job if reqs else ""  # a message is one client's: one job's
+        c.came(len(reqs), job, getattr(msg.metadata, "num_pending", 0) or 0)
+        park = c.should_park(len(reqs), job)
         jobs = len(self.pulls.pullers) if self.pulls is not None else 1
-        if park and not c.may_park(reqs[0].job if reqs else "", len(reqs), jobs):
+        if park and not c.may_park(job, len(reqs), jobs):
             await msg.nak()  # more than we have room for: back, for anyone
             return
         d = Delivery(msg, len(reqs), time.monotonic())
@@ -188,7 +188,7 @@ class RolloutServer:
             self._unpark()
 
     def _unpark(self) -> None:
-        """Parked messages to the engine, in the order they came, while they fit."""
+        """Parked messages to the engine, in fair order, while they fit (`Credits.unpark`)."""
         if self.credits.parked and not self.status.held:
             for d, reqs in self.credits.unpark():
                 self.serving.dispatch(d, reqs)
