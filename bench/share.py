@@ -3,10 +3,12 @@
 Each part runs on an embedded NATS server and 2 workers (`--engines`: null, torch, sim), every
 job a process of its own with a `FabricClient`:
 - weights: 3 jobs of weights 1 : 1 : 2 (`--weights`), each keeping `--outstanding` requests of
-  `--max-tokens` out for `--seconds`: each job's share of the tokens served against its
-  weight's share, its p50 / p99 latency;
+  `--share-tokens` out for `--share-seconds`: each job's share of the tokens served against
+  its weight's share, its p50 / p99 latency, and its requests queued mid-run (none: it was not
+  saturating);
 - starvation: a light job sending one request at a time, alone, then beside a heavy job's
-  burst of `--burst` requests: the light job's p50 / p99 latency in both, and their ratio;
+  burst of `--burst` requests (half of `--share-seconds` each): the light job's p50 / p99
+  latency alone and while the burst was served, and their ratio;
 - bursty (torch and sim: a null worker is not what limits a batch): two jobs that each alternate
   generating a batch (`--batch` requests) and training (a pause of `--train-ratio` times one
   worker's time for the batch), the second starting one pause later: tokens/s on the shared
