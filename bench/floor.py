@@ -17,8 +17,9 @@ Responder processes (the trainer side of each pattern lives in its benchmark mod
         again for a command id it saw before. No membership, catch-up or probes: a lower bound
         of what rlfabric's guarantees cost.
     python -m rlfabric.bench.floor rollout --nats URL --subject S [--engine torch --threads N]
-        pulls from the durable consumer `FLOOR` of the stream holding S (one standing pull
-        request, renewed as it ends): every message is a batch of packed requests (msgspec);
+                                           [--consumer NAME]
+        pulls from the durable consumer `FLOOR` (or NAME) of the stream holding S (one
+        standing pull request, renewed as it ends): every message is a batch of packed requests (msgspec);
         it answers with as many packed results, persisted with one JetStream publish to the
         subject in the `reply-to` header, then acks. The results echo the prompt (what the
         null engine does), or with `--engine` come from that engine in this process, the
@@ -180,7 +181,7 @@ async def _rollout(args: argparse.Namespace, nc: nats.NATS, tg: TaskGroup) -> li
     # NOTE: one standing pull request, renewed as it ends, not `fetch`: nats-py's fetch
     # waits out its timeout for a full batch once the first message came, which stalls
     # lanes that wait for their results (a second at every start from idle)
-    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.FLOOR"
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{args.consumer}"
     inbox = nc.new_inbox()
     left = 0
 
@@ -299,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", default="", help="rollout: results from this engine (e.g. "
                    "torch; one that serves many requests in one call), not echoed")
     p.add_argument("--threads", type=int, default=1, help="torch threads of --engine")
+    p.add_argument("--consumer", default="FLOOR", help="rollout: the durable consumer pulled "
+                   "from (default %(default)s)")
     anyio.run(serve, p.parse_args(argv))
     return 0
 

@@ -54,7 +54,7 @@ class Credits:
         #: several jobs are pulled for (`JobPulls`): the engine takes the next message in fair
         #: order as soon as one request's room is free
         self.several = False
-        #: requests of a job the engine serves now (`JobScopes.in_flight`)
+        #: requests of a job the engine samples for now (`JobScopes.generating`)
         self.running_of: Callable[[str], int] = lambda job: 0
         #: credit came back (a request done or generated, a message refused): pull again
         self.room = Signal()

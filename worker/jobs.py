@@ -67,6 +67,7 @@ class JobScopes:
         #: jobs ended by the pool's operator (`Shutdown(job=...)`): their requests are refused
         self.ended: set[str] = set()
         self._running: dict[str, dict[anyio.CancelScope, int]] = {}
+        self._generated: dict[anyio.CancelScope, int] = {}  # requests with every sample out
         self._idle: dict[str, anyio.Event] = {}
 
     def held(self, job: str) -> bool:
@@ -75,6 +76,15 @@ class JobScopes:
     def in_flight(self) -> dict[str, int]:
         """Requests being served, by job (the default job's under "")."""
         return {job: sum(running.values()) for job, running in self._running.items()}
+
+    def generating(self, job: str) -> int:
+        """Requests of `job` the engine still samples for (not those whose results are
+        being stored)."""
+        return sum(n - self._generated.get(s, 0) for s, n in self._running.get(job, {}).items())
+
+    def generated(self, scope: anyio.CancelScope, requests: int = 1) -> None:
+        """`requests` served under `scope` (from `serving`) have every sample generated."""
+        self._generated[scope] = self._generated.get(scope, 0) + requests
 
     @contextlib.contextmanager
     def serving(self, job: str, requests: int = 1) -> Iterator[anyio.CancelScope]:
@@ -88,6 +98,7 @@ class JobScopes:
                 yield scope
         finally:
             del running[scope]
+            self._generated.pop(scope, None)
             if not running:
                 del self._running[job]
                 idle = self._idle.pop(job, None)

@@ -70,7 +70,7 @@ class RolloutServer:
         self.status = status or WorkerStatus()
         self.credits = Credits(capacity, prefetch)
         self.credits.on_room = self._unpark
-        self.credits.running_of = lambda job: self.jobs.in_flight().get(job, 0)
+        self.credits.running_of = self.jobs.generating
         self.policies = policies or Policies()
         self.admission = Admission(bus, engine, worker_id, self.policies,
                                    max_request_tokens=max_request_tokens, jobs=self.jobs,

@@ -208,6 +208,7 @@ class Serving:
                 left -= 1
                 if left == 0:
                     progress.generated = True
+                    self.jobs.generated(scope)
                     self.credits.generated()
                 res = msgspec.structs.replace(res, attempt=attempt,
                                               submission_id=req.submission_id,
@@ -326,6 +327,7 @@ class Serving:
                         self.jobs.tokens.add(job, n_tokens)
                         if generated:  # marked and counted together (`_Many.settle` pairs them)
                             many.generated.update(generated)
+                            self.jobs.generated(scope, len(generated))
                             self.credits.generated(len(generated))
                         # what was generated is stored whole, an abort or not
                         with anyio.CancelScope(shield=True):

@@ -17,6 +17,8 @@ from rlfabric.engines.torch import TorchEngine
 from rlfabric.schemas import JobShare, RolloutResult
 from rlfabric.trainer import FabricClient
 from rlfabric.worker import Worker
+from rlfabric.worker.credits import Credits
+from rlfabric.worker.jobs import JobScopes
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -87,6 +89,24 @@ async def test_a_light_job_is_served_beside_a_heavy_jobs_burst(nats_url, prefix)
     assert len(mine) == 5
     served_by_then = sum(1 for t, _ in burst if t <= light_done)
     assert served_by_then < 60, f"{served_by_then} of the burst's 200 were served first"
+
+
+async def test_a_light_jobs_slot_is_kept_while_its_last_result_is_stored() -> None:
+    """A slot freed by the light job's request whose samples are all generated stays the
+    light job's (its next request comes as soon as the result is stored): the heavy job's
+    next part does not take it."""
+    jobs, credits = JobScopes(), Credits(capacity=4, prefetch=0)
+    credits.several, credits.running_of = True, jobs.generating
+    credits.came(1, "light")
+    credits.came(3, "heavy", pending=100)
+    credits.in_flight = 4  # the light job's 1 and the heavy job's 3
+    with jobs.serving("heavy", 3), jobs.serving("light") as scope:
+        assert credits.room_for("heavy") == 0
+        jobs.generated(scope)
+        credits.generated()
+        assert jobs.generating("light") == 0 and jobs.in_flight() == {"heavy": 3, "light": 1}
+        assert credits.room_for("heavy") == 0  # kept for the light job
+        assert credits.room_for("light") == 1
 
 
 async def test_a_job_over_its_quota_waits_and_is_answered_in_full(nats_url, prefix) -> None:
