@@ -35,6 +35,9 @@ DEPTH = 2
 MAX_DEPTH = 16
 #: seconds since a job's last message during which it counts as having work
 ACTIVE_S = 2.0
+#: seconds since a job's last message during which a worker keeps one request's room for it
+#: (a job back from a trainer's step, or a light job between requests, starts at once)
+KEEP_S = 30.0
 #: seconds other jobs' messages may go first while the next in fair order does not fit
 BLOCKED_S = 0.5
 
@@ -81,11 +84,11 @@ class Credits:
 
     def room_for(self, job: str) -> int:
         """Requests of `job` the engine takes now, with several jobs: its free room, less one
-        request's for each other job with work lately and none here (its next request starts
-        at once, not when a batch of others ends)."""
+        request's for each other job with work in the last `KEEP_S` and none here (its next
+        request starts at once, not when a batch of others ends)."""
         running = self.engaged - self.parked
         now = time.monotonic()
-        kept = sum(1 for j, t in self._seen.items() if j != job and now - t < ACTIVE_S
+        kept = sum(1 for j, t in self._seen.items() if j != job and now - t < KEEP_S
                    and not self.running_of(j) and not self._parked.count(j))
         return self.capacity - running - min(kept, self.capacity // 4) if running else \
             self.capacity
