@@ -19,12 +19,12 @@ Responder processes (the trainer side of each pattern lives in its benchmark mod
     python -m rlfabric.bench.floor rollout --nats URL --subject S [--engine torch --threads N]
                                            [--consumer NAME]
         pulls from the durable consumer `FLOOR` (or NAME) of the stream holding S (one
-        standing pull request, renewed as it ends): every message is a batch of packed requests (msgspec);
-        it answers with as many packed results, persisted with one JetStream publish to the
-        subject in the `reply-to` header, then acks. The results echo the prompt (what the
-        null engine does), or with `--engine` come from that engine in this process, the
-        message's requests in one `generate_many` call (no rlfabric bus: the floor of a
-        worker serving that engine).
+        standing pull request, renewed as it ends): every message is a batch of packed
+        requests (msgspec); it answers with as many packed results, persisted with one
+        JetStream publish to the subject in the `reply-to` header, then acks. The results
+        echo the prompt (what the null engine does), or with `--engine` come from that engine
+        in this process, the message's requests in one `generate_many` call (no rlfabric bus:
+        the floor of a worker serving that engine).
     python -m rlfabric.bench.floor weights --nats URL --subject S
         answers a request on S (JSON: stream, subject, chunks, chunk_bytes, size) once it has
         read every chunk of that subject from the stream (an ordered push consumer) into one

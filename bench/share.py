@@ -2,8 +2,9 @@
 
 Each part runs on an embedded NATS server and 2 workers (`--engines`: null, torch, sim), every
 job a process of its own with a `FabricClient`:
-- weights: 3 jobs of weights 1 : 1 : 2 (`--weights`), each keeping `--outstanding` requests of
-  `--share-tokens` out for `--share-seconds`: each job's share of the tokens served against
+- weights: 3 jobs of weights 1 : 1 : 2 (`--weights`), a job of weight w as w load processes
+  (rounded), each keeping `--outstanding` requests of `--share-tokens` out for
+  `--share-seconds`: each job's share of the tokens served against
   its weight's share, its p50 / p99 latency, and its requests queued mid-run (none: it was not
   saturating);
 - starvation: a light job sending one request at a time, alone, then beside a heavy job's
@@ -105,6 +106,12 @@ class Served:
         self.latency.append(now - sent)
         self.tokens.append(len(r.completion_token_ids))
 
+    def merge(self, other: Served) -> None:
+        self.at += other.at
+        self.latency += other.latency
+        self.tokens += other.tokens
+        self.errors += other.errors
+
     def tokens_in(self, t0: float, t1: float) -> int:
         return sum(k for t, k in zip(self.at, self.tokens, strict=True) if t0 <= t < t1)
 
@@ -201,11 +208,15 @@ async def weights(args: argparse.Namespace, engine: str, url: str, prefix: str
         queued: dict[str, int] = {}
         async with anyio.create_task_group() as tg:
             async def run() -> None:
+                # a job of weight w: w load processes (a trainer's ranks), so that each job's
+                # client keeps its queue full on a machine whose cores its load shares
+                of = [n for n, w in zip(names, ws, strict=True) for _ in range(max(1, round(w)))]
                 got = await _loads(url, prefix, [
                     ["keep", n, "--start", str(t0), "--until", str(until), "--n",
                      str(args.outstanding), "--max-tokens", str(args.share_tokens)]
-                    for n in names])
-                served.update(zip(names, got, strict=True))
+                    for n in of])
+                for n, g in zip(of, got, strict=True):
+                    served.setdefault(n, Served()).merge(g)
             served: dict[str, Served] = {}
             tg.start_soon(run)
             await anyio.sleep(t0 - time.time() + args.share_seconds / 2)

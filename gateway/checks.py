@@ -53,6 +53,17 @@ class RequestChecks:
                        code=ErrorCode.MODEL_NOT_FOUND)
 
 
+    def budget(self, asked: list[int]) -> None:
+        """A request of several prompts, each asking `asked[i]` tokens (n x max_tokens): their
+        sum within the per-request budget (each one's was checked by `sampling`)."""
+        total = sum(asked)
+        if len(asked) > 1 and total > self.config.max_request_tokens:
+            raise bad_request(f"{len(asked)} prompts x n x max_tokens = {total} tokens: this "
+                              f"gateway samples at most {self.config.max_request_tokens} per "
+                              "request over all its prompts (rlfabric gateway "
+                              "--max-request-tokens): send fewer prompts a request", "prompt",
+                              ErrorCode.REQUEST_TOO_LARGE)
+
     def sampling(self, *, n: int, temperature: float | None, top_p: float | None,
                   top_k: int | None, max_tokens: int | None, seed: int | None,
                   stop: str | list[str] | None, stop_ids: list[int] | None, logprobs: int,

@@ -44,6 +44,7 @@ WORKER_ERRORS: dict[str, tuple[int, ErrorCode]] = {
     ErrorCode.BAD_REQUEST: (400, ErrorCode.INVALID_VALUE),
     ErrorCode.MALFORMED: (400, ErrorCode.INVALID_VALUE),
     ErrorCode.PROMPT_TOO_LONG: (413, ErrorCode.CONTEXT_LENGTH_EXCEEDED),
+    ErrorCode.REQUEST_TOO_LARGE: (400, ErrorCode.REQUEST_TOO_LARGE),  # the worker's own budget
     ErrorCode.VERSION_UNAVAILABLE: (503, ErrorCode.NO_WEIGHTS),
     ErrorCode.DEADLINE_EXCEEDED: (503, ErrorCode.TIMEOUT),
     ErrorCode.ENGINE_ERROR: (502, ErrorCode.ENGINE_ERROR),

@@ -310,7 +310,8 @@ class Gateway:
         choices: list[CompletionChoice] = []
         n_prompt = n_done = 0
         last_ids: list[int] = []
-        for pi, ids in enumerate(prompts):
+        planned = []  # every prompt checked, and the request's budget, before any is sampled
+        for ids in prompts:
             sp, stops = self.checks.sampling(
                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 max_tokens=req.max_tokens, seed=req.seed, stop=req.stop,
@@ -318,6 +319,9 @@ class Gateway:
                 prompt_len=len(ids), max_param="max_tokens")
             if any(not 0 <= t < self.fmt.vocab_size for t in ids):
                 raise bad_request("prompt holds a token id outside the vocabulary", "prompt")
+            planned.append((ids, sp, stops))
+        self.checks.budget([sp.n * sp.max_tokens for _, sp, _ in planned])
+        for pi, (ids, sp, stops) in enumerate(planned):
             session = self.store.local(f"one-{uuid.uuid4().hex}")
             p = Plan(prompt=ids, added=ids, text=None, reason="new_session")
             turn = Turn(session=session, plan=p, digests=(),

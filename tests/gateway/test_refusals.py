@@ -1,6 +1,7 @@
 """What the gateway cannot serve well it refuses at once, before anything is sampled (the
 worker's count of served requests does not move), with the official `openai` client: a
-max_tokens larger than the context leaves, a request past the per-request budget, a second turn
+max_tokens larger than the context leaves, a request past the per-request budget (over all the
+prompts of a completion; a worker's own budget, as a 400 too), a second turn
 of a session while one is in flight (on any gateway replica); a request without max_tokens
 takes the operator's default; `/ready` is 503 until a worker is a member, while `/health`
 reports liveness."""
@@ -41,7 +42,7 @@ def refused(call: Any) -> tuple[Any, float]:
 def test_unbounded_or_oversized_requests_get_400_at_once_and_nothing_is_sampled(
         new_fleet, client, nats_url, prefix) -> None:
     fleet = new_fleet()
-    fleet.workers(["w0"])
+    fleet.workers(["w0"], "--max-request-tokens", "32")
     base = fleet.gateway("--default-max-tokens", "5", "--max-request-tokens", "64",
                          "--max-n", "4")
     c = client(base)
@@ -60,7 +61,16 @@ def test_unbounded_or_oversized_requests_get_400_at_once_and_nothing_is_sampled(
                                                                      **kw))
         assert took < 0.5, (kw, took)
         assert err.code == code and all(s in err.message for s in says), (kw, err.message)
+    # 4 prompts of 20 tokens each are within the budget, together they are not
+    err, took = refused(lambda: c.completions.create(model=MODEL, prompt=["a", "b", "c", "d"],
+                                                     max_tokens=20))
+    assert took < 0.5 and err.code == "request_too_large", err.message
+    assert "4 prompts" in err.message and "80" in err.message, err.message
     assert served(nats_url, prefix) == before  # none of them reached a worker
+    # within the gateway's budget, past the worker's own: the worker's refusal, as a 400
+    err, _ = refused(lambda: c.chat.completions.create(model=MODEL, messages=HI, max_tokens=40))
+    assert err.code == "request_too_large" and "--max-request-tokens" in err.message, \
+        err.message
 
 
 def test_fifty_turns_of_one_session_at_once_sample_one_on_any_replica(
