@@ -54,6 +54,7 @@ from rlfabric.schemas import (
     PackedF32,
     PackedI32,
     RolloutRequest,
+    SamplingParams,
     SessionTurn,
     TokenDelta,
     TurnChoice,
@@ -310,18 +311,7 @@ class Gateway:
         choices: list[CompletionChoice] = []
         n_prompt = n_done = 0
         last_ids: list[int] = []
-        planned = []  # every prompt checked, and the request's budget, before any is sampled
-        for ids in prompts:
-            sp, stops = self.checks.sampling(
-                n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                max_tokens=req.max_tokens, seed=req.seed, stop=req.stop,
-                stop_ids=req.stop_token_ids, logprobs=req.logprobs or 0,
-                prompt_len=len(ids), max_param="max_tokens")
-            if any(not 0 <= t < self.fmt.vocab_size for t in ids):
-                raise bad_request("prompt holds a token id outside the vocabulary", "prompt")
-            planned.append((ids, sp, stops))
-        self.checks.budget([sp.n * sp.max_tokens for _, sp, _ in planned])
-        for pi, (ids, sp, stops) in enumerate(planned):
+        for pi, (ids, sp, stops) in enumerate(_checked(self.checks, self.fmt, req, prompts)):
             session = self.store.local(f"one-{uuid.uuid4().hex}")
             p = Plan(prompt=ids, added=ids, text=None, reason="new_session")
             turn = Turn(session=session, plan=p, digests=(),
@@ -388,6 +378,27 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         if t.get("type", "function") != "function":
             raise unsupported(f"tools[{i}].type", "only function tools")
     return tools
+
+
+Planned = tuple[list[int], SamplingParams, tuple[str, ...]]  # a prompt, its sampling, stops
+
+
+def _checked(checks: RequestChecks, fmt: ChatFormat, req: CompletionRequest,
+             prompts: list[list[int]]) -> list[Planned]:
+    """Each prompt of a completion request with its sampling and stop strings: every prompt
+    checked, and the request's budget over all of them, before any is sampled."""
+    out = []
+    for ids in prompts:
+        sp, stops = checks.sampling(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            max_tokens=req.max_tokens, seed=req.seed, stop=req.stop,
+            stop_ids=req.stop_token_ids, logprobs=req.logprobs or 0,
+            prompt_len=len(ids), max_param="max_tokens")
+        if any(not 0 <= t < fmt.vocab_size for t in ids):
+            raise bad_request("prompt holds a token id outside the vocabulary", "prompt")
+        out.append((ids, sp, stops))
+    checks.budget([sp.n * sp.max_tokens for _, sp, _ in out])
+    return out
 
 
 def _prompts(fmt: ChatFormat, prompt: str | list[Any]) -> list[list[int]]:
