@@ -117,6 +117,21 @@ class Subjects:
         return subject[len(self.rollout_request) + 1:] if subject != self.rollout_request \
             else ""
 
+    def rollout_cancel(self, job: str = "") -> str:
+        """Where job `job`'s clients say which of their requests they gave up on
+        (`RolloutCancel`); every worker listens (`rollout_cancels_all`)."""
+        base = f"{self.prefix}.rollout.cancel"
+        return f"{base}.{check_token(job, 'job')}" if job else base
+
+    @property
+    def rollout_cancels_all(self) -> tuple[str, str]:
+        """The pool's own cancel subject and every job's."""
+        return self.rollout_cancel(), f"{self.rollout_cancel()}.>"
+
+    def job_of_cancel(self, subject: str) -> str:
+        """The job whose subject a cancel came on ("" for the pool's own)."""
+        return subject[len(self.rollout_cancel()) + 1:]
+
     def rollout_result(self, client_id: str, job: str = "") -> str:
         scope = f"{check_token(job, 'job')}." if job else ""
         return f"{self.prefix}.rollout.result.{scope}{check_token(client_id, 'client id')}"

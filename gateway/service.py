@@ -5,10 +5,11 @@ record is stored in the session's log before the response ends (`SessionStore.re
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -63,6 +64,8 @@ from rlfabric.schemas.models import BUILTIN
 from rlfabric.telemetry import instruments
 from rlfabric.text import ChatFormat
 from rlfabric.text.builtin import cache_dir
+
+T = TypeVar("T")
 
 
 def served_as(config: GatewayConfig) -> set[str]:
@@ -211,10 +214,12 @@ class Gateway:
     async def _generate(self, turn: Turn) -> list[Final]:
         n = turn.request.sampling.n
         finals: list[Final | None] = [None] * n
-        async for reply in self.plane.generate([turn.request], session=turn.affinity,
-                                               timeout=self.config.request_timeout):
-            i = reply.sample_index or 0
-            finals[i] = final_of(self.fmt, turn, result_of(reply))
+        replies = _closable(self.plane.generate([turn.request], session=turn.affinity,
+                                                timeout=self.config.request_timeout))
+        async with contextlib.aclosing(replies):  # cancelled: the workers stop sampling
+            async for reply in replies:
+                i = reply.sample_index or 0
+                finals[i] = final_of(self.fmt, turn, result_of(reply))
         return [f for f in finals if f is not None]
 
     async def _record(self, turn: Turn, finals: Sequence[Final]) -> None:
@@ -256,39 +261,31 @@ class Gateway:
         texts = [StreamText(self.fmt, turn.rules, held=bool(turn.prefill)) for _ in range(n)]
         finals: list[Final | None] = [None] * n
         try:
-            async for item in self.plane.generate([turn.request], deltas=True,
-                                                  session=turn.affinity,
-                                                  timeout=self.config.request_timeout):
-                if isinstance(item, TokenDelta):
-                    st = texts[item.sample_index]
-                    top = top_rows(item.top_logprobs)
-                    out = st.add(item.start, item.token_ids.tolist(), item.logprobs.tolist(),
-                                 top)
-                    if out is None:
+            # closed with this stream (a client that hung up): the workers stop sampling
+            replies = _closable(self.plane.generate(
+                [turn.request], deltas=True, session=turn.affinity,
+                timeout=self.config.request_timeout))
+            async with contextlib.aclosing(replies):
+                async for item in replies:
+                    if isinstance(item, TokenDelta):
+                        choice = _delta_choice(self.fmt, texts[item.sample_index], item,
+                                               logprobs)
+                        if choice is not None:
+                            yield chunk([choice])
                         continue
-                    text, a, b = out
-                    if not text and a == b:
-                        continue
+                    i = item.sample_index or 0
+                    f = finals[i] = final_of(self.fmt, turn, result_of(item))
+                    text, a, b = texts[i].rest(f)
+                    msg = message(f)
+                    calls = [ToolCallDelta(index=j, id=c.id, function=c.function)
+                             for j, c in enumerate(msg.tool_calls or ())]
                     yield chunk([ChunkChoice(
-                        index=item.sample_index, delta=Delta(content=text or None),
-                        token_ids=st.ids[a:b],
+                        index=i, delta=Delta(content=text or None, tool_calls=calls or None),
+                        finish_reason=f.finish_reason, token_ids=f.ids[a:b],
+                        weight_versions=versions(f.spans),
                         logprobs=ChoiceLogprobs(content=logprob_rows(
-                            self.fmt, st.ids[a:b], st.logprobs[a:b], st.top[a:b]))
+                            self.fmt, f.ids[a:b], f.logprobs[a:b], f.top[a:b]))
                         if logprobs else None)])
-                    continue
-                i = item.sample_index or 0
-                f = finals[i] = final_of(self.fmt, turn, result_of(item))
-                text, a, b = texts[i].rest(f)
-                msg = message(f)
-                calls = [ToolCallDelta(index=j, id=c.id, function=c.function)
-                         for j, c in enumerate(msg.tool_calls or ())]
-                yield chunk([ChunkChoice(
-                    index=i, delta=Delta(content=text or None, tool_calls=calls or None),
-                    finish_reason=f.finish_reason, token_ids=f.ids[a:b],
-                    weight_versions=versions(f.spans),
-                    logprobs=ChoiceLogprobs(content=logprob_rows(
-                        self.fmt, f.ids[a:b], f.logprobs[a:b], f.top[a:b]))
-                    if logprobs else None)])
             done = [f for f in finals if f is not None]
             await self._record(turn, done)
             if include_usage:
@@ -399,6 +396,29 @@ def _checked(checks: RequestChecks, fmt: ChatFormat, req: CompletionRequest,
         out.append((ids, sp, stops))
     checks.budget([sp.n * sp.max_tokens for _, sp, _ in out])
     return out
+
+
+def _delta_choice(fmt: ChatFormat, st: StreamText, item: TokenDelta,
+                  logprobs: bool) -> ChunkChoice | None:
+    """A streamed chunk's choice for a token delta (None while its text is held back)."""
+    out = st.add(item.start, item.token_ids.tolist(), item.logprobs.tolist(),
+                 top_rows(item.top_logprobs))
+    if out is None:
+        return None
+    text, a, b = out
+    if not text and a == b:
+        return None
+    return ChunkChoice(index=item.sample_index, delta=Delta(content=text or None),
+                       token_ids=st.ids[a:b],
+                       logprobs=ChoiceLogprobs(content=logprob_rows(
+                           fmt, st.ids[a:b], st.logprobs[a:b], st.top[a:b]))
+                       if logprobs else None)
+
+
+def _closable(replies: AsyncIterator[T]) -> AsyncGenerator[T, None]:
+    """`RolloutPlane.generate`'s replies as the generator they are, to close at once (not
+    when collected): a turn given up on tells the workers then."""
+    return cast(AsyncGenerator[T, None], replies)
 
 
 def _prompts(fmt: ChatFormat, prompt: str | list[Any]) -> list[list[int]]:

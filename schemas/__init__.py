@@ -92,6 +92,7 @@ from rlfabric.schemas.policy import (
 )
 from rlfabric.schemas.rollout import (
     FinishReason,
+    RolloutCancel,
     RolloutError,
     RolloutReplies,
     RolloutReply,
@@ -124,6 +125,7 @@ _ALL: tuple[type, ...] = (
     RolloutError,
     RolloutRequests,
     RolloutReplies,
+    RolloutCancel,
     VersionSpan,
     TopLogprobs,
     Timings,
@@ -212,6 +214,7 @@ __all__ = [
     "RLFabricError",
     "ResetPrefixCache",
     "Resume",
+    "RolloutCancel",
     "RolloutError",
     "RolloutReplies",
     "RolloutReply",

@@ -181,6 +181,17 @@ class RolloutRequests(Message, frozen=True, kw_only=True):
     requests: list[RolloutRequest]
 
 
+class RolloutCancel(Message, frozen=True, kw_only=True):
+    """A client gave up on requests it sent (the `generate` call that sent them ended before
+    their answers came; a gateway's client hung up): a worker sampling one stops, one that
+    pulls one later skips it, and neither is answered. Core NATS on
+    `Subjects.rollout_cancel(job)`, heard by every worker (one that misses it samples the
+    request to its end, as if no cancel had been sent)."""
+
+    client_id: str
+    submission_ids: list[str]
+
+
 class RolloutReplies(Message, tag_field="kind", tag="replies", frozen=True, kw_only=True):
     """The replies a worker finished together for one client, in one persisted message."""
 

@@ -145,6 +145,8 @@ class RolloutServer:
                                   kick=self.credits.room, ack_wait=self.alive.ack_wait,
                                   on_silent=self._on_silent)
             await tg.start(self.pulls.run)
+            cancels = [await self.bus.nc.subscribe(subject, cb=self.serving.cancels.on_cancel)
+                       for subject in s.rollout_cancels_all]
             try:
                 async with offers(self.bus, self.worker_id, self._on_message, self._has_room):
                     task_status.started()
@@ -153,6 +155,9 @@ class RolloutServer:
             finally:  # stopped: prefetched requests go back now, not at ack_wait
                 with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                     await self._nak_parked()
+                    for sub in cancels:
+                        with contextlib.suppress(nats.errors.Error):
+                            await sub.unsubscribe()
 
     def _has_room(self) -> bool:
         return not self.status.held and self.credits.engaged < self.credits.capacity

@@ -40,6 +40,7 @@ from rlfabric.engines.protocol import Engine, ServesMany
 from rlfabric.schemas import RolloutReplies, RolloutRequest, RolloutResult
 from rlfabric.telemetry import instruments, spans
 from rlfabric.worker.admission import HAND_BACK, Admission
+from rlfabric.worker.cancels import Cancels
 from rlfabric.worker.credits import Credits
 from rlfabric.worker.delivery import Delivery, result_id, traces
 from rlfabric.worker.jobs import JobScopes
@@ -97,6 +98,8 @@ class Serving:
                  admission: Admission, deltas: DeltaSender, alive: KeepAlive,
                  policies: Policies, jobs: JobScopes, residency: Residency) -> None:
         self.bus = bus
+        #: requests their clients gave up on: stopped, or skipped
+        self.cancels = Cancels(bus.subjects)
         #: the adapters admitted requests hold resident, released once generated
         self.residency = residency
         #: a job's abort pause cancels its requests' generation (they go back to the stream)
@@ -190,6 +193,8 @@ class Serving:
                     await self.finish(d)
 
     async def _serve_one(self, d: Delivery, req: RolloutRequest, progress: _Progress) -> None:
+        if self.cancels.gone(req):
+            return
         subject = await self.admission.admit(d, req)
         if subject is None:
             return
@@ -200,7 +205,7 @@ class Serving:
         left = req.sampling.n
         with spans.span(f"{self.engine.name} generate", attributes={
                 spans.WORKER_ID: self.worker_id, "rlfabric.engine": self.engine.name}) as gen, \
-                self.jobs.serving(req.job) as scope:
+                self.jobs.serving(req.job) as scope, self.cancels.watch([req], scope) as gave_up:
             async for res in self.engine.generate(
                     req, worker_id=self.worker_id,
                     on_tokens=self.deltas.sink({req.request_id: req}, self.admission.scope_of(
@@ -225,6 +230,8 @@ class Serving:
                 with spans.producer_span(subject, message_id=rid), \
                         anyio.CancelScope(shield=True):  # stored whole, an abort or not
                     await self.outbox.send(subject, [(res, rid)], until=until)
+        if gave_up.by_client:  # nobody waits for the rest
+            return
         if scope.cancelled_caught:  # its job's abort pause: sampled again once it resumes
             d.serve_again(0.25)
             return
@@ -239,7 +246,8 @@ class Serving:
         try:
             for req in reqs:
                 try:
-                    subject = await self.admission.admit(d, req)
+                    subject = None if self.cancels.gone(req) else \
+                        await self.admission.admit(d, req)
                 except Exception as exc:  # never let one request take the worker down
                     await self.admission.failed(d, req, exc)
                     subject = None
@@ -303,7 +311,8 @@ class Serving:
         stamp = self.policies.stamp
         job = next(iter(todo.values()))[0].job  # a message is one client's: one job's
         who = {spans.WORKER_ID: self.worker_id, spans.JOB: job}
-        with self.jobs.serving(job, len(todo)) as scope:
+        with self.jobs.serving(job, len(todo)) as scope, \
+                self.cancels.watch([req for req, _ in todo.values()], scope) as gave_up:
             try:
                 results = self._many.generate_many(
                     [req for req, _ in todo.values()], worker_id=self.worker_id,
@@ -340,8 +349,8 @@ class Serving:
                 d.serve_again(0.25)
             except Exception as exc:  # never let one message take the worker down
                 return exc
-        if scope.cancelled_caught:  # its job's abort pause: sampled again once it resumes
-            d.serve_again(0.25)
+        if scope.cancelled_caught and not gave_up.by_client:  # its job's abort pause:
+            d.serve_again(0.25)  # sampled again once it resumes
         return None
 
     async def _store_burst(self, subject: str, done: list[tuple[RolloutResult, RolloutRequest]],

@@ -144,7 +144,7 @@ def _worker(s: Subjects) -> Permissions:
                       f"{api}.STREAM.PURGE.>", f"{api}.STREAM.MSG.DELETE.>",
                       f"{api}.CONSUMER.DELETE.{roll}.>"),
         subscribe_allow=("_INBOX.>", f"{p}.worker.*.ping", f"{p}.worker.*.offer",
-                         f"{p}.live.>"),
+                         f"{p}.live.>", *s.rollout_cancels_all),
         allow_responses=True,  # ping answers
     )
 
@@ -161,6 +161,7 @@ def _gateway(s: Subjects) -> Permissions:
             f"{api}.CONSUMER.CREATE.{res}", f"{api}.CONSUMER.CREATE.{res}.>",
             f"{api}.DIRECT.GET.{ses}", f"{api}.DIRECT.GET.{ses}.>",
             f"{p}.rollout.request", f"{p}.session.>", f"{p}.events.>",
+            *s.rollout_cancels_all,  # a turn whose agent hung up
             f"{p}.worker.*.offer", f"$KV.{s.affinity_bucket}.>",  # session affinity
         ),
         publish_deny=(f"{p}.control.>", f"{p}.live.>", f"$KV.{s.state_bucket}.>",
@@ -181,7 +182,7 @@ def job_permissions(job: str, s: Subjects) -> Permissions:
             f"{api}.STREAM.CREATE.{res}", f"{api}.STREAM.INFO.{res}",  # its results' stream
             f"{api}.CONSUMER.CREATE.{res}", f"{api}.CONSUMER.CREATE.{res}.>",
             f"{api}.CONSUMER.INFO.{res}.>", f"{api}.CONSUMER.DELETE.{res}.>",
-            s.rollout_request_of(job),
+            s.rollout_request_of(job), s.rollout_cancel(job),
             f"{p}.control.job.{job}.>", f"{p}.live.job.{job}.>",
             f"$KV.{s.state_bucket}.{job_state_key(job)}",
             f"{p}.worker.*.ping",  # a quorum's probe of a silent worker

@@ -160,6 +160,12 @@ class Awaited:
                 self._answered(rid)
         return out
 
+    def unanswered(self, prepared: Iterable[RolloutRequest]) -> list[str]:
+        """The submission ids of `prepared` still awaited (a sample of theirs has not come)."""
+        return [r.submission_id for r in prepared
+                if (w := self._waiting.get(r.request_id)) is not None
+                and w.request.submission_id == r.submission_id]
+
     def forget(self, prepared: Iterable[RolloutRequest]) -> None:
         for r in prepared:
             self._waiting.pop(r.request_id, None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import operator
 import time
 import uuid
@@ -39,8 +40,9 @@ from typing import Literal, cast, overload
 import anyio
 import anyio.lowlevel
 import msgspec
+import nats.errors
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from nats.js.api import DeliverPolicy
 from opentelemetry.trace import INVALID_SPAN
 
@@ -55,12 +57,15 @@ from rlfabric.schemas import (
     COUNT_HEADER,
     REQUEST_ID_HEADER,
     ErrorCode,
+    RolloutCancel,
     RolloutReply,
     RolloutRequest,
     RolloutRequests,
     RolloutResult,
     TokenDelta,
+    codec_for,
     encode,
+    headers,
 )
 from rlfabric.schemas.validation import check_request
 from rlfabric.telemetry import spans
@@ -155,6 +160,8 @@ class RolloutPlane:
         self._session = uuid.uuid4().hex[:16]
         self._counter = itertools.count()
         self._request_subject = bus.subjects.rollout_request_of(job)
+        #: what `generate` calls gave up on, sent while `listen` runs
+        self._cancels: MemoryObjectSendStream[list[str]] | None = None
 
     async def listen(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Receive this client's results and send its requests; started once the results
@@ -170,12 +177,18 @@ class RolloutPlane:
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.outbox.run)
+                self._cancels, cancels = anyio.create_memory_object_stream[list[str]](math.inf)
+                tg.start_soon(_send_cancels, self.bus, self.bus.subjects.rollout_cancel(self.job),
+                              self.client_id, cancels)
                 if self.affinity is not None:
                     await tg.start(self.affinity.run, self._requeue, self._requeue_pulled)
                 if self.vacancy is not None:
                     await tg.start(self.vacancy.run)
                 task_status.started()
         finally:
+            if self._cancels is not None:
+                self._cancels.close()
+                self._cancels = None
             with anyio.CancelScope(shield=True):
                 await sub.unsubscribe()
                 await deltas.unsubscribe()
@@ -384,10 +397,15 @@ class RolloutPlane:
 
     def _given_up(self, sent: Iterable[RolloutRequest], ticket: Ticket | None) -> None:
         """A `generate` call ended: what it sent is awaited no more, what it queued and did
-        not send yet is not sent."""
+        not send yet is not sent, and the workers stop sampling what they hold of it."""
         if ticket is not None and not ticket.finished:
             self.outbox.withdraw(ticket)
+        left = self.awaited.unanswered(sent)
+        if left and self._cancels is not None:
+            with contextlib.suppress(anyio.WouldBlock, anyio.BrokenResourceError):
+                self._cancels.send_nowait(left)
         self.awaited.forget(sent)
+
 
     async def _start(self, reqs: list[RolloutRequest], inbox: Inbox, timeout: float | None,
                      deltas: bool, session: str | None,
@@ -408,6 +426,19 @@ class RolloutPlane:
                         timeout: float | None = None) -> AsyncIterator[list[RolloutReply]]:
         reqs = list(requests)
         return in_groups(reqs, self.generate(reqs, timeout=timeout))
+
+
+async def _send_cancels(bus: Bus, subject: str, client_id: str,
+                        recv: MemoryObjectReceiveStream[list[str]]) -> None:
+    """Tell the workers which requests this client gave up on (`RolloutCancel`)."""
+    codec = codec_for(RolloutCancel)
+    async with recv:
+        async for ids in recv:
+            msg = RolloutCancel(client_id=client_id, submission_ids=ids)
+            try:
+                await bus.nc.publish(subject, codec.encode(msg), headers=headers())
+            except nats.errors.Error as exc:  # workers then sample them to their end
+                log.debug("cancel of %d requests not sent: %r", len(ids), exc)
 
 
 async def in_groups(requests: list[RolloutRequest], replies: AsyncIterator[RolloutReply]

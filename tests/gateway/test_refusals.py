@@ -150,12 +150,13 @@ def test_ready_is_503_until_a_worker_joins_while_health_reports_liveness(
         time.sleep(0.1)
 
 
-def test_a_stream_cut_by_its_client_releases_the_sessions_turn(new_fleet, client) -> None:
+def test_a_stream_cut_by_its_client_releases_the_sessions_turn_and_stops_its_sampling(
+        new_fleet, client, nats_url, prefix) -> None:
     fleet = new_fleet()
     fleet.workers(["w0"])
     base = fleet.gateway()
     sid = "cut-1"
-    body = {"model": MODEL, "messages": HI, "max_tokens": 200, "stream": True}
+    body = {"model": MODEL, "messages": HI, "max_tokens": 2000, "stream": True}
     with httpx.stream("POST", f"{base}/chat/completions", json=body, timeout=60,
                       headers={"X-Session-ID": sid}) as r:
         assert r.status_code == 200
@@ -171,3 +172,4 @@ def test_a_stream_cut_by_its_client_releases_the_sessions_turn(new_fleet, client
             assert time.monotonic() < deadline, "the cut stream kept its session's turn"
             time.sleep(0.1)
     assert nxt.choices[0].finish_reason in ("length", "stop")
+    assert served(nats_url, prefix) == {"w0": 1}  # the next turn; the cut one stopped
