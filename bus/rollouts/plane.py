@@ -406,7 +406,6 @@ class RolloutPlane:
                 self._cancels.send_nowait(left)
         self.awaited.forget(sent)
 
-
     async def _start(self, reqs: list[RolloutRequest], inbox: Inbox, timeout: float | None,
                      deltas: bool, session: str | None,
                      ) -> tuple[list[RolloutRequest], Ticket | None, _Rebind | None]:
