@@ -52,7 +52,6 @@ class RequestChecks:
                        f"{served} (GET /v1/models)", param="model",
                        code=ErrorCode.MODEL_NOT_FOUND)
 
-
     def budget(self, asked: list[int]) -> None:
         """A request of several prompts, each asking `asked[i]` tokens (n x max_tokens): their
         sum within the per-request budget (each one's was checked by `sampling`)."""
