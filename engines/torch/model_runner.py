@@ -138,6 +138,7 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """Free the device (`Residency`); called with no batch running."""
         with self._step_lock, torch.no_grad():
+            self.params = {}  # detached views of the weights: they would keep the device copies
             self.residency.sleep(level)
             self.params = dict(self.module.state_dict())
 

@@ -1,7 +1,7 @@
 """Where the torch engine's weights are while it sleeps, as peers define the levels: level 1
 moves them to pinned host memory (wake copies them back), level 2 drops them (the next weight
 load brings them). No KV cache outlives a batch in this engine, so what a sleep frees on a GPU
-is the weights and the allocator's cached blocks.
+is the weights, cuBLAS's workspaces and the allocator's cached blocks.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class Residency:
                     host.copy_(t.data)
                     t.data = host
             torch.cuda.synchronize(self.device)
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:  # cuBLAS keeps a workspace per thread until told
+                clear()
             torch.cuda.empty_cache()
         self.level = max(self.level, level)
 

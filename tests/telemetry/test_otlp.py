@@ -14,7 +14,8 @@ import pytest
 from rlfabric.telemetry import configure, instruments, spans
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None,
+    importlib.util.find_spec("opentelemetry.exporter") is None
+    or importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None,
     reason="opentelemetry-exporter-otlp-proto-http is not installed (the dev extras have it)")
 
 
