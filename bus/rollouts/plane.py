@@ -292,7 +292,8 @@ class RolloutPlane:
                 if not taken:
                     rest.append(r)
             return prepared, self._send(rest, inbox.stored), bound or ""
-        except BaseException:
+        except BaseException:  # e.g. the caller hung up: an offer in flight may be taken
+            self._cancel([r.submission_id for r in prepared])
             self.awaited.forget(prepared)
             raise
 
@@ -400,11 +401,14 @@ class RolloutPlane:
         not send yet is not sent, and the workers stop sampling what they hold of it."""
         if ticket is not None and not ticket.finished:
             self.outbox.withdraw(ticket)
-        left = self.awaited.unanswered(sent)
-        if left and self._cancels is not None:
-            with contextlib.suppress(anyio.WouldBlock, anyio.BrokenResourceError):
-                self._cancels.send_nowait(left)
+        self._cancel(self.awaited.unanswered(sent))
         self.awaited.forget(sent)
+
+    def _cancel(self, submission_ids: list[str]) -> None:
+        """Tell the workers to stop sampling these (`RolloutCancel`, sent by `listen`)."""
+        if submission_ids and self._cancels is not None:
+            with contextlib.suppress(anyio.WouldBlock, anyio.BrokenResourceError):
+                self._cancels.send_nowait(submission_ids)
 
     async def _start(self, reqs: list[RolloutRequest], inbox: Inbox, timeout: float | None,
                      deltas: bool, session: str | None,
