@@ -27,6 +27,8 @@ BENCHES = {
                  "an idle fleet's cost to the server per worker, and at 10k / 100k workers"),
     "jobs": ("rlfabric.bench.jobs",
              "two jobs on one pool: one job's pause and pushes vs the other's token gaps"),
+    "drain": ("rlfabric.bench.drain",
+              "a worker drained mid-generation: its rollouts go on elsewhere vs restarted"),
     "agent": ("rlfabric.bench.agent",
               "agent sessions on vLLM workers, session affinity on vs off: turn latency, "
               "prefix-cache hit rate"),

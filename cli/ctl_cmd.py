@@ -27,7 +27,7 @@ from rlfabric.schemas import PAUSE_MODES, FanoutReport, FleetView
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "ctl", help="pause / resume / describe every worker, with a quorum report",
+        "ctl", help="pause / resume / describe / drain workers, with a quorum report",
         description="Broadcast a control command to every worker of the job and print who "
         "acked ok, who failed (and why) and who never answered. Exit 0 when the quorum is "
         "met, 1 when not, 2 when the bus cannot be reached.")
@@ -46,6 +46,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "results); keep: freeze it until resume (default %(default)s)")
     csub.add_parser("resume", help="serve again")
     csub.add_parser("describe", help="each worker's engine, model, version, load")
+    drain = csub.add_parser(
+        "drain", help="one worker leaves; its unfinished rollouts go on elsewhere",
+        description="Worker WORKER takes no more requests and leaves. Its unfinished samples "
+        "go back to their clients at once with the tokens sampled so far, and the clients "
+        "continue them on other workers from there: nothing is sampled twice (a request sent "
+        "with migration='restart' starts again from its prompt). The other workers ack and "
+        "serve on.")
+    drain.add_argument("worker", help="the worker's id (rlfabric status lists them)")
+    drain.add_argument("--finish", action="store_true",
+                       help="finish the unfinished samples first, then leave")
     csub.add_parser(
         "reset-state", help="repair: overwrite the job's desired state with an empty one",
         description="Overwrite the desired state (the <prefix>_state bucket's 'desired' key) "
@@ -86,6 +96,8 @@ async def _run(args: argparse.Namespace) -> tuple[FanoutReport, FleetView]:
             rep = await fabric.pause(mode=args.mode)
         elif args.op == "resume":
             rep = await fabric.resume()
+        elif args.op == "drain":
+            rep = await fabric.drain(args.worker, move=not args.finish)
         else:
             rep = await fabric.describe()
         return rep, await fleet_view(fabric.bus, streams=False)

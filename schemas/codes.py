@@ -21,6 +21,7 @@ class ErrorCode(StrEnum):
     PAYLOAD_TOO_LARGE = "payload_too_large"  # a request or result over the server's max_payload
     ADAPTER_UNKNOWN = "adapter_unknown"  # a LoRA adapter no update loaded (or one unloaded)
     NO_WORKERS = "no_workers"  # no worker is a member of the job: nothing would serve it
+    NOT_MOVED = "not_moved"  # a sample a leaving worker handed back could not be sent on
 
     # ---- a command (Ack.error_code) ----
     UNKNOWN_SCHEMA_VERSION = "unknown_schema_version"  # a major version this build cannot read

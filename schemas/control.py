@@ -230,9 +230,14 @@ class UnloadAdapter(_Command, tag="unload_adapter", frozen=True, kw_only=True):
 
 class Shutdown(_Command, tag="shutdown", frozen=True, kw_only=True):
     """Drain and leave; or, naming a `job` (the pool's operator only), end that job: its
-    requests, queued or running, are answered `job_deleted`, its adapters dropped."""
+    requests, queued or running, are answered `job_deleted`, its adapters dropped. `worker`:
+    only that worker leaves (the others ack and serve on). `move`: the worker does not finish
+    its unfinished samples but hands them back at once, each with the tokens sampled so far
+    (`RolloutResult.moved`), for their clients to continue elsewhere."""
 
     job: str = ""
+    worker: str = ""
+    move: bool = False
 
 
 Command = (

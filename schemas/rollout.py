@@ -46,7 +46,9 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     (if set) is the run whose weights may serve it (its base, or the adapter's versions): a
     worker holding another run's waits for this run's push, as for a newer version. `job`
     is the job it belongs to ("": the default job): its adapter is named within that job, and
-    that job's pause holds it."""
+    that job's pause holds it. `migration`: what the client does with a sample a draining worker
+    hands back unfinished (`RolloutResult.moved`): `continue` it on another worker from the
+    tokens already sampled (they are kept as they were), or `restart` it from its prompt."""
 
     request_id: str
     prompt_token_ids: PackedI32
@@ -62,6 +64,7 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     adapter_version: int = -1
     run: str = ""
     job: str = ""
+    migration: Literal["continue", "restart"] = "continue"
 
     def __post_init__(self) -> None:
         if type(self.prompt_token_ids) is not PackedI32:  # a list, numpy or torch given
@@ -71,12 +74,14 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
 class VersionSpan(Message, frozen=True, kw_only=True):
     """Completion tokens `[start, end)` were produced by weight version `version` (of the
     request's adapter, if it names one; the base weights then serve as they are), whose full
-    name is `policy` (`rlfabric.schemas.policy`: run, version, digest; set by the worker)."""
+    name is `policy` (`rlfabric.schemas.policy`: run, version, digest; set by the worker), on
+    worker `worker` (a sample that moved has a span per worker)."""
 
     version: int
     start: int
     end: int
     policy: str = ""
+    worker: str = ""
 
 
 class TopLogprobs(Message, frozen=True, kw_only=True):
@@ -100,7 +105,9 @@ class Timings(Message, frozen=True, kw_only=True):
 
 class RolloutResult(Message, tag_field="kind", tag="result", frozen=True, kw_only=True):
     """One sample of one request. `logprobs[i]` is the logprob of `completion_token_ids[i]`
-    under the weights of the span that covers `i`."""
+    under the weights of the span that covers `i`. `moved`: the worker of that id was drained
+    mid-sample and hands over what it sampled (finish `abort`); the client continues it
+    elsewhere (`RolloutRequest.migration`) and answers its caller once, with every token."""
 
     request_id: str
     sample_index: int = 0
@@ -117,6 +124,7 @@ class RolloutResult(Message, tag_field="kind", tag="result", frozen=True, kw_onl
     #: died, timed out or handed it back)
     attempt: int = 1
     submission_id: str = ""
+    moved: str = ""
 
     def __post_init__(self) -> None:
         if type(self.completion_token_ids) is not PackedI32 or \

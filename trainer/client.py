@@ -235,6 +235,16 @@ class FabricClient:
                                  job=check_token(job, "job"))
         return await self.broadcast(Shutdown(cmd_id=new_cmd_id(), job=job), policy)
 
+    async def drain(self, worker_id: str, *, move: bool = True,
+                    policy: QuorumPolicy | None = None) -> FanoutReport:
+        """Worker `worker_id` takes no more requests and leaves (the pool's operator only).
+        `move`: its unfinished samples go back to their clients at once with the tokens
+        sampled so far, and go on on other workers from there (`RolloutRequest.migration`);
+        else it finishes them first. The other workers ack and serve on."""
+        self._pool_only(f"drain({worker_id!r})")
+        return await self.broadcast(Shutdown(cmd_id=new_cmd_id(), worker=worker_id, move=move),
+                                    policy)
+
     async def set_share(self, job: str, share: JobShare) -> None:
         """Give job `job` ("" the pool's own) its weight and quota (the pool's operator
         only): workers share their tokens between the jobs with work in proportion to their

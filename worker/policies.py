@@ -87,12 +87,12 @@ class Policies:
 
     # ---- results ----
     def stamp(self, req: RolloutRequest, res: RolloutResult) -> tuple[VersionSpan, ...]:
-        """`res`'s version spans, each named by its policy."""
+        """`res`'s version spans, each named by its policy and its worker."""
         out = []
         for s in res.version_spans:
             name = (self.adapter_name(req.adapter, s.version) if req.adapter
                     else self._bases.get(s.version, ""))
-            out.append(msgspec.structs.replace(s, policy=name) if name != s.policy else s)
+            out.append(msgspec.structs.replace(s, policy=name, worker=res.worker_id))
         return tuple(out)
 
 

@@ -117,9 +117,14 @@ class RolloutServer:
     async def wait_idle(self) -> None:
         await self.credits.wait_idle()
 
-    async def drain(self, grace: float) -> None:
+    async def drain(self, grace: float, *, move: bool = False) -> None:
         """Wait (at most `grace` seconds) for in-flight requests; the worker's status says it
-        is draining (nothing more is pulled, parked requests went back)."""
+        is draining (nothing more is pulled, parked requests went back). `move`: the samples
+        in flight end now and go back to their clients with what they sampled
+        (`RolloutResult.moved`), who continue them elsewhere."""
+        if move:
+            self.serving.moving = True
+            await self.serving.engine.pause("abort")
         with anyio.move_on_after(grace):
             await self.credits.wait_idle()
 

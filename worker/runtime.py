@@ -22,6 +22,7 @@ then `run()` returns: the key is deleted, the control consumer removed, the engi
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -126,6 +127,7 @@ class Worker:
                                       self._publish, self.worker_id)
         self._checksum_cache: tuple[int, str] | None = None
         self._drain = anyio.Event()
+        self._move_out = False
 
     def _checksum(self) -> str:
         v = self.engine.version
@@ -136,9 +138,6 @@ class Worker:
     def _doubt(self, why: str) -> None:
         if self.status.started:  # before, the join reads the desired state anyway
             self.alignment.doubt(why)
-
-    def _lost_connection(self) -> None:
-        self._doubt("its connection to the bus dropped")
 
     def _version_metric(self) -> None:
         instruments.current.weight_version.set(self.engine.version,
@@ -169,7 +168,8 @@ class Worker:
             await tg.start(self.alignment.run)
             await tg.start(self.reg.run)
             await tg.start(self.rollouts.run)
-            self.bus.link.on_disconnect.append(self._lost_connection)
+            lost = functools.partial(self._doubt, "its connection to the bus dropped")
+            self.bus.link.on_disconnect.append(lost)
             try:
                 await self._publish(started=True)
                 if self.status.behind:
@@ -177,9 +177,9 @@ class Worker:
                 task_status.started()
                 await self._drain.wait()
                 await self._publish(draining=True)
-                await self.rollouts.drain(self.drain_grace)
+                await self.rollouts.drain(self.drain_grace, move=self._move_out)
             finally:
-                self.bus.link.on_disconnect.remove(self._lost_connection)
+                self.bus.link.on_disconnect.remove(lost)
             tg.cancel_scope.cancel()
         with anyio.CancelScope(shield=True):
             await self.receiver.close()
@@ -219,9 +219,10 @@ class Worker:
                 await self.bus.nc.flush()
             raise
 
-    def drain(self) -> None:
-        """Stop taking requests, finish in-flight ones (at most `drain_grace` seconds), leave:
-        `run()` returns once that is done."""
+    def drain(self, move: bool = False) -> None:
+        """Stop taking requests, finish in-flight ones (`move`: hand them back to go on
+        elsewhere; `drain_grace` seconds at most), leave: `run()` returns then."""
+        self._move_out = self._move_out or move
         self._drain.set()
 
     async def _publish(self, *, started: bool | None = None, paused: bool | None = None,
@@ -291,10 +292,11 @@ class Worker:
                 return self._describe()
             case Shutdown() if cmd.job:  # that job ends, the worker serves on
                 return await self.job_control.end(cmd.job)
+            case Shutdown() if cmd.worker and cmd.worker != self.worker_id:
+                return AckFields(detail={"leaves": "false"})
             case Shutdown():
-                # once acked (leaving first would read as "left" to the sender), in-flight
-                # work finishes, then the worker leaves
-                ctx.after_done(self.drain)
+                # once acked (leaving first would read as "left" to the sender)
+                ctx.after_done(lambda: self.drain(move=cmd.move))
                 return None
         raise CommandFailed(ErrorCode.UNSUPPORTED, f"{type(cmd).__name__} is not supported by this "
                             f"worker ({self.engine.name} engine)")

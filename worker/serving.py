@@ -115,6 +115,9 @@ class Serving:
         #: results go out through it, coalesced per client (`outbox.messages`, `.items`)
         self.outbox = Outbox(bus, combine=lambda replies: RolloutReplies(replies=replies))
         self.served = 0
+        #: leaving with `move`: samples the engine's abort ends go back to their clients,
+        #: marked to be continued elsewhere
+        self.moving = False
         self._many: ServesMany | None = engine if isinstance(engine, ServesMany) else None
         self._tg: TaskGroup | None = None
         self._send: MemoryObjectSendStream[Work] | None = None
@@ -217,7 +220,8 @@ class Serving:
                     self.credits.generated()
                 res = msgspec.structs.replace(res, attempt=attempt,
                                               submission_id=req.submission_id,
-                                              version_spans=self.policies.stamp(req, res))
+                                              version_spans=self.policies.stamp(req, res),
+                                              moved=self._moved(res))
                 n = len(res.completion_token_ids)
                 tokens.add(n, {spans.WORKER_ID: self.worker_id, spans.JOB: req.job})
                 self.jobs.tokens.add(req.job, n)
@@ -236,6 +240,10 @@ class Serving:
             d.serve_again(0.25)
             return
         self.served += 1
+
+    def _moved(self, res: RolloutResult) -> str:
+        """This worker's id on a sample its leaving cut short (`RolloutResult.moved`)."""
+        return self.worker_id if self.moving and res.finish_reason == "abort" else ""
 
     # ---- a message's requests in one call ----
     async def _serve_many(self, d: Delivery, reqs: list[RolloutRequest]) -> None:
@@ -326,7 +334,8 @@ class Serving:
                             req, subject = todo[res.request_id]
                             res = msgspec.structs.replace(res, attempt=attempt,
                                                           submission_id=req.submission_id,
-                                                          version_spans=stamp(req, res))
+                                                          version_spans=stamp(req, res),
+                                                          moved=self._moved(res))
                             n_tokens += len(res.completion_token_ids)
                             many.posted[req.request_id] += 1
                             if many.posted[req.request_id] == req.sampling.n:

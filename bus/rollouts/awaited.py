@@ -4,6 +4,10 @@ typed errors (`RolloutPlane` submits; this is the one place that knows what is o
 
 A redelivered request can produce a result twice, and a reused request id is a new
 submission: results are matched by (request_id, submission_id, sample_index) here.
+
+A sample a draining worker hands over unfinished (`RolloutResult.moved`) is not an answer: its
+continuation (`moves.continuation`, or its prompt again for `migration="restart"`) is sent and
+awaited here, and its caller gets one result, the kept tokens merged with the rest.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Protocol
 import msgspec
 from nats.aio.msg import Msg
 
+from rlfabric.bus.rollouts.moves import continuation, merge
 from rlfabric.schemas import (
     ErrorCode,
     RolloutError,
@@ -105,15 +110,23 @@ class _Waiting:
     got: set[int] = field(default_factory=set)  # complete at `request.sampling.n`
     #: where this request's token deltas go (None: dropped)
     deltas: Inbox | None = None
+    #: a continuation: the request it continues, that one's sample index, the tokens kept
+    of: tuple[_Waiting, int, RolloutResult] | None = None
+    #: the continuations of this request's samples still awaited (request ids)
+    conts: list[str] = field(default_factory=list)
 
 
 class Awaited:
     def __init__(self, answered: Callable[[str], None] | None = None,
-                 taken: Callable[[str, str], None] | None = None) -> None:
+                 taken: Callable[[str, str], None] | None = None,
+                 move: Callable[[RolloutRequest], RolloutRequest] | None = None) -> None:
         #: told each request id that is awaited no more (answered, or given up)
         self._answered = answered
         #: told (request id, worker id) when a worker says it took an awaited request
         self._taken = taken
+        #: sends a handed-over sample's continuation, and returns it as sent (None: a moved
+        #: sample is answered as it came)
+        self._move = move
         self.duplicates_dropped = 0
         self._waiting: dict[str, _Waiting] = {}
         self._codec = codec_for(RolloutReply | RolloutReplies)
@@ -147,7 +160,7 @@ class Awaited:
         """An error for each sample of `ids` still awaited; those are awaited no more."""
         out = []
         for rid in ids:
-            w = self._waiting.pop(rid, None)
+            w = self._pop(rid)
             if w is None:
                 continue
             for i in range(w.request.sampling.n):
@@ -161,16 +174,32 @@ class Awaited:
         return out
 
     def unanswered(self, prepared: Iterable[RolloutRequest]) -> list[str]:
-        """The submission ids of `prepared` still awaited (a sample of theirs has not come)."""
-        return [r.submission_id for r in prepared
-                if (w := self._waiting.get(r.request_id)) is not None
-                and w.request.submission_id == r.submission_id]
+        """The submission ids of `prepared` still awaited (a sample of theirs has not come),
+        and of their continuations."""
+        out = []
+        for r in prepared:
+            w = self._waiting.get(r.request_id)
+            if w is not None and w.request.submission_id == r.submission_id:
+                out.append(r.submission_id)
+                out += [c.request.submission_id for rid in w.conts
+                        if (c := self._waiting.get(rid)) is not None]
+        return out
 
     def forget(self, prepared: Iterable[RolloutRequest]) -> None:
         for r in prepared:
-            self._waiting.pop(r.request_id, None)
+            self._pop(r.request_id)
             if self._answered is not None:
                 self._answered(r.request_id)  # taken ones: their results are not awaited
+
+    def _pop(self, request_id: str) -> _Waiting | None:
+        """Await `request_id` no more, nor its continuations."""
+        w = self._waiting.pop(request_id, None)
+        if w is not None:
+            for rid in w.conts:
+                self._waiting.pop(rid, None)
+                if self._answered is not None:
+                    self._answered(rid)
+        return w
 
     async def on_result(self, msg: Msg) -> None:
         try:
@@ -204,9 +233,15 @@ class Awaited:
                     self._taken(rid, batch.worker_id)
         for delta in batch.deltas:
             w = waiting.get(delta.request_id)
-            if w is not None and w.deltas is not None and \
-                    delta.submission_id == w.request.submission_id and \
-                    delta.sample_index not in w.got:
+            if w is None or delta.submission_id != w.request.submission_id:
+                continue
+            if w.of is not None:  # a continuation's tokens: its sample's, after those kept
+                w, i, kept = w.of
+                delta = msgspec.structs.replace(
+                    delta, request_id=w.request.request_id, sample_index=i,
+                    submission_id=w.request.submission_id,
+                    start=delta.start + len(kept.completion_token_ids))
+            if w.deltas is not None and delta.sample_index not in w.got:
                 w.deltas.send_nowait(delta)
 
     def _take(self, reply: RolloutReply) -> int:
@@ -216,12 +251,16 @@ class Awaited:
             # a late duplicate of a finished request, or an earlier submission of a reused id
             self.duplicates_dropped += 1
             return 0
+        if w.of is not None:
+            return self._take_continued(w, reply)
         got = w.got
         ok = 0
         if isinstance(reply, RolloutResult):  # one sample's answer: the common case
             if reply.sample_index in got:
                 self.duplicates_dropped += 1
                 return 0
+            if reply.moved and self._move is not None:
+                return self._moved(w, reply)
             got.add(reply.sample_index)
             w.sink.send_nowait(reply)
             ok = 1
@@ -233,6 +272,53 @@ class Awaited:
             if self._answered is not None:
                 self._answered(reply.request_id)
         return ok
+
+    def _moved(self, w: _Waiting, kept: RolloutResult) -> int:
+        """Sample `kept.sample_index` of `w` was handed over unfinished: sent again to go on
+        from `kept` (or from its prompt: `restart`); answered when that ends."""
+        assert self._move is not None
+        req, i = w.request, kept.sample_index
+        if self._answered is not None:  # its worker let it go: not to be put back when it leaves
+            self._answered(req.request_id)
+        if len(kept.completion_token_ids) >= req.sampling.max_tokens:  # nothing left to sample
+            return self._take(msgspec.structs.replace(kept, finish_reason="length", moved=""))
+        if req.migration == "restart":
+            kept = msgspec.structs.replace(kept, completion_token_ids=[], logprobs=[],
+                                           version_spans=(), top_logprobs=None)
+        try:
+            cont = self._move(continuation(req, kept))
+        except Exception as exc:  # e.g. the client is closing: the sample fails, typed
+            return self._take(RolloutError(
+                request_id=req.request_id, worker_id=kept.worker_id, code=ErrorCode.NOT_MOVED,
+                sample_index=i, group_id=req.group_id, retryable=True,
+                submission_id=req.submission_id,
+                message=f"sample {i} of {req.request_id} was handed back by {kept.moved}, "
+                        f"which is leaving, and could not be sent on: {exc}"))
+        self._waiting[cont.request_id] = _Waiting(cont, w.sink, deltas=w.deltas,
+                                                  of=(w, i, kept))
+        w.conts.append(cont.request_id)
+        return 0
+
+    def _take_continued(self, c: _Waiting, reply: RolloutReply) -> int:
+        """The reply to continuation `c`: the sample it continues answered, as one."""
+        assert c.of is not None
+        w, i, kept = c.of
+        del self._waiting[c.request.request_id]
+        if c.request.request_id in w.conts:
+            w.conts.remove(c.request.request_id)
+        if self._answered is not None:
+            self._answered(c.request.request_id)
+        if self._waiting.get(w.request.request_id) is not w or i in w.got:
+            self.duplicates_dropped += 1  # its sample was answered or given up meanwhile
+            return 0
+        ids = {"request_id": w.request.request_id, "sample_index": i,
+               "submission_id": w.request.submission_id}
+        if isinstance(reply, RolloutError):
+            return self._take(msgspec.structs.replace(reply, **ids))
+        whole = msgspec.structs.replace(merge(kept, reply), **ids)
+        if reply.moved and self._move is not None:  # handed over again
+            return self._moved(w, whole)
+        return self._take(whole)
 
     def _take_errors(self, w: _Waiting, reply: RolloutError) -> bool:
         """Hand over an error (one per sample still missing if it is for the whole request);
@@ -271,5 +357,5 @@ class Awaited:
                         group_id=w.request.group_id, retryable=True,
                         submission_id=w.request.submission_id,
                         message=f"no result for sample {i} of {rid} by its deadline"))
-            self._waiting.pop(rid, None)
+            self._pop(rid)
         return out

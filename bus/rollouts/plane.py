@@ -148,7 +148,8 @@ class RolloutPlane:
         self.vacancy = Vacancy(watcher, no_worker_wait) if watcher is not None else None
         #: each submitted request until answered (results deduplicated there)
         self.awaited = Awaited(affinity.answered if affinity is not None else None,
-                               affinity.held_by if affinity is not None else None)
+                               affinity.held_by if affinity is not None else None,
+                               move=self._move)
         #: request messages go out through it (`outbox.messages`, `.items`: how they packed)
         # one adapter a message: a worker holding few adapters admits a message's requests
         # under one (`rlfabric.worker.residency`)
@@ -161,7 +162,7 @@ class RolloutPlane:
         self._counter = itertools.count()
         self._request_subject = bus.subjects.rollout_request_of(job)
         #: what `generate` calls gave up on, sent while `listen` runs
-        self._cancels: MemoryObjectSendStream[list[str]] | None = None
+        self._cancels = _Cancels()
 
     async def listen(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Receive this client's results and send its requests; started once the results
@@ -177,7 +178,8 @@ class RolloutPlane:
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.outbox.run)
-                self._cancels, cancels = anyio.create_memory_object_stream[list[str]](math.inf)
+                self._cancels.stream, cancels = \
+                    anyio.create_memory_object_stream[list[str]](math.inf)
                 tg.start_soon(_send_cancels, self.bus, self.bus.subjects.rollout_cancel(self.job),
                               self.client_id, cancels)
                 if self.affinity is not None:
@@ -186,9 +188,7 @@ class RolloutPlane:
                     await tg.start(self.vacancy.run)
                 task_status.started()
         finally:
-            if self._cancels is not None:
-                self._cancels.close()
-                self._cancels = None
+            self._cancels.close()
             with anyio.CancelScope(shield=True):
                 await sub.unsubscribe()
                 await deltas.unsubscribe()
@@ -293,9 +293,15 @@ class RolloutPlane:
                     rest.append(r)
             return prepared, self._send(rest, inbox.stored), bound or ""
         except BaseException:  # e.g. the caller hung up: an offer in flight may be taken
-            self._cancel([r.submission_id for r in prepared])
+            self._cancels.send([r.submission_id for r in prepared])
             self.awaited.forget(prepared)
             raise
+
+    def _move(self, req: RolloutRequest) -> RolloutRequest:
+        """A handed-over sample sent on (`Awaited`), a submission of its own; as sent."""
+        cont = msgspec.structs.replace(req, submission_id=f"{self._session}.{next(self._counter)}")
+        self._send([cont], lambda error: None)  # not stored: its deadline answers it
+        return cont
 
     def _requeue(self, request_ids: list[str]) -> None:
         """Requests a worker took and left with: into the shared queue (a copy it handed
@@ -401,14 +407,8 @@ class RolloutPlane:
         not send yet is not sent, and the workers stop sampling what they hold of it."""
         if ticket is not None and not ticket.finished:
             self.outbox.withdraw(ticket)
-        self._cancel(self.awaited.unanswered(sent))
+        self._cancels.send(self.awaited.unanswered(sent))
         self.awaited.forget(sent)
-
-    def _cancel(self, submission_ids: list[str]) -> None:
-        """Tell the workers to stop sampling these (`RolloutCancel`, sent by `listen`)."""
-        if submission_ids and self._cancels is not None:
-            with contextlib.suppress(anyio.WouldBlock, anyio.BrokenResourceError):
-                self._cancels.send_nowait(submission_ids)
 
     async def _start(self, reqs: list[RolloutRequest], inbox: Inbox, timeout: float | None,
                      deltas: bool, session: str | None,
@@ -429,6 +429,23 @@ class RolloutPlane:
                         timeout: float | None = None) -> AsyncIterator[list[RolloutReply]]:
         reqs = list(requests)
         return in_groups(reqs, self.generate(reqs, timeout=timeout))
+
+
+class _Cancels:
+    """The submissions a client gave up on, for `_send_cancels` while the plane listens."""
+
+    def __init__(self) -> None:
+        self.stream: MemoryObjectSendStream[list[str]] | None = None
+
+    def send(self, submission_ids: list[str]) -> None:
+        if submission_ids and self.stream is not None:
+            with contextlib.suppress(anyio.WouldBlock, anyio.BrokenResourceError):
+                self.stream.send_nowait(submission_ids)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
 
 
 async def _send_cancels(bus: Bus, subject: str, client_id: str,
