@@ -16,8 +16,9 @@ A command the worker did not apply (it came past its deadline: the worker was cu
 weights of an update could not be fetched) is followed by the desired state, read again and
 taken as at join (`_missed`): the fleet may have gone on without this worker.
 
-`drain()` (SIGTERM, or a `Shutdown` command) stops fetching, lets in-flight requests finish,
-then `run()` returns: the key is deleted, the control consumer removed, the engine stopped.
+`drain()` (SIGTERM, or a `Shutdown` command) stops fetching, lets in-flight requests finish
+(a `Shutdown` with `move` hands them back to go on elsewhere), then `run()` returns: the key is
+deleted, the control consumer removed, the engine stopped.
 """
 
 from __future__ import annotations
