@@ -70,7 +70,8 @@ async def _run(url: str, mode: str, args: argparse.Namespace, at: float = 0.0
         held = 0
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
-            await started.wait()
+            with anyio.fail_after(300):  # the workers' first tokens
+                await started.wait()
             if mode != "undisturbed":
                 await anyio.sleep(max(0.0, t0 + at - time.monotonic()))
                 load = {w: int(a.detail["in_flight"])
