@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 from rlfabric.engines import checkpoint_dir
@@ -77,7 +77,12 @@ def options() -> argparse.Namespace:
                    "directory, or a built-in name (default tinychat; tinylora with --lora or "
                    "--jobs)")
     p.add_argument("--steps", type=int, default=30, help="training steps (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="TRL's seed (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="TRL's seed, and the adapter's init's (default %(default)s)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="completions per step, 8 per prompt (default 16; 32 with --lora or "
+                   "--jobs: an adapter's random init starts some seeds with no reward for many "
+                   "steps at 16)")
     p.add_argument("--lr", type=float, default=1e-2,
                    help="learning rate, decayed linearly to 0 over --steps (default %(default)s)")
     p.add_argument("--threshold", type=float, default=0.8,
@@ -96,11 +101,13 @@ def options() -> argparse.Namespace:
                    help="the byte the prompts ask for and the reward counts (default a)")
     p.add_argument("--jobs", default=None, metavar="JOB:LETTER,...",
                    help="one LoRA run per job at once on one pool (its own process, its own "
-                   "letter; the same --steps, --seed, --lr); exits 0 only if each learned")
+                   "letter; the same --steps, --batch, --seed, --lr); exits 0 only if each "
+                   "learned")
     p.add_argument("--out", default=None, metavar="DIR",
                    help=f"the run's folder (default: a new one under {runs_dir()})")
     args = p.parse_args()
     args.model = args.model or ("tinylora" if args.lora or args.jobs else "tinychat")
+    args.batch = args.batch or (32 if args.lora or args.jobs else 16)
     return args
 
 
@@ -110,10 +117,11 @@ def train(args: argparse.Namespace, url: str, model: str, out: Path
                                            "content": f"say {args.letter} #{i}:"}]
                                          for i in range(512)]})
     config = GRPOConfig(output_dir=str(out / "trl"), use_cpu=True, report_to=[],
-                        save_strategy="no", per_device_train_batch_size=16, num_generations=8,
-                        max_completion_length=8, learning_rate=args.lr, max_steps=args.steps,
-                        logging_steps=1, seed=args.seed)
+                        save_strategy="no", per_device_train_batch_size=args.batch,
+                        num_generations=8, max_completion_length=8, learning_rate=args.lr,
+                        max_steps=args.steps, logging_steps=1, seed=args.seed)
     rewards = Rewards()
+    set_seed(args.seed)  # the adapter's random init too: a run repeats with its seed
     policy = AutoModelForCausalLM.from_pretrained(model)
     if args.lora:
         import peft
@@ -166,7 +174,8 @@ def run_jobs(args: argparse.Namespace, out: Path) -> int:
         for job, letter in jobs:
             cmd = [sys.executable, __file__, "--nats", url, "--prefix", args.prefix, "--model",
                    model, "--job", job, "--lora", "--letter", letter, "--steps",
-                   str(args.steps), "--seed", str(args.seed), "--lr", str(args.lr),
+                   str(args.steps), "--batch", str(args.batch), "--seed", str(args.seed),
+                   "--lr", str(args.lr),
                    "--lora-alpha", str(args.lora_alpha), "--threshold", str(args.threshold),
                    "--out", str(out / job)]
             log = stack.enter_context(open(out / f"{job}.log", "w"))
