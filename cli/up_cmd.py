@@ -147,6 +147,11 @@ def _grpo_options(p: argparse.ArgumentParser) -> None:
                    help=f"final reward (the mean of the last {config.FINAL_STEPS} steps) "
                    f"needed for exit 0 (default {d['reward_threshold']}; "
                    f"{config.TOOLS_THRESHOLD} with --task tools)")
+    p.add_argument("--max-failed", type=float, default=d["max_failed"], metavar="SHARE",
+                   help="the share of a step's samples that may fail (an engine error, a "
+                   "deadline, a lost worker): each is left out of the loss and counted in the "
+                   "table's fail column; past it the run stops naming the causes (default "
+                   "%(default)s)")
     p.add_argument("--lora", type=int, default=d["lora_rank"], metavar="RANK",
                    help="train a LoRA adapter of this rank instead of every weight, and push "
                    "only the adapter each step (default: off)")
@@ -207,6 +212,7 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
                      max_tokens=args.max_tokens, lr=args.lr, transport=_transport(args),
                      async_mode=args.async_mode, reward_threshold=_threshold(args),
                      lora_rank=args.lora, device=args.device or "cpu",
+                     max_failed=args.max_failed,
                      sleep_level=args.sleep_level if args.colocate else 0)
     run = _Run(args=args, cfg=cfg, run_dir=run_dir,
                mode="async (1 step off-policy)" if args.async_mode else "sync",

@@ -38,6 +38,10 @@ def live_view(history: list[StepStats], fleet: FleetView, *, steps: int, mode: s
         Text(f"tokens/s {last.tokens_per_s:.0f}" if last else "tokens/s -"),
         Text(f"{mode}, {transport}", style="dim"),
     )
+    if last and last.failed:
+        head.add_row(Text("failed", style="red"), Text(f"{last.failed} of the last step's "
+                                                        "samples (left out of the loss)"),
+                     Text(""), Text(""), Text(""))
     head.add_row(Text("reward"), Text(spark([h.reward for h in history]), style="green"),
                  Text(""), Text(""), Text(status, style="yellow"))
     if last:
@@ -63,15 +67,18 @@ def summary_table(history: list[StepStats]) -> Table:
               title_justify="left", padding=(0, 0, 0, 1), box=box.SIMPLE_HEAD, pad_edge=False)
     episodes = any(h.turns_per_episode for h in history)  # the tools task
     colocated = any(h.sleep_ms for h in history)  # --colocate: sleep before train, wake after
-    cols = ["step", "ver", "reward", "mismatch", "n", "gen s", *(("sleep",) if colocated else ()),
-            "train s", "pause", *(("wake",) if colocated else ()), "update", "resume", "tok/s",
+    failures = any(h.failed for h in history)  # samples left out of the loss
+    cols = ["step", "ver", "reward", "mismatch", "n", *(("fail",) if failures else ()), "gen s",
+            *(("sleep",) if colocated else ()), "train s", "pause",
+            *(("wake",) if colocated else ()), "update", "resume", "tok/s",
             *(("turns", "calls", "segs") if episodes else ())]
     for col in cols:
         t.add_column(col, justify="right", no_wrap=True)
     for h in history:
         cells = [str(h.step + 1), str(h.version), f"{h.reward:.3f}",
                  "-" if h.mismatch is None else f"{h.mismatch:.1e}", str(h.samples),
-                 f"{h.gen_s:.2f}", *((f"{h.sleep_ms:.1f}",) if colocated else ()),
+                 *((str(h.failed),) if failures else ()), f"{h.gen_s:.2f}",
+                 *((f"{h.sleep_ms:.1f}",) if colocated else ()),
                  f"{h.train_s:.2f}", f"{h.pause_ms:.1f}",
                  *((f"{h.wake_ms:.1f}",) if colocated else ()),
                  f"{h.update_ms:.1f}", f"{h.resume_ms:.1f}", f"{h.tokens_per_s:.0f}"]

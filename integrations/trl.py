@@ -16,6 +16,13 @@ step, as versions 0, 1, 2, ... of this run's own count (`state.global_step` when
 ends in a push); a push the quorum did not ack is taken back and stops training with its
 report (`WeightSyncFailed`, saying where each worker is).
 
+A rollout that fails (refused, past its deadline, its worker lost) is never a reward: its row
+comes back as a one-token placeholder with `env_mask` 0 and extra field `rollout_failed` (the
+code and message; "" for the others), and the reward functions TRL was given answer None for
+it, so TRL leaves it out of the loss and out of its group's baseline. `failed` counts them per
+step; more than `max_failed` of a step's rollouts failing raises `RolloutFailed` naming the
+causes (`rlfabric.trainer.failures`).
+
 Several runs share one pool as jobs (`rlfabric.schemas.jobs`): `TrlFabric(..., job="exp-a",
 adapter="policy")` puts this run's requests and PEFT adapter in job `exp-a` (another job may
 name its adapter `policy` too), on the base weights the pool serves.
@@ -37,10 +44,12 @@ blocking portal). Install with `pip install 'rlfabric[trl]'`.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -59,14 +68,15 @@ from rlfabric.schemas import (
     Adapter,
     PackedI32,
     RolloutError,
+    RolloutReply,
     RolloutRequest,
-    RolloutResult,
     SamplingParams,
     checkpoint_policy,
 )
 from rlfabric.tensors.checksums import checksum
 from rlfabric.trainer import FabricClient
 from rlfabric.trainer.errors import RolloutFailed
+from rlfabric.trainer.failures import StepFailures
 
 #: an agent episode: (openai.AsyncOpenAI on the gateway, TRL's prompt, the session id to send
 #: as `X-Session-ID`) -> extra fields for the reward functions (e.g. the final answer)
@@ -96,7 +106,7 @@ class TrlFabric:
     def __init__(self, nats: str, *, prefix: str = "rl", transport: str = "shm",
                  policy: QuorumPolicy | None = None, timeout: float = 600.0,
                  run: str | None = None, job: str = "", adapter: str = ADAPTER,
-                 **connect: Any) -> None:
+                 max_failed: float = 0.1, **connect: Any) -> None:
         self.nats = nats
         #: the job this run is on a shared pool ("": the pool's own; `rlfabric.schemas.jobs`)
         #: and the name its PEFT adapter is served under there
@@ -114,6 +124,13 @@ class TrlFabric:
         self.next_version = 0
         #: each push's FanoutReport, by version
         self.reports: dict[int, Any] = {}
+        #: the share of a step's rollouts that may fail (each left out of the loss)
+        if not 0.0 <= max_failed <= 1.0:
+            raise ValueError(f"TrlFabric(max_failed={max_failed}): a share of a step's "
+                             "rollouts, 0 to 1")
+        self.max_failed = max_failed
+        #: failed rollouts, by step
+        self.failed: dict[int, int] = {}
         self.sync = _Sync(self)
         self._stack = contextlib.ExitStack()
         self._portal: BlockingPortal | None = None
@@ -210,6 +227,7 @@ class TrlFabric:
     # ---- single-turn rollouts ----
     def rollout_func(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         """TRL's `rollout_func`: one completion per prompt received."""
+        leave_failed_unscored(trainer)
         ids = tokenize(prompts, trainer)
         step = trainer.state.global_step
         sampling = sampling_of(trainer)
@@ -220,27 +238,53 @@ class TrlFabric:
             sampling=SamplingParams(**sampling, seed=(seed * 1_000_003 + step) * 4096 + i))
             for i, p in enumerate(ids)]
         got = self.call(self._collect, reqs)
+        failures = StepFailures(step)
+        for r in reqs:
+            failures.add(got[r.request_id])
+        self._count(failures, trainer)
         out: dict[str, list[Any]] = {"prompt_ids": ids, "completion_ids": [], "logprobs": [],
-                                     "worker_id": [], "weight_version": []}
+                                     "worker_id": [], "weight_version": [],
+                                     "rollout_failed": []}
         for r in reqs:
             res = got[r.request_id]
+            out["worker_id"].append(res.worker_id)
+            if isinstance(res, RolloutError):  # a placeholder the loss never sees
+                out["completion_ids"].append(list(sampling["stop_token_ids"][:1] or (0,)))
+                out["logprobs"].append([0.0])
+                out["weight_version"].append(-1)
+                out["rollout_failed"].append(f"{res.code}: {res.message}")
+                continue
             out["completion_ids"].append(res.completion_token_ids.tolist())
             out["logprobs"].append(res.logprobs.tolist())
-            out["worker_id"].append(res.worker_id)
             spans = {s.version for s in res.version_spans}
             out["weight_version"].append(spans.pop() if len(spans) == 1 else -2)
+            out["rollout_failed"].append("")
+        if failures.failed:
+            out["env_mask"] = [[0 if f else 1] * len(c) for c, f in
+                               zip(out["completion_ids"], out["rollout_failed"], strict=True)]
         return out
+
+    def _count(self, failures: StepFailures, trainer: Any) -> None:
+        """Record a step's failures; `RolloutFailed` past `max_failed`, or where a reward
+        model (which scores every row) would score one."""
+        self.failed[failures.step] = self.failed.get(failures.step, 0) + failures.failed
+        if not failures.failed:
+            return
+        failures.check(self.max_failed, "TrlFabric(max_failed=)")
+        if any(not unscored(f) for f in trainer.reward_funcs):
+            raise RolloutFailed(f"step {failures.step}: {failures.failed} rollouts failed "
+                                f"({failures.causes()}), and a reward model scores every "
+                                "completion, so they cannot be left out: fix the cause, or "
+                                "give GRPOTrainer reward functions only", error=failures.errors[0])
+        log.warning("step %d: %d of %d rollouts failed, left out of the loss: %s",
+                    failures.step, failures.failed, failures.total, failures.causes())
 
     def _adapter_name(self, trainer: Any) -> str:
         return self.adapter if hasattr(trainer.model, "peft_config") else ""
 
-    async def _collect(self, reqs: list[RolloutRequest]) -> dict[str, RolloutResult]:
-        got: dict[str, RolloutResult] = {}
+    async def _collect(self, reqs: list[RolloutRequest]) -> dict[str, RolloutReply]:
+        got: dict[str, RolloutReply] = {}
         async for r in self.client.generate(reqs, timeout=self.timeout):
-            if isinstance(r, RolloutError):
-                where = r.worker_id or "no worker"
-                raise RolloutFailed(f"rollout {r.request_id} failed on {where}: {r.code}: "
-                                    f"{r.message}", error=r)
             got[r.request_id] = r
         return got
 
@@ -254,41 +298,59 @@ class TrlFabric:
         tool results and template tokens, and the rollout logprobs (0 where not sampled)."""
 
         def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
-            sids = [f"trl-{self.run}-s{trainer.state.global_step}-{i}"
-                    for i in range(len(prompts))]
-            extras = self.call(self._episodes, base_url, api_key, episode, prompts, sids,
-                               concurrency)
-            out: dict[str, list[Any]] = {k: [] for k in (
-                "prompt_ids", "completion_ids", "logprobs", "env_mask", "weight_version",
-                "segments", "session_id")}
-            for sid in sids:
-                for k, v in self.call(self._trajectory, sid).items():
-                    out[k].append(v)
-            for extra in extras:
-                for k, v in extra.items():
-                    out.setdefault(k, []).append(v)
+            leave_failed_unscored(trainer)
+            step = trainer.state.global_step
+            sids = [f"trl-{self.run}-s{step}-{i}" for i in range(len(prompts))]
+            extras, errors = self.call(self._episodes, base_url, api_key, episode, prompts,
+                                       sids, concurrency)
+            failures = StepFailures(step)
+            for sid, exc in zip(sids, errors, strict=True):
+                failures.add(None if exc is None else RolloutError(
+                    request_id=sid, worker_id="", code=type(exc).__name__, message=str(exc)))
+            self._count(failures, trainer)
+            keys = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "weight_version",
+                    "segments", "session_id", "rollout_failed")
+            out: dict[str, list[Any]] = {k: [] for k in keys}
+            names = {k for extra in extras for k in extra}
+            end = end_tokens(trainer)[:1] or (0,)
+            for prompt, sid, extra, exc in zip(prompts, sids, extras, errors, strict=True):
+                row = (self.call(self._trajectory, sid) | {"rollout_failed": ""}
+                       if exc is None else {  # a placeholder the loss never sees
+                           "prompt_ids": tokenize([prompt], trainer)[0],
+                           "completion_ids": list(end), "logprobs": [0.0], "env_mask": [0],
+                           "weight_version": -1, "segments": 0, "session_id": sid,
+                           "rollout_failed": f"{type(exc).__name__}: {exc}"})
+                for k in keys:
+                    out[k].append(row[k])
+                for k in names:
+                    out.setdefault(k, []).append(extra.get(k))
             return out
 
         return rollout
 
     async def _episodes(self, base_url: str, api_key: str, episode: Episode,
                         prompts: list[Any], sids: list[str], concurrency: int
-                        ) -> list[dict[str, Any]]:
+                        ) -> tuple[list[dict[str, Any]], list[Exception | None]]:
+        """Each episode's extra fields, and the error it raised (None where it ended)."""
         import anyio
         import openai
 
         out: list[dict[str, Any]] = [{} for _ in prompts]
+        errors: list[Exception | None] = [None] * len(prompts)
         limit = anyio.Semaphore(concurrency)
         async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key,
                                       max_retries=0, timeout=self.timeout) as client:
             async def one(i: int) -> None:
                 async with limit:
-                    out[i] = await episode(client, prompts[i], sids[i])
+                    try:
+                        out[i] = await episode(client, prompts[i], sids[i])
+                    except Exception as exc:  # the gateway's, a tool's, the environment's
+                        errors[i] = exc
 
             async with anyio.create_task_group() as tg:
                 for i in range(len(prompts)):
                     tg.start_soon(one, i)
-        return out
+        return out, errors
 
     async def _trajectory(self, sid: str) -> dict[str, Any]:
         traj = await read_trajectory(self.client.bus, sid)
@@ -318,6 +380,43 @@ class _Sync(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.owner.push(kw["model"])
+
+
+def unscored(fn: Any) -> bool:
+    """Whether reward function `fn` answers None for failed rollouts (`leave_failed_unscored`)."""
+    return bool(getattr(fn, "rlfabric_unscored", False))
+
+
+def leave_failed_unscored(trainer: Any) -> None:
+    """Each of `trainer`'s reward functions (not its reward models) answers None for a row
+    whose `rollout_failed` is set: TRL leaves such a row out of its group's baseline and gives
+    it no advantage. Done in place, once per function."""
+    from torch import nn
+
+    funcs = trainer.reward_funcs
+    for i, fn in enumerate(funcs):
+        if not unscored(fn) and not isinstance(fn, nn.Module):
+            funcs[i] = _unscoring(fn)
+
+
+def _unscoring(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def blank(rewards: list[Any], failed: list[str] | None) -> list[Any]:
+        if not failed or not any(failed):
+            return rewards
+        return [None if f else r for r, f in zip(rewards, failed, strict=True)]
+
+    wrapped: Any
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)):  # noqa: B004  # an object with an async __call__
+        @functools.wraps(fn)
+        async def wrapped(*args: Any, **kw: Any) -> list[Any]:
+            return blank(await fn(*args, **kw), kw.get("rollout_failed"))
+    else:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kw: Any) -> list[Any]:
+            return blank(fn(*args, **kw), kw.get("rollout_failed"))
+    wrapped.rlfabric_unscored = True
+    return cast(Callable[..., Any], wrapped)
 
 
 def tokenize(prompts: list[Any], trainer: Any) -> list[list[int]]:

@@ -35,6 +35,9 @@ class GRPOConfig:
     max_staleness: int = 1
     reward_threshold: float = 0.8
     request_timeout: float = 120.0
+    #: the share of a step's samples that may fail (each left out of the loss); past it the
+    #: run stops naming the causes
+    max_failed: float = 0.1
     #: > 0: train a LoRA adapter of this rank (alpha = 2 x rank, on every linear module of the
     #: attention and MLP blocks and the LM head) instead of every weight, and push only it
     lora_rank: int = 0
@@ -53,6 +56,8 @@ class GRPOConfig:
             (self.prompts_per_step >= 1, f"--prompts {self.prompts_per_step}: need >= 1"),
             (self.max_tokens >= 1, f"--max-tokens {self.max_tokens}: need >= 1"),
             (self.lr > 0, f"--lr {self.lr}: must be > 0"),
+            (0.0 <= self.max_failed <= 1.0,
+             f"--max-failed {self.max_failed}: a share of a step's samples, 0 to 1"),
             (self.lora_rank >= 0, f"--lora {self.lora_rank}: a rank >= 1, or 0 for none"),
             (self.transport in transports.names(),
              f"--transport {self.transport}: use one of {', '.join(transports.names())}"),

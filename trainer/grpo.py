@@ -11,6 +11,10 @@ update then uses a `keep` pause, so requests in flight continue under the new we
 their `version_spans` show the switch; `RolloutBuffer(max_staleness=1)` bounds how old a
 sample may be.
 
+A sample that fails (a `RolloutError`) is left out of the loss and of its group's baseline,
+counted in the step's `failed`; more than `max_failed` of a step's samples failing stops the run
+with `RolloutFailed` naming the causes (`trainer.failures`).
+
 Per step it also measures the trainer/rollout logprob mismatch: mean |trainer - rollout| over
 the samples produced entirely by the version the trainer holds, which is the weight-sync check
 (1e-6-ish on CPU in fp32 when the weights really are the same).
@@ -28,11 +32,11 @@ import anyio
 import msgspec
 import torch
 
+from rlfabric.concurrency import beside
 from rlfabric.schemas import (
     Adapter,
     PackedI32,
     PauseMode,
-    RolloutError,
     RolloutRequest,
     RolloutResult,
     SamplingParams,
@@ -42,7 +46,7 @@ from rlfabric.tensors.lora import LoraModel
 from rlfabric.trainer.buffer import RolloutBuffer, sample_version
 from rlfabric.trainer.client import FabricClient
 from rlfabric.trainer.config import LORA_NAME, LORA_TARGETS, GRPOConfig
-from rlfabric.trainer.errors import RolloutFailed
+from rlfabric.trainer.failures import StepFailures
 from rlfabric.trainer.task import LetterTask
 from rlfabric.trainer.tools import AgentRollouts, Episode, Sample
 
@@ -55,6 +59,8 @@ class _Rollouts:
     gen_s: float
     episodes: list[Episode] | None = None
     samples: list[Sample] | None = None
+    #: samples that came back as errors: left out of the loss and of their group's baseline
+    failed: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,6 +74,8 @@ class StepStats:
     tokens: int
     stale_dropped: int
     two_version_samples: int
+    #: samples that failed (left out of the loss; the run stops past --max-failed)
+    failed: int
     gen_s: float
     train_s: float
     pause_ms: float
@@ -151,16 +159,12 @@ class GRPOTrainer:
                                                       self.cfg.group_size)
             return _Rollouts([], time.perf_counter() - t0, episodes, samples)
         out: list[RolloutResult] = []
+        failures = StepFailures(step)
         async for group in self.fabric.generate_groups(self._requests(step),
                                                        timeout=self.cfg.request_timeout):
-            errors = [r for r in group if isinstance(r, RolloutError)]
-            if errors:
-                e = errors[0]
-                raise RolloutFailed(f"rollout {e.request_id} failed on "
-                                    f"{e.worker_id or 'no worker'}: {e.code}: {e.message}",
-                                    error=e)
-            out.extend(r for r in group if isinstance(r, RolloutResult))
-        return _Rollouts(out, time.perf_counter() - t0)
+            out.extend(r for r in group if not failures.add(r) and isinstance(r, RolloutResult))
+        failures.check(self.cfg.max_failed, "--max-failed")
+        return _Rollouts(out, time.perf_counter() - t0, failed=failures.failed)
 
     def _batch(self, out: _Rollouts) -> tuple[list[Sample], int, int]:
         """What this step learns from (the letter task: through the staleness buffer), the
@@ -325,7 +329,8 @@ class GRPOTrainer:
         return StepStats(
             step=step, version=self.version, reward=reward, reward_std=reward_std,
             mismatch=mismatch, samples=samples, tokens=tokens,
-            stale_dropped=self.buffer.dropped, two_version_samples=two, gen_s=out.gen_s,
+            stale_dropped=self.buffer.dropped, two_version_samples=two, failed=out.failed,
+            gen_s=out.gen_s,
             train_s=train_s, pause_ms=timed["pause"], update_ms=timed["update"],
             resume_ms=timed["resume"], sleep_ms=timed.get("sleep", 0.0),
             wake_ms=timed.get("wake", 0.0),
@@ -338,7 +343,7 @@ class GRPOTrainer:
     async def run(self) -> list[StepStats]:
         await self.push_initial()
         pending: dict[int, Any] = {}
-        async with anyio.create_task_group() as tg:
+        async with beside() as tg:  # a failed step raises as itself (`RolloutFailed`)
             async def gen_into(step: int, box: dict[str, Any]) -> None:
                 with spans.within(box["span"]):
                     box["out"] = await self._generate(step)

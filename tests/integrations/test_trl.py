@@ -48,9 +48,9 @@ def shorter(completions: list[Any], **_: Any) -> list[float]:
     return [-float(len(c[0]["content"])) for c in completions]
 
 
-def config(out: Path, steps: int) -> Any:
+def config(out: Path, steps: int, batch: int = 8) -> Any:
     return trl.GRPOConfig(output_dir=str(out), use_cpu=True, report_to=[], save_strategy="no",
-                          per_device_train_batch_size=8, num_generations=4, max_steps=steps,
+                          per_device_train_batch_size=batch, num_generations=4, max_steps=steps,
                           max_completion_length=128, learning_rate=1e-3, logging_steps=1,
                           seed=0, temperature=1.0)
 
@@ -160,6 +160,8 @@ def test_a_two_turn_tool_episode_reaches_trl_with_tool_and_template_tokens_maske
     seen: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
 
     async def episode(client: Any, prompt: Any, sid: str) -> dict[str, Any]:
+        if sid.endswith("-0"):  # an environment that fails: never a reward
+            raise RuntimeError("the calculator is down")
         msgs = list(prompt)
         turns = []
         for choice, n in (("required", 6), ("none", 3)):  # a forced call, then the answer
@@ -177,7 +179,7 @@ def test_a_two_turn_tool_episode_reaches_trl_with_tool_and_template_tokens_maske
         return {"answer": m.content or ""}
 
     outs: list[dict[str, Any]] = []
-    with TrlFabric(nats_url, prefix=prefix) as fabric:
+    with TrlFabric(nats_url, prefix=prefix, max_failed=0.2) as fabric:
         workers(["a0", "a1"], "--model", "tinychat")
         gw = spawn("gateway", "--nats", nats_url, "--prefix", prefix, "--model", "tinychat",
                    "--tool-call-parser", "tinychat", "--port", "0", module="rlfabric")
@@ -195,9 +197,14 @@ def test_a_two_turn_tool_episode_reaches_trl_with_tool_and_template_tokens_maske
             processing_class=AutoTokenizer.from_pretrained(ckpt),
             rollout_func=rollout, callbacks=[fabric.sync]).train()
     (out,) = outs
-    assert len(out["env_mask"]) == 8 and len(seen) == 8
+    assert len(out["env_mask"]) == 8 and len(seen) == 7
+    (bad,) = [i for i, sid in enumerate(out["session_id"]) if sid not in seen]
+    assert out["rollout_failed"][bad] == "RuntimeError: the calculator is down"
+    assert out["env_mask"][bad] == [0] and out["answer"][bad] is None
+    assert fabric.failed == {0: 1}
+    rows = sorted((i for i in range(8) if i != bad), key=lambda i: out["session_id"][i])
     for sid, ids, comp, mask, lps in zip(sorted(seen), *(
-            [out[k][i] for i in sorted(range(8), key=lambda i: out["session_id"][i])]
+            [out[k][i] for i in rows]
             for k in ("prompt_ids", "completion_ids", "env_mask", "logprobs")), strict=True):
         p1, c1, p2, c2 = seen[sid]
         assert p2[:len(p1) + len(c1)] == p1 + c1  # exact tokens: turn 2 extends turn 1
@@ -205,7 +212,7 @@ def test_a_two_turn_tool_episode_reaches_trl_with_tool_and_template_tokens_maske
         between = len(p2) - len(p1) - len(c1)  # the tool result and the template around it
         assert between > 0 and mask == [1] * len(c1) + [0] * between + [1] * len(c2)
         assert all(lp == 0.0 for lp, m in zip(lps, mask, strict=True) if not m)
-    assert set(out["weight_version"]) == {0}
+    assert {out["weight_version"][i] for i in rows} == {0}
 
 
 def test_a_step_whose_weights_no_worker_took_stops_training_naming_the_worker(
@@ -317,6 +324,55 @@ def test_completions_stop_at_the_trainers_end_tokens(engine: str, tmp_path: Path
     past = [i for i, c in enumerate(comps) if any(t in ends for t in c[:-1])]
     assert past == []
     assert {c[-1] for c in comps if c and c[-1] in ends} >= {42, 260}  # stopped at both
+
+
+def test_failed_rollouts_are_left_out_of_the_loss_and_past_max_failed_stop_the_run(
+        tmp_path: Path, workers, nats_url: str, prefix: str) -> None:
+    """A third of a step's prompts are past the workers' context (a real refusal,
+    `prompt_too_long`): each comes back as a placeholder with `env_mask` 0 and
+    `rollout_failed` set, the reward function answers None for it (TRL leaves it out of its
+    group's baseline), the step trains and `failed` counts them; with `max_failed` below a
+    third, the step stops naming the cause."""
+    from rlfabric.trainer import RolloutFailed
+
+    ckpt = write_checkpoint("tinychat", str(tmp_path / "tinychat"))
+    workers(["x0"], "--model", ckpt)
+    too_long = "say " + "x" * 1100  # tinychat's context: 1,024 tokens
+    prompts = [[{"role": "user", "content": c}] for c in ("say hi", "say no", too_long)]
+    args = config(tmp_path / "out", 1, batch=12)  # the 3 prompts, 4 completions each
+    outs: list[dict[str, Any]] = []
+    with TrlFabric(nats_url, prefix=prefix, max_failed=0.5) as fabric:
+        fabric.call(fabric.client.wait_for_workers, 1, 120)
+
+        def rollout(ps: list[Any], trainer: Any) -> dict[str, Any]:
+            outs.append(fabric.rollout_func(ps, trainer))
+            return outs[-1]
+
+        trainer = trl.GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(ckpt), reward_funcs=shorter, args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=AutoTokenizer.from_pretrained(ckpt), rollout_func=rollout,
+            callbacks=[fabric.sync])
+        trainer.train()
+        fabric.max_failed = 0.25
+        with pytest.raises(RolloutFailed) as stopped:
+            fabric.rollout_func(prompts * 4, trainer)
+    (out,) = outs
+    failed = [i for i, f in enumerate(out["rollout_failed"]) if f]
+    assert len(failed) == 4 and fabric.failed[0] == 4, out["rollout_failed"]
+    assert all(out["rollout_failed"][i].startswith("prompt_too_long: ") for i in failed)
+    assert all(out["env_mask"][i] == [0] and out["weight_version"][i] == -1 for i in failed)
+    served = [i for i in range(12) if i not in failed]
+    assert all(out["env_mask"][i] == [1] * len(out["completion_ids"][i]) for i in served)
+    assert all(out["weight_version"][i] == 0 for i in served)
+    # what TRL scores each row with: None (no reward, no advantage) for the failed ones
+    texts = [[{"content": str(i)}] for i in range(12)]
+    rewards = trainer.reward_funcs[0](prompts=[], completions=texts, completion_ids=[],
+                                      rollout_failed=out["rollout_failed"])
+    assert [i for i, r in enumerate(rewards) if r is None] == failed
+    assert all(isinstance(rewards[i], float) for i in served)
+    assert "4 of 12 samples failed, more than the 25%" in str(stopped.value)
+    assert "4 x prompt_too_long on x0" in str(stopped.value), stopped.value
 
 
 def test_ctrl_c_ends_a_waiting_rollout_and_a_dead_port_ends_the_process(
