@@ -1,11 +1,13 @@
-"""Draining a worker mid-generation (`rlfabric ctl drain`): its samples go on elsewhere from
-the tokens it had sampled, against the same workload undisturbed and with `restart` (what a
-worker's leaving costs without continuation: its samples start again from the prompt).
+"""Draining or killing a worker mid-generation: its samples go on elsewhere from the tokens it
+had sampled (`rlfabric ctl drain`: the tokens it hands back; SIGKILL: the tokens its deltas
+brought, once membership says it is gone), against the same workload undisturbed and with
+`restart` (what a worker's leaving costs without continuation: its samples start again from
+the prompt).
 
 Two torch workers (the built-in `tiny` model, one thread each); N greedy streamed rollouts of
-T tokens. `drained` and `restart` drain the worker holding more of them at `--at` of the
+T tokens. The other runs drain (or kill) the worker holding more of them at `--at` of the
 undisturbed run's time (every rollout has its first tokens by then). Columns: the rollouts
-the drained worker held and that finished elsewhere, token positions streamed more than once
+that worker held and that finished elsewhere, token positions streamed more than once
 (sampled again), answers equal to the undisturbed run's (greedy), and the time to the last
 answer.
 """
@@ -13,6 +15,7 @@ answer.
 from __future__ import annotations
 
 import argparse
+import signal
 import time
 import uuid
 from collections import defaultdict
@@ -45,11 +48,11 @@ async def _run(url: str, mode: str, args: argparse.Namespace, at: float = 0.0
     prefix = f"dr{uuid.uuid4().hex[:8]}"
     cmds = [["rlfabric", "worker", "--nats", url, "--prefix", prefix, "--worker-id", w,
              "--engine", "torch", "--threads", "1", "--capacity", "256"] for w in ("m0", "m1")]
-    async with children(cmds, ready="ready"), \
+    async with children(cmds, ready="ready") as procs, \
             FabricClient.connect(url, prefix=prefix) as fabric:
         await fabric.wait_for_workers(2, timeout=120)
         reqs = [RolloutRequest(request_id=f"r{i}", prompt_token_ids=PackedI32([256, 3 + i % 200]),
-                               stream=True, migration="restart" if mode == "restart" else
+                               stream=True, migration="restart" if "restart" in mode else
                                "continue", sampling=SamplingParams(max_tokens=args.tokens,
                                                                    temperature=0.0))
                 for i in range(args.requests)]
@@ -78,7 +81,10 @@ async def _run(url: str, mode: str, args: argparse.Namespace, at: float = 0.0
                         for w, a in (await fabric.describe()).acks.items()}
                 drained = max(load, key=lambda w: load[w])
                 held = load[drained]
-                await fabric.drain(drained)
+                if mode.startswith("killed"):
+                    procs[["m0", "m1"].index(drained)].send_signal(signal.SIGKILL)
+                else:
+                    await fabric.drain(drained)
         took = time.monotonic() - t0
     again = sum(len(p) - len(set(p)) for p in (
         [d.start + k for d in ds for k in range(len(d.token_ids))] for ds in seen.values()))
@@ -92,7 +98,8 @@ async def _run(url: str, mode: str, args: argparse.Namespace, at: float = 0.0
 async def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = [await _run(url, "undisturbed", args)]
     at = args.at * rows[0]["seconds"]
-    rows += [await _run(url, mode, args, at) for mode in ("drained", "restart")]
+    rows += [await _run(url, mode, args, at) for mode in
+             ("drained", "restart", "killed", "killed, restart")]
     base, first = rows[0]["ids"], rows[0]["seconds"]
     for r in rows:
         r["same"] = sum(ids == base.get(rid) for rid, ids in r.pop("ids").items())
@@ -110,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
     rows = anyio.run(go)
     print(f"{args.requests} greedy rollouts of {args.tokens} tokens, 2 torch workers (tiny)")
     print(table(rows, [("mode", "run", ""), ("answered", "answered", ""),
-                       ("errors", "errors", ""), ("held", "drained worker held", ""),
+                       ("errors", "errors", ""), ("held", "that worker held", ""),
                        ("moved", "finished elsewhere", ""),
                        ("again", "tokens sampled again", ""),
                        ("same", "same as undisturbed", ""), ("seconds", "seconds", ".2f"),

@@ -29,6 +29,9 @@ from rlfabric.schemas.validation import InvalidRequest, check_request
 #: where an engine hands the tokens of a streamed request (`RolloutRequest.stream`) as it
 #: samples them; called on the event loop
 TokenSink = Callable[[TokenDelta], None]
+#: an engine that can hands a request that is not streamed to `on_tokens` too, in deltas of
+#: about this many tokens: what another worker continues the sample from should this one die
+PROGRESS_TOKENS = 32
 
 
 def checked(request: RolloutRequest) -> None:
@@ -116,7 +119,8 @@ class Engine(Protocol):
         `resume()`; an abort pause ends them early with `finish_reason="abort"`. If
         `request.stream` is set and `on_tokens` given, each sample's tokens also go to
         `on_tokens` as `TokenDelta`s while they are sampled (in order; together they are the
-        result's tokens)."""
+        result's tokens). Where `request.stream` is not set, an engine may hand them over in
+        deltas of about `PROGRESS_TOKENS` (the last few may never go: the result has them)."""
         ...
 
     async def pause(self, mode: PauseMode) -> None:
@@ -230,10 +234,9 @@ class ServesMany(Protocol):
         own `request_id`: yield every sample's result once, as it finishes, the samples that
         finished together in one list (a decode batch's: the worker sends them as one
         message), in any order across requests (`request_id` and `sample_index` say whose).
-        Pausing, aborting and `version_spans` work as in `generate`, and `on_tokens` too, for
-        the requests with `stream` set."""
+        Pausing, aborting, `version_spans` and `on_tokens` work as in `generate`."""
         ...
 
 
-__all__ = ["Engine", "EngineDied", "PauseMode", "RequestRejected", "ServesMany",
-           "TokenSink", "Unsupported", "WeightLoadError", "adapter_held"]
+__all__ = ["PROGRESS_TOKENS", "Engine", "EngineDied", "PauseMode", "RequestRejected",
+           "ServesMany", "TokenSink", "Unsupported", "WeightLoadError", "adapter_held"]

@@ -151,10 +151,12 @@ RolloutReply = RolloutResult | RolloutError
 
 
 class TokenDelta(Message, frozen=True, kw_only=True):
-    """Tokens of one sample just sampled, sent on core NATS while it generates (requests with
-    `stream` set): completion tokens `[start, start + len(token_ids))`, their logprobs, the
-    weight version that produced them. Core NATS may drop one: a receiver that sees a gap in
-    `start` waits for the persisted `RolloutResult`, which holds every token."""
+    """Tokens of one sample just sampled, sent on core NATS while it generates (each step of
+    a request with `stream` set; every 32 tokens or so of another, where its engine can):
+    completion tokens `[start, start + len(token_ids))`, their logprobs, the weight version
+    and the policy (`rlfabric.schemas.policy`) that produced them. Core NATS may drop one: a
+    receiver that sees a gap in `start` waits for the persisted `RolloutResult`, which holds
+    every token."""
 
     request_id: str
     submission_id: str = ""
@@ -164,17 +166,20 @@ class TokenDelta(Message, frozen=True, kw_only=True):
     logprobs: PackedF32
     version: int = -1
     top_logprobs: TopLogprobs | None = None
+    policy: str = ""
+    #: set on a sample's last delta where the engine knows it is the last ("stop", "length")
+    finish: str = ""
 
     def __post_init__(self) -> None:
         coerce_packed(self, token_ids=PackedI32, logprobs=PackedF32)
 
 
 class TokenDeltas(Message, frozen=True, kw_only=True):
-    """The deltas a worker had for one client at once (one decode step of many requests),
-    in one core message: what `<prefix>.stream.<client_id>` carries. `taken`: requests worker
-    `worker_id` just took from the shared queue (request id -> submission id), sent without
-    deltas: should that worker leave before answering them, the client puts them back in the
-    queue at once instead of waiting for the stream's ack wait."""
+    """The deltas worker `worker_id` had for one client at once (one decode step of many
+    requests), in one core message: what `<prefix>.stream.<client_id>` carries. `taken`:
+    requests it just took from the shared queue (request id -> submission id), sent without
+    deltas: should that worker leave before answering them, the client sends them on at once
+    (from the tokens their deltas brought) instead of waiting for the stream's ack wait."""
 
     deltas: list[TokenDelta]
     taken: dict[str, str] = {}

@@ -88,12 +88,13 @@ class Policies:
     # ---- results ----
     def stamp(self, req: RolloutRequest, res: RolloutResult) -> tuple[VersionSpan, ...]:
         """`res`'s version spans, each named by its policy and its worker."""
-        out = []
-        for s in res.version_spans:
-            name = (self.adapter_name(req.adapter, s.version) if req.adapter
-                    else self._bases.get(s.version, ""))
-            out.append(msgspec.structs.replace(s, policy=name, worker=res.worker_id))
-        return tuple(out)
+        return tuple(msgspec.structs.replace(s, policy=self.name(req, s.version),
+                                             worker=res.worker_id) for s in res.version_spans)
+
+    def name(self, req: RolloutRequest, version: int) -> str:
+        """The policy `req`'s tokens of `version` come from ("": not one this worker names)."""
+        return (self.adapter_name(req.adapter, version) if req.adapter
+                else self._bases.get(version, ""))
 
 
 def desired_policy(state: DesiredState) -> str:

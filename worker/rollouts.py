@@ -7,7 +7,8 @@ The parts, each owning its own state:
 - `Serving` (serving.py): the engine calls (lanes, or a message at once), storing results,
   acking messages;
 - `offers` (offers.py): requests offered to this worker directly (session affinity);
-- `DeltaSender` (streaming.py): token deltas of streamed requests;
+- `DeltaSender` (streaming.py): token deltas (every step of a streamed request, now and then
+  of another);
 - `KeepAlive`, `LoadReport` (liveness.py): in-progress acks, the in-flight count published.
 
 This module runs them: pull requests are kept out for exactly the engine's free room plus
@@ -77,7 +78,7 @@ class RolloutServer:
                                    weights=weights)
         self.alive = KeepAlive(bus.limits.rollout_ack_wait)
         self.report = LoadReport(self.credits, reg, worker_id)
-        self.deltas = DeltaSender(bus)
+        self.deltas = DeltaSender(bus, worker_id, self.policies)
         self.serving = Serving(bus, engine, worker_id, credits=self.credits,
                                admission=self.admission, deltas=self.deltas, alive=self.alive,
                                policies=self.policies, jobs=self.jobs,
@@ -191,7 +192,7 @@ class RolloutServer:
         self.alive.add(d)
         c.took(d, reqs, park=park)
         if not isinstance(msg, Offered):  # an offered one's client knows who took it
-            self.deltas.took(self.worker_id, reqs, self.admission.scope_of(msg))
+            self.deltas.took(reqs, self.admission.scope_of(msg))
         if not park:
             self.serving.dispatch(d, reqs)
         elif c.several:  # it waits in the fair order only while others go first

@@ -211,8 +211,8 @@ class Serving:
                 self.jobs.serving(req.job) as scope, self.cancels.watch([req], scope) as gave_up:
             async for res in self.engine.generate(
                     req, worker_id=self.worker_id,
-                    on_tokens=self.deltas.sink({req.request_id: req}, self.admission.scope_of(
-                        d.msg)) if req.stream else None):
+                    on_tokens=self.deltas.sink({req.request_id: req},
+                                               self.admission.scope_of(d.msg))):
                 left -= 1
                 if left == 0:
                     progress.generated = True

@@ -7,7 +7,9 @@ submission: results are matched by (request_id, submission_id, sample_index) her
 
 A sample a draining worker hands over unfinished (`RolloutResult.moved`) is not an answer: its
 continuation (`moves.continuation`, or its prompt again for `migration="restart"`) is sent and
-awaited here, and its caller gets one result, the kept tokens merged with the rest.
+awaited here, and its caller gets one result, the kept tokens merged with the rest. A sample
+whose worker left without a word (`lost`) is handed over the same way, from the tokens its
+deltas brought (`_Progress`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import msgspec
 from nats.aio.msg import Msg
@@ -25,6 +27,9 @@ from nats.aio.msg import Msg
 from rlfabric.bus.rollouts.moves import continuation, merge
 from rlfabric.schemas import (
     ErrorCode,
+    FinishReason,
+    PackedF32,
+    PackedI32,
     RolloutError,
     RolloutReplies,
     RolloutReply,
@@ -33,6 +38,7 @@ from rlfabric.schemas import (
     SchemaError,
     TokenDelta,
     TokenDeltas,
+    VersionSpan,
     codec_for,
 )
 from rlfabric.schemas.validation import InvalidRequest
@@ -101,6 +107,38 @@ class Inbox:
         return self._items.popleft()
 
 
+@dataclass(slots=True)
+class _Progress:
+    """A sample's tokens as its deltas brought them, in order from its first: what it goes on
+    from should its worker leave. `broken`: a delta was lost (no longer extended)."""
+
+    worker: str
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[VersionSpan] = field(default_factory=list)
+    broken: bool = False
+    #: how it ended, where its last delta said so ("": going on)
+    finish: str = ""
+
+    def add(self, delta: TokenDelta) -> None:
+        start, ids = delta.start, delta.token_ids.tolist()
+        if self.broken or start + len(ids) <= len(self.tokens):
+            return  # sent again: held already
+        if start != len(self.tokens):
+            self.broken = True
+            return
+        end = start + len(ids)
+        self.finish = delta.finish
+        self.tokens += ids
+        self.logprobs += delta.logprobs.tolist()
+        last = self.spans[-1] if self.spans else None
+        if last is not None and (last.version, last.policy) == (delta.version, delta.policy):
+            self.spans[-1] = msgspec.structs.replace(last, end=end)
+        else:
+            self.spans.append(VersionSpan(version=delta.version, start=start, end=end,
+                                          policy=delta.policy, worker=self.worker))
+
+
 @dataclass(eq=False, slots=True)
 class _Waiting:
     """One submitted request: which samples arrived, and where its results go."""
@@ -114,6 +152,8 @@ class _Waiting:
     of: tuple[_Waiting, int, RolloutResult] | None = None
     #: the continuations of this request's samples still awaited (request ids)
     conts: list[str] = field(default_factory=list)
+    #: by sample index: the tokens sampled so far, as their deltas came
+    progress: dict[int, _Progress] = field(default_factory=dict)
 
 
 class Awaited:
@@ -235,6 +275,12 @@ class Awaited:
             w = waiting.get(delta.request_id)
             if w is None or delta.submission_id != w.request.submission_id:
                 continue
+            p = w.progress.get(delta.sample_index)
+            if p is None:
+                p = w.progress[delta.sample_index] = _Progress(batch.worker_id)
+            p.add(delta)
+            if not w.request.stream:  # progress only: the caller asked for no deltas
+                continue
             if w.of is not None:  # a continuation's tokens: its sample's, after those kept
                 w, i, kept = w.of
                 delta = msgspec.structs.replace(
@@ -272,6 +318,39 @@ class Awaited:
             if self._answered is not None:
                 self._answered(reply.request_id)
         return ok
+
+    def lost(self, request_ids: list[str]) -> tuple[list[str], list[str]]:
+        """Requests whose worker left before answering: each sample still missing is sent on
+        from the tokens its deltas brought (`migration="continue"`). Returns the ids to queue
+        again as they are (`restart`), and the submission ids sent on (for a copy the stream
+        delivers again to be skipped)."""
+        if self._move is None:
+            return request_ids, []
+        again, moved = [], []
+        for rid in request_ids:
+            w = self._waiting.get(rid)
+            if w is None:
+                continue
+            req = w.request
+            if req.migration != "continue":
+                again.append(rid)
+                continue
+            going = {c.of[1] for cid in w.conts
+                     if (c := self._waiting.get(cid)) is not None and c.of is not None}
+            moved.append(req.submission_id)
+            for i in range(req.sampling.n):
+                if i in w.got or i in going:
+                    continue
+                p = w.progress.get(i) or _Progress("")
+                # one that ended before its result came is answered as it ended
+                self._take(RolloutResult(
+                    request_id=rid, sample_index=i, worker_id=p.worker,
+                    completion_token_ids=PackedI32(p.tokens), logprobs=PackedF32(p.logprobs),
+                    finish_reason=cast(FinishReason, p.finish or "abort"),
+                    version_spans=tuple(p.spans), group_id=req.group_id,
+                    prompt_len=len(req.prompt_token_ids), submission_id=req.submission_id,
+                    moved="" if p.finish else p.worker or "a worker that left"))
+        return again, moved
 
     def _moved(self, w: _Waiting, kept: RolloutResult) -> int:
         """Sample `kept.sample_index` of `w` was handed over unfinished: sent again to go on

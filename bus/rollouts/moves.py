@@ -17,7 +17,9 @@ def continuation(request: RolloutRequest, partial: RolloutResult) -> RolloutRequ
                          f"{partial.finish_reason!r}; only aborted samples are continued")
     done = len(partial.completion_token_ids)
     sp = request.sampling
-    seed = None if sp.seed is None else sp.seed + partial.sample_index + 7919 * (done + 1)
+    # nothing kept: the sample's own seed (as sample 0 of n=1), so it samples as it would have
+    seed = None if sp.seed is None else sp.seed + partial.sample_index + (
+        7919 * (done + 1) if done else 0)
     return msgspec.structs.replace(
         request,
         request_id=f"{request.request_id}~{partial.sample_index}~{done}",

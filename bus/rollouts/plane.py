@@ -304,19 +304,32 @@ class RolloutPlane:
         return cont
 
     def _requeue(self, request_ids: list[str]) -> None:
-        """Requests a worker took and left with: into the shared queue (a copy it handed
-        back itself is dropped there as a duplicate)."""
-        reqs = [r for rid in request_ids if (r := self.awaited.request(rid)) is not None]
+        """Requests a worker took and left with: sent on from their tokens so far
+        (`Awaited.lost`), or into the shared queue (a copy it handed back itself is dropped
+        there as a duplicate)."""
+        reqs = [r for rid in self._sent_on(request_ids)
+                if (r := self.awaited.request(rid)) is not None]
         if reqs:
             self._send(reqs, lambda error: None)  # not stored: its deadline answers it
 
     def _requeue_pulled(self, request_ids: list[str]) -> None:
         """Requests a worker pulled from the queue and left with (the stream would hand them
-        out again only after its ack wait): into the queue again now."""
-        reqs = [r for rid in request_ids if (r := self.awaited.request(rid)) is not None]
+        out again only after its ack wait): sent on, or into the queue again, now."""
+        reqs = [r for rid in self._sent_on(request_ids)
+                if (r := self.awaited.request(rid)) is not None]
         if reqs:
             log.info("%d requests held by a worker that left: queued again", len(reqs))
             self._send(reqs, lambda error: None, again=f".again{next(self._counter)}")
+
+    def _sent_on(self, request_ids: list[str]) -> list[str]:
+        """Continue what a worker that left was sampling; the ids to queue again as they are.
+        The originals are cancelled: a worker the stream hands one again skips it."""
+        again, moved = self.awaited.lost(request_ids)
+        if moved:
+            log.info("%d requests held by a worker that left: sent on from their tokens",
+                     len(moved))
+            self._cancels.send(moved)
+        return again
 
     def _request_headers(self, reqs: list[RolloutRequest]) -> dict[str, str]:
         if len(reqs) == 1:

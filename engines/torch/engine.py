@@ -17,6 +17,7 @@ from anyio.abc import TaskStatus
 
 from rlfabric.engines.payload import PackedWeights
 from rlfabric.engines.protocol import (
+    PROGRESS_TOKENS,
     RequestRejected,
     RuntimeCollective,
     TokenSink,
@@ -144,7 +145,8 @@ class TorchEngine(RuntimeCollective):
                 seqs.append(Sequence(request=request, sample_index=i, prompt=prompt,
                                      generator=gen, sink=send, stop_ids=stops,
                                      worker_id=worker_id, lora=lora,
-                                     emit=emit if request.stream else None))
+                                     emit=emit,
+                                     every=1 if request.stream else PROGRESS_TOKENS))
         self.scheduler.admit(seqs)
         try:
             async with recv:

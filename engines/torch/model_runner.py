@@ -234,8 +234,6 @@ class ModelRunner:
             if k:
                 seq.top_ids.append(got.top_ids[r][:k])
                 seq.top_lps.append(got.top_lps[r][:k])
-            if seq.emit is not None:
-                seq.emit_delta()
             if tok in seq.stop_ids:
                 seq.finish = "stop"
             elif (len(seq.tokens) >= seq.request.sampling.max_tokens
@@ -244,6 +242,8 @@ class ModelRunner:
             else:
                 keep.append(r)
                 nxt.append(tok)
+            if seq.emit is not None:
+                seq.emit_delta()
         return keep, nxt
 
     def _schedule(self, step: _Step, keep: list[int]) -> None:

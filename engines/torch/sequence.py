@@ -40,8 +40,11 @@ class Sequence:
     top_lps: list[list[float]] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)  # [version, start, end]
     finish: FinishReason | None = None
-    #: streamed requests: hands each step's delta over (thread-safe: to the event loop)
+    #: hands the tokens sampled over (thread-safe: to the event loop), every `every` tokens:
+    #: each step for a streamed request, now and then for others (what a worker that takes
+    #: the sample over should this one die goes on from)
     emit: Callable[[TokenDelta], None] | None = None
+    every: int = 1
     sent: int = 0  # tokens already emitted
     #: the adapter version it runs under (a `LoraWeights`), pinned at admission; None: base
     lora: Any = None
@@ -57,7 +60,8 @@ class Sequence:
     def emit_delta(self) -> None:
         """Hand the tokens sampled since the last delta to `emit` (decode thread)."""
         start, end = self.sent, len(self.tokens)
-        if self.emit is None or start >= end:
+        # a finished sample's last tokens go at once: a client must not go on past its end
+        if self.emit is None or start >= end or (end - start < self.every and not self.finish):
             return
         self.sent = end
         k = self.request.sampling.logprobs
@@ -68,7 +72,7 @@ class Sequence:
         self.emit(TokenDelta(request_id=self.request.request_id, sample_index=self.sample_index,
                              start=start, token_ids=PackedI32(self.tokens[start:]),
                              logprobs=PackedF32(self.logprobs[start:]), version=self.spans[-1][0],
-                             top_logprobs=top))
+                             top_logprobs=top, finish=self.finish or ""))
 
     def result(self) -> RolloutResult:
         sp = self.request.sampling

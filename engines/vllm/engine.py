@@ -393,7 +393,9 @@ class VllmEngine:
         top = _top(rows, k) if k else None
         on_tokens(TokenDelta(request_id=request.request_id, sample_index=index, start=sent,
                              token_ids=PackedI32(ids), logprobs=PackedF32(lps),
-                             version=self._version, top_logprobs=top))
+                             version=self._version, top_logprobs=top,
+                             finish=o.finish_reason if o.finish_reason in ("stop", "length")
+                             else ""))
         return sent + len(ids)
 
     def _result(self, request: RolloutRequest, index: int, worker_id: str, final: Any,

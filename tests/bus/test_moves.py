@@ -1,7 +1,8 @@
 """A sample a draining worker hands back unfinished (`RolloutResult.moved`) is not an answer:
 the client sends it on from the tokens kept (`Awaited`), and its caller gets one result with
 every token as first sampled; `restart` sends the prompt again; deltas of the continuation
-land after the kept tokens."""
+land after the kept tokens. A worker that left without a word (`Awaited.lost`): its samples go
+on from the tokens their deltas brought."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ async def _take(a: Awaited, reply: RolloutResult) -> None:
 
 
 async def test_a_moved_sample_goes_on_from_its_kept_tokens_and_is_answered_once() -> None:
-    r = msgspec.structs.replace(req("r", max_tokens=10, n=2, seed=5), submission_id="s0")
+    r = msgspec.structs.replace(req("r", max_tokens=10, n=2, seed=5), submission_id="s0",
+                                stream=True)
     a, fleet, out, deltas = _awaiting(r)
     await _take(a, _result(r, [7, 8, 9], worker="w0", moved="w0", finish="abort", index=1))
     assert _items(out) == [] and len(a) == 2  # not an answer: sent on
@@ -124,3 +126,58 @@ async def test_a_caller_that_gives_up_forgets_the_continuation_and_cancels_it_to
     assert len(a) == 0
     await _take(a, _result(fleet.sent[0], [2] * 7, worker="w1"))
     assert _items(out) == [] and a.duplicates_dropped == 1
+
+
+def _delta(r: RolloutRequest, start: int, ids: list[int], index: int = 0,
+           policy: str = "p/3") -> TokenDelta:
+    return TokenDelta(request_id=r.request_id, submission_id=r.submission_id,
+                      sample_index=index, start=start, token_ids=ids,
+                      logprobs=[-0.5 - t / 100 for t in ids], version=3, policy=policy)
+
+
+async def test_a_lost_workers_samples_go_on_from_the_tokens_their_deltas_brought() -> None:
+    r = msgspec.structs.replace(req("r", max_tokens=10, n=3, seed=5), submission_id="s0")
+    a, fleet, out, deltas = _awaiting(r)
+    await a.on_delta(_msg(TokenDeltas(worker_id="w0", deltas=[
+        _delta(r, 0, [1, 2]), _delta(r, 2, [3]), _delta(r, 0, [1, 2]),  # one sent again
+        _delta(r, 0, [4], index=1), _delta(r, 2, [6], index=1)])))  # a gap after [4]
+    assert _items(deltas) == []  # not streamed: progress only, never the caller's
+    await _take(a, _result(r, [7] * 10, worker="w0", index=2))  # answered before it left
+    assert a.lost(["r"]) == ([], ["s0"])
+    c0, c1 = fleet.sent
+    assert c0.prompt_token_ids.tolist() == [256, 5, 6, 1, 2, 3] and c0.sampling.max_tokens == 7
+    assert c1.prompt_token_ids.tolist() == [256, 5, 6, 4] and c1.sampling.max_tokens == 9
+    assert a.lost(["r"]) == ([], ["s0"]) and len(fleet.sent) == 2  # both on their way
+    await _take(a, _result(c0, [8] * 7, worker="w1"))
+    await _take(a, _result(c1, [9] * 9, worker="w1"))
+    got = {x.sample_index: x for x in _items(out)}
+    assert got[0].completion_token_ids.tolist() == [1, 2, 3] + [8] * 7
+    assert got[1].completion_token_ids.tolist() == [4] + [9] * 9
+    spans = got[0].version_spans
+    assert [(s.start, s.end, s.worker, s.policy) for s in spans[:1]] == [(0, 3, "w0", "p/3")]
+    assert len(a) == 0
+
+
+async def test_a_lost_sample_with_no_tokens_starts_on_its_own_seed_and_restart_is_queued(
+        ) -> None:
+    r = msgspec.structs.replace(req("r", max_tokens=4, n=2, seed=5), submission_id="s0")
+    a, fleet, _, _ = _awaiting(r)
+    assert a.lost(["r"]) == ([], ["s0"])
+    assert [(c.prompt_token_ids.tolist(), c.sampling.seed) for c in fleet.sent] == [
+        ([256, 5, 6], 5), ([256, 5, 6], 6)]  # as samples 0 and 1 of the original would
+    q = msgspec.structs.replace(req("q", max_tokens=4), submission_id="s9",
+                                migration="restart")
+    a.register([q], Inbox(), None)
+    assert a.lost(["q", "gone"]) == (["q"], [])
+
+
+async def test_a_lost_sample_whose_last_delta_ended_it_is_answered_as_it_ended() -> None:
+    r = msgspec.structs.replace(req("r", max_tokens=10), submission_id="s0")
+    a, fleet, out, _ = _awaiting(r)
+    ended = msgspec.structs.replace(_delta(r, 0, [1, 2, 260]), finish="stop")
+    await a.on_delta(_msg(TokenDeltas(worker_id="w0", deltas=[ended])))
+    assert a.lost(["r"]) == ([], ["s0"])
+    (one,) = _items(out)
+    assert fleet.sent == [] and len(a) == 0  # nothing went on past its end
+    assert (one.completion_token_ids.tolist(), one.finish_reason, one.moved) == (
+        [1, 2, 260], "stop", "")

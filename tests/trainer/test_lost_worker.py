@@ -1,0 +1,79 @@
+"""A worker SIGKILLed mid-generation: each sample it was generating goes on on another worker
+from the tokens its deltas brought (every step of a streamed request, every 32 tokens or so of
+another), once membership says it is gone: every request answered once, no position sampled
+twice, the kept tokens and logprobs as first streamed, each span naming the worker that sampled
+it, and (greedy) the answer the same as a sample that never moved."""
+
+from __future__ import annotations
+
+import signal
+from collections import defaultdict
+
+import anyio
+import msgspec
+import pytest
+from helpers import req
+
+from rlfabric.schemas import RolloutResult, TokenDelta
+from rlfabric.tensors.models import build_model
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio]
+
+
+async def test_a_killed_workers_samples_go_on_elsewhere_from_the_tokens_it_sampled(
+        client, workers) -> None:
+    (k0,) = workers(["k0"], "--threads", "1")
+    workers(["k1"], "--threads", "1", "--capacity", "2")  # most requests go to k0
+    # half streamed (every step's delta), half not (a delta every 32 tokens or so)
+    reqs = [msgspec.structs.replace(req(f"r{i}", [256, 3 + i], max_tokens=400,
+                                        temperature=0.0), stream=i % 2 == 0)
+            for i in range(8)]
+    async with client() as fabric:
+        await fabric.wait_for_workers(2, timeout=120)
+        await fabric.update_weights(0, module=build_model("tiny"))
+        seen: dict[str, list[TokenDelta]] = defaultdict(list)
+        results: dict[str, list[RolloutResult]] = defaultdict(list)
+        sampling = anyio.Event()
+
+        async def run() -> None:
+            async for item in fabric.rollouts.generate(reqs, deltas=True, timeout=180):
+                if isinstance(item, TokenDelta):
+                    seen[item.request_id].append(item)
+                    if len(seen) == len(reqs) // 2 and all(
+                            sum(len(d.token_ids) for d in ds) >= 64 for ds in seen.values()):
+                        sampling.set()
+                else:
+                    results[item.request_id].append(item)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            with anyio.fail_after(120):
+                await sampling.wait()  # every streamed request has 64 tokens, on k0 or k1
+            held = dict((await fabric.describe()).acks["k0"].detail)
+            k0.send_signal(signal.SIGKILL)
+        whole = {r.request_id: r async for r in fabric.generate(
+            [req(f"w{i}", [256, 3 + i], max_tokens=400, temperature=0.0) for i in range(8)],
+            timeout=120)}
+    assert int(held["in_flight"]) > 0, held  # k0 had samples to lose
+    assert {rid: len(rs) for rid, rs in results.items()} == {r.request_id: 1 for r in reqs}
+    moved = {"streamed": 0, "not": 0}
+    for r in reqs:
+        (res,) = results[r.request_id]
+        assert isinstance(res, RolloutResult), res
+        ids, lps = res.completion_token_ids.tolist(), res.logprobs.tolist()
+        assert len(ids) == 400 or res.finish_reason == "stop"
+        who = [s.worker for s in res.version_spans]
+        assert who in (["k0"], ["k1"], ["k0", "k1"], []), res.version_spans
+        if who == ["k0", "k1"]:  # k0's part kept, not sampled again
+            moved["streamed" if r.stream else "not"] += 1
+            assert res.version_spans[0].end >= 32, res.version_spans
+            assert all(s.policy for s in res.version_spans), res.version_spans
+        positions = [d.start + k for d in seen[r.request_id] for k in range(len(d.token_ids))]
+        assert len(positions) == len(set(positions)), r.request_id
+        for d in seen[r.request_id]:
+            end = d.start + len(d.token_ids)
+            assert ids[d.start:end] == d.token_ids.tolist()
+            assert lps[d.start:end] == d.logprobs.tolist()
+        assert not r.stream or positions == list(range(len(ids)))  # none missing either
+        assert ids == whole["w" + r.request_id[1:]].completion_token_ids.tolist()
+    assert moved["streamed"] > 0 and moved["not"] > 0, moved
