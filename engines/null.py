@@ -92,7 +92,8 @@ class NullEngine(RuntimeCollective):
         if on_tokens is not None and request.stream:
             for i in range(request.sampling.n):
                 on_tokens(TokenDelta(request_id=request.request_id, sample_index=i, start=0,
-                                     token_ids=ids, logprobs=zeros, version=self._version))
+                                     token_ids=ids, logprobs=zeros, version=self._version,
+                                     finish="length"))
         return [RolloutResult(
             request_id=request.request_id, sample_index=i, worker_id=worker_id,
             completion_token_ids=ids, logprobs=zeros, finish_reason="length",

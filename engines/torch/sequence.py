@@ -60,8 +60,7 @@ class Sequence:
     def emit_delta(self) -> None:
         """Hand the tokens sampled since the last delta to `emit` (decode thread)."""
         start, end = self.sent, len(self.tokens)
-        # a finished sample's last tokens go at once: a client must not go on past its end
-        if self.emit is None or start >= end or (end - start < self.every and not self.finish):
+        if self.emit is None or end - start < self.every:
             return
         self.sent = end
         k = self.request.sampling.logprobs
