@@ -27,6 +27,7 @@ tokens from the result.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -183,7 +184,8 @@ class RolloutPlane:
                 tg.start_soon(_send_cancels, self.bus, self.bus.subjects.rollout_cancel(self.job),
                               self.client_id, cancels)
                 if self.affinity is not None:
-                    await tg.start(self.affinity.run, self._requeue, self._requeue_pulled)
+                    await tg.start(self.affinity.run, self._requeue,
+                                   functools.partial(self._requeue, pulled=True))
                 if self.vacancy is not None:
                     await tg.start(self.vacancy.run)
                 task_status.started()
@@ -303,33 +305,18 @@ class RolloutPlane:
         self._send([cont], lambda error: None)  # not stored: its deadline answers it
         return cont
 
-    def _requeue(self, request_ids: list[str]) -> None:
-        """Requests a worker took and left with: sent on from their tokens so far
-        (`Awaited.lost`), or into the shared queue (a copy it handed back itself is dropped
-        there as a duplicate)."""
-        reqs = [r for rid in self._sent_on(request_ids)
-                if (r := self.awaited.request(rid)) is not None]
-        if reqs:
-            self._send(reqs, lambda error: None)  # not stored: its deadline answers it
-
-    def _requeue_pulled(self, request_ids: list[str]) -> None:
-        """Requests a worker pulled from the queue and left with (the stream would hand them
-        out again only after its ack wait): sent on, or into the queue again, now."""
-        reqs = [r for rid in self._sent_on(request_ids)
-                if (r := self.awaited.request(rid)) is not None]
+    def _requeue(self, request_ids: list[str], pulled: bool = False) -> None:
+        """Requests a worker took (offered, or `pulled` from the queue) and left with: sent on
+        from their tokens so far (`Awaited.lost`; the originals cancelled, so a copy the stream
+        hands out again is skipped), the rest queued again now, not after the stream's ack wait
+        (a copy the worker handed back itself is dropped as a duplicate)."""
+        again, moved = self.awaited.lost(request_ids)
+        self._cancels.send(moved)
+        reqs = [r for rid in again if (r := self.awaited.request(rid)) is not None]
         if reqs:
             log.info("%d requests held by a worker that left: queued again", len(reqs))
-            self._send(reqs, lambda error: None, again=f".again{next(self._counter)}")
-
-    def _sent_on(self, request_ids: list[str]) -> list[str]:
-        """Continue what a worker that left was sampling; the ids to queue again as they are.
-        The originals are cancelled: a worker the stream hands one again skips it."""
-        again, moved = self.awaited.lost(request_ids)
-        if moved:
-            log.info("%d requests held by a worker that left: sent on from their tokens",
-                     len(moved))
-            self._cancels.send(moved)
-        return again
+            self._send(reqs, lambda error: None,  # not stored: its deadline answers it
+                       again=f".again{next(self._counter)}" if pulled else "")
 
     def _request_headers(self, reqs: list[RolloutRequest]) -> dict[str, str]:
         if len(reqs) == 1:

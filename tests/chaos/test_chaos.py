@@ -1,7 +1,9 @@
 """The chaos suite: 10,000 rollouts through real torch workers on a real nats-server while
 workers are SIGKILLed (and replaced) and the broker is SIGKILLed and restarted with its
 store. Counted, not sampled: every request gets exactly one reply and it is a result (0 lost,
-0 duplicated), and at the end no worker holds work and the queue is empty (0 wedged).
+0 duplicated), each answer's spans cover its tokens once (0 duplicated or dropped within it,
+a sample sent on from a killed worker's tokens too), and at the end no worker holds work and
+the queue is empty (0 wedged).
 
 The events are driven by progress (the k-th at k/9 of the results), so they land while work
 is in flight however fast this machine is. Counts are printed (run with -s).
@@ -27,6 +29,16 @@ pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.anyio, pytest.mark
 
 TOTAL = 10_000
 EVENTS = ("kill", "kill", "broker", "kill", "kill", "broker", "kill", "kill")  # 6 + 2
+
+
+def covered_once(res: RolloutResult, max_tokens: int) -> bool:
+    """Whether `res`'s spans cover each of its tokens once, in order, with a logprob each."""
+    n, at = len(res.completion_token_ids), 0
+    for sp in res.version_spans:
+        if sp.start != at or sp.end <= sp.start:
+            return False
+        at = sp.end
+    return at == n <= max_tokens and len(res.logprobs) == n
 
 
 async def test_chaos_10000_rollouts_6_worker_kills_2_broker_restarts(
@@ -66,6 +78,10 @@ async def test_chaos_10000_rollouts_6_worker_kills_2_broker_restarts(
                     if isinstance(res, RolloutResult):
                         counts["results"] += 1
                         redelivered += res.attempt > 1
+                        # 0 tokens duplicated or dropped within an answer: its spans (the
+                        # workers and versions of each part, a moved one's too) cover it once
+                        if not covered_once(res, 8):
+                            counts["tokens amiss"] += 1
                     elif isinstance(res, RolloutError):
                         counts[f"error:{res.code}"] += 1
                     progress.set()
@@ -130,7 +146,7 @@ async def test_chaos_10000_rollouts_6_worker_kills_2_broker_restarts(
           + ", ".join(f"{w} ({a.detail.get('in_flight')}, {a.detail.get('served')})"
                       for w, a in sorted(rep.acks.items())))
     assert counts["worker kills"] == 6 and counts["broker restarts"] == 2
-    assert lost == 0 and duplicated == 0
+    assert lost == 0 and duplicated == 0 and counts["tokens amiss"] == 0, counts
     assert counts["results"] == TOTAL, counts
     assert not wedged and set(rep.ok) == set(live), (rep.ok, rep.missing)
     assert all(isinstance(r, RolloutResult) for r in after) and len(after) == 30
