@@ -1,8 +1,9 @@
 """A worker SIGKILLed mid-generation: each sample it was generating goes on on another worker
 from the tokens its deltas brought (every step of a streamed request, every 32 tokens or so of
 another), once membership says it is gone: every request answered once, no position sampled
-twice, the kept tokens and logprobs as first streamed, each span naming the worker that sampled
-it, and (greedy) the answer the same as a sample that never moved."""
+twice, the kept tokens and logprobs as first streamed and within 1e-5 of the trainer's forward
+pass, each span naming the worker that sampled it, and (greedy) the answer the same as a sample
+that never moved."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from collections import defaultdict
 
 import anyio
 import msgspec
+import numpy as np
 import pytest
-from helpers import req
+from helpers import req, taken_logprobs
 
 from rlfabric.schemas import RolloutResult, TokenDelta
 from rlfabric.tensors.models import build_model
@@ -30,7 +32,8 @@ async def test_a_killed_workers_samples_go_on_elsewhere_from_the_tokens_it_sampl
             for i in range(8)]
     async with client() as fabric:
         await fabric.wait_for_workers(2, timeout=120)
-        await fabric.update_weights(0, module=build_model("tiny"))
+        model = build_model("tiny")
+        await fabric.update_weights(0, module=model)
         seen: dict[str, list[TokenDelta]] = defaultdict(list)
         results: dict[str, list[RolloutResult]] = defaultdict(list)
         sampling = anyio.Event()
@@ -68,6 +71,9 @@ async def test_a_killed_workers_samples_go_on_elsewhere_from_the_tokens_it_sampl
             moved["streamed" if r.stream else "not"] += 1
             assert res.version_spans[0].end >= 32, res.version_spans
             assert all(s.policy for s in res.version_spans), res.version_spans
+            # every token's logprob is the trainer's at the version that sampled it
+            ref = taken_logprobs(model, r.prompt_token_ids.tolist(), ids)
+            assert float(np.abs(ref - np.array(lps)).max()) <= 1e-5, r.request_id
         positions = [d.start + k for d in seen[r.request_id] for k in range(len(d.token_ids))]
         assert len(positions) == len(set(positions)), r.request_id
         for d in seen[r.request_id]:
