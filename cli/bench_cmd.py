@@ -28,7 +28,8 @@ BENCHES = {
     "jobs": ("rlfabric.bench.jobs",
              "two jobs on one pool: one job's pause and pushes vs the other's token gaps"),
     "drain": ("rlfabric.bench.drain",
-              "a worker drained mid-generation: its rollouts go on elsewhere vs restarted"),
+              "a worker drained or killed mid-generation: its rollouts go on elsewhere vs "
+              "restarted"),
     "agent": ("rlfabric.bench.agent",
               "agent sessions on vLLM workers, session affinity on vs off: turn latency, "
               "prefix-cache hit rate"),
