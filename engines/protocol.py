@@ -29,8 +29,8 @@ from rlfabric.schemas.validation import InvalidRequest, check_request
 #: where an engine hands the tokens of a streamed request (`RolloutRequest.stream`) as it
 #: samples them; called on the event loop
 TokenSink = Callable[[TokenDelta], None]
-#: an engine that can hands a request that is not streamed to `on_tokens` too, in deltas of
-#: about this many tokens: what another worker continues the sample from should this one die
+#: where an engine can, the tokens of a request that is not streamed go to `on_tokens` too, in
+#: deltas of about this many: what another worker continues the sample from should this one die
 PROGRESS_TOKENS = 32
 
 

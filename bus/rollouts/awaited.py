@@ -110,7 +110,8 @@ class Inbox:
 @dataclass(slots=True)
 class _Progress:
     """A sample's tokens as its deltas brought them, in order from its first: what it goes on
-    from should its worker leave. `broken`: a delta was lost (no longer extended)."""
+    from should its worker leave. `broken`: a delta was lost, or another worker sent one (no
+    longer extended)."""
 
     worker: str
     tokens: list[int] = field(default_factory=list)
@@ -120,8 +121,10 @@ class _Progress:
     #: how it ended, where its last delta said so ("": going on)
     finish: str = ""
 
-    def add(self, delta: TokenDelta) -> None:
+    def add(self, delta: TokenDelta, worker: str) -> None:
         start, ids = delta.start, delta.token_ids.tolist()
+        if worker != self.worker:  # two workers sampling one submission: neither is kept
+            self.broken = True
         if self.broken or start + len(ids) <= len(self.tokens):
             return  # sent again: held already
         if start != len(self.tokens):
@@ -154,6 +157,8 @@ class _Waiting:
     conts: list[str] = field(default_factory=list)
     #: by sample index: the tokens sampled so far, as their deltas came
     progress: dict[int, _Progress] = field(default_factory=dict)
+    #: the samples sent on (their continuations answer them): late deltas of theirs dropped
+    moved: set[int] = field(default_factory=set)
 
 
 class Awaited:
@@ -275,10 +280,12 @@ class Awaited:
             w = waiting.get(delta.request_id)
             if w is None or delta.submission_id != w.request.submission_id:
                 continue
+            if delta.sample_index in w.moved:  # e.g. a worker back from a partition
+                continue
             p = w.progress.get(delta.sample_index)
             if p is None:
                 p = w.progress[delta.sample_index] = _Progress(batch.worker_id)
-            p.add(delta)
+            p.add(delta, batch.worker_id)
             if not w.request.stream:  # progress only: the caller asked for no deltas
                 continue
             if w.of is not None:  # a continuation's tokens: its sample's, after those kept
@@ -335,11 +342,9 @@ class Awaited:
             if req.migration != "continue":
                 again.append(rid)
                 continue
-            going = {c.of[1] for cid in w.conts
-                     if (c := self._waiting.get(cid)) is not None and c.of is not None}
             moved.append(req.submission_id)
             for i in range(req.sampling.n):
-                if i in w.got or i in going:
+                if i in w.got or i in w.moved:
                     continue
                 p = w.progress.get(i) or _Progress("")
                 # one that ended before its result came is answered as it ended
@@ -376,6 +381,7 @@ class Awaited:
         self._waiting[cont.request_id] = _Waiting(cont, w.sink, deltas=w.deltas,
                                                   of=(w, i, kept))
         w.conts.append(cont.request_id)
+        w.moved.add(i)
         return 0
 
     def _take_continued(self, c: _Waiting, reply: RolloutReply) -> int:

@@ -181,3 +181,20 @@ async def test_a_lost_sample_whose_last_delta_ended_it_is_answered_as_it_ended()
     assert fleet.sent == [] and len(a) == 0  # nothing went on past its end
     assert (one.completion_token_ids.tolist(), one.finish_reason, one.moved) == (
         [1, 2, 260], "stop", "")
+
+
+async def test_a_second_workers_deltas_are_never_spliced_and_a_moved_samples_late_ones_dropped(
+        ) -> None:
+    r = msgspec.structs.replace(req("r", max_tokens=10), submission_id="s0", stream=True)
+    a, fleet, _, deltas = _awaiting(r)
+    await a.on_delta(_msg(TokenDeltas(worker_id="w0", deltas=[_delta(r, 0, [1, 2])])))
+    # the same submission sampled by w1 too (delivered again): its tokens are not w0's
+    await a.on_delta(_msg(TokenDeltas(worker_id="w1", deltas=[_delta(r, 0, [5]),
+                                                               _delta(r, 2, [6])])))
+    assert a.lost(["r"]) == ([], ["s0"])
+    (cont,) = fleet.sent
+    assert cont.prompt_token_ids.tolist() == [256, 5, 6, 1, 2]  # w0's part only
+    n = len(_items(deltas))
+    # w0 back from a partition: its late deltas of the sample sent on reach nobody
+    await a.on_delta(_msg(TokenDeltas(worker_id="w0", deltas=[_delta(r, 2, [3])])))
+    assert len(_items(deltas)) == n
