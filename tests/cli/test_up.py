@@ -210,8 +210,11 @@ def test_a_fleet_with_a_gateway_on_tls_and_role_keys(tmp_path: Path, spawn, pref
                           "--gateway-nkey", str(keys / "gateway.nk"), *certs, "--no-live",
                           "--json", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=360)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # exit 1 only for the reward: 2 steps of the unseeded tools task need not rise
+    assert out.returncode in (0, 1), out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(summary["steps"]) == 2 and summary["all_workers_on_final"], summary
+    assert out.returncode == 0 or summary["reward_final"] <= summary["reward_first"], summary
     assert summary["workers_on_final"] == {"s0": 2, "s1": 2}
     assert summary["turns_per_episode"] >= 1.0  # the episodes went through the gateway
     status = [EXE, "status", "--nats", url, "--prefix", prefix, "--wait", "1"]
