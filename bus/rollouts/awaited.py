@@ -157,7 +157,8 @@ class _Waiting:
     conts: list[str] = field(default_factory=list)
     #: by sample index: the tokens sampled so far, as their deltas came
     progress: dict[int, _Progress] = field(default_factory=dict)
-    #: the samples sent on (their continuations answer them): late deltas of theirs dropped
+    #: the samples sent on (their continuations answer them): late deltas and results of
+    #: their first run dropped
     moved: set[int] = field(default_factory=set)
 
 
@@ -309,7 +310,9 @@ class Awaited:
         got = w.got
         ok = 0
         if isinstance(reply, RolloutResult):  # one sample's answer: the common case
-            if reply.sample_index in got:
+            # sent on: its continuation answers it (a first run's late result is not the one
+            # whose tokens went on streaming)
+            if reply.sample_index in got or reply.sample_index in w.moved:
                 self.duplicates_dropped += 1
                 return 0
             if reply.moved and self._move is not None:
@@ -398,6 +401,7 @@ class Awaited:
             return 0
         ids = {"request_id": w.request.request_id, "sample_index": i,
                "submission_id": w.request.submission_id}
+        w.moved.discard(i)  # answered by this, or sent on again
         if isinstance(reply, RolloutError):
             return self._take(msgspec.structs.replace(reply, **ids))
         whole = msgspec.structs.replace(merge(kept, reply), **ids)

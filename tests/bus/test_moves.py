@@ -198,3 +198,17 @@ async def test_a_second_workers_deltas_are_never_spliced_and_a_moved_samples_lat
     # w0 back from a partition: its late deltas of the sample sent on reach nobody
     await a.on_delta(_msg(TokenDeltas(worker_id="w0", deltas=[_delta(r, 2, [3])])))
     assert len(_items(deltas)) == n
+
+
+async def test_a_sample_sent_on_is_answered_by_its_continuation_not_a_late_first_run() -> None:
+    r = msgspec.structs.replace(req("r", max_tokens=4), submission_id="s0")
+    a, fleet, out, _ = _awaiting(r)
+    await a.on_delta(_msg(TokenDeltas(worker_id="w0", deltas=[_delta(r, 0, [1, 2])])))
+    assert a.lost(["r"]) == ([], ["s0"])
+    # w0 was cut off, not dead: it missed the cancel and answers after all
+    await _take(a, _result(r, [1, 2, 7, 7], worker="w0"))
+    assert _items(out) == [] and a.duplicates_dropped == 1
+    await _take(a, _result(fleet.sent[0], [3, 4], worker="w1"))
+    (one,) = _items(out)
+    assert one.completion_token_ids.tolist() == [1, 2, 3, 4] and one.worker_id == "w1"
+    assert len(a) == 0
