@@ -1,15 +1,18 @@
 """Helpers the tests share (on the path through pytest's `pythonpath`): requests, collecting
-results, moved weights, and the logprobs a model assigns to sampled tokens."""
+results, samples moved mid-generation, moved weights, and the logprobs a model assigns to
+sampled tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
+import anyio
 import numpy as np
 import torch
 
-from rlfabric.schemas import RolloutRequest, SamplingParams
+from rlfabric.schemas import RolloutRequest, RolloutResult, SamplingParams, TokenDelta
 from rlfabric.tensors.models import build_model
 
 
@@ -26,6 +29,48 @@ async def collect(fabric: Any, requests: Iterable[RolloutRequest],
                   timeout: float = 120.0) -> list:
     """Every reply of `requests`, in arrival order."""
     return [r async for r in fabric.generate(requests, timeout=timeout)]
+
+
+async def generate_moving(fabric: Any, requests: list[RolloutRequest],
+                          ready: Callable[[dict[str, list[TokenDelta]]], bool],
+                          act: Callable[[], Awaitable[None]], *, timeout: float = 180.0,
+                          wait: float = 120.0) -> tuple[dict[str, list[TokenDelta]],
+                                                        dict[str, list[Any]]]:
+    """`requests` generated with their deltas; once `ready(deltas so far)` holds (within
+    `wait` s), `act()` runs beside them (a drain, a kill). Their deltas and replies, by request
+    id."""
+    seen: dict[str, list[TokenDelta]] = defaultdict(list)
+    replies: dict[str, list[Any]] = defaultdict(list)
+    going = anyio.Event()
+
+    async def run() -> None:
+        async for item in fabric.rollouts.generate(requests, deltas=True, timeout=timeout):
+            if isinstance(item, TokenDelta):
+                seen[item.request_id].append(item)
+                if ready(seen):
+                    going.set()
+            else:
+                replies[item.request_id].append(item)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        with anyio.fail_after(wait):
+            await going.wait()
+        await act()
+    return seen, replies
+
+
+def streamed_as_answered(res: RolloutResult, deltas: list[TokenDelta]) -> list[int]:
+    """Assert each position of `res` streamed at most once, with the answer's token and
+    logprob; the positions streamed."""
+    ids, lps = res.completion_token_ids.tolist(), res.logprobs.tolist()
+    positions = [d.start + k for d in deltas for k in range(len(d.token_ids))]
+    assert len(positions) == len(set(positions)), res.request_id
+    for d in deltas:
+        end = d.start + len(d.token_ids)
+        assert ids[d.start:end] == d.token_ids.tolist(), res.request_id
+        assert lps[d.start:end] == d.logprobs.tolist(), res.request_id
+    return positions
 
 
 def perturbed(seed: int, model_name: str = "tiny") -> torch.nn.Module:

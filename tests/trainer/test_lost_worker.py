@@ -8,15 +8,13 @@ that never moved."""
 from __future__ import annotations
 
 import signal
-from collections import defaultdict
 
-import anyio
 import msgspec
 import numpy as np
 import pytest
-from helpers import req, taken_logprobs
+from helpers import generate_moving, req, streamed_as_answered, taken_logprobs
 
-from rlfabric.schemas import RolloutResult, TokenDelta
+from rlfabric.schemas import RolloutResult
 from rlfabric.tensors.models import build_model
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
@@ -34,26 +32,16 @@ async def test_a_killed_workers_samples_go_on_elsewhere_from_the_tokens_it_sampl
         await fabric.wait_for_workers(2, timeout=120)
         model = build_model("tiny")
         await fabric.update_weights(0, module=model)
-        seen: dict[str, list[TokenDelta]] = defaultdict(list)
-        results: dict[str, list[RolloutResult]] = defaultdict(list)
-        sampling = anyio.Event()
+        held: dict[str, str] = {}
 
-        async def run() -> None:
-            async for item in fabric.rollouts.generate(reqs, deltas=True, timeout=180):
-                if isinstance(item, TokenDelta):
-                    seen[item.request_id].append(item)
-                    if len(seen) == len(reqs) // 2 and all(
-                            sum(len(d.token_ids) for d in ds) >= 64 for ds in seen.values()):
-                        sampling.set()
-                else:
-                    results[item.request_id].append(item)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            with anyio.fail_after(120):
-                await sampling.wait()  # every streamed request has 64 tokens, on k0 or k1
-            held = dict((await fabric.describe()).acks["k0"].detail)
+        async def kill() -> None:
+            held.update((await fabric.describe()).acks["k0"].detail)
             k0.send_signal(signal.SIGKILL)
+
+        # once every streamed request has 64 tokens, on k0 or k1
+        seen, results = await generate_moving(
+            fabric, reqs, lambda s: len(s) == len(reqs) // 2 and all(
+                sum(len(d.token_ids) for d in ds) >= 64 for ds in s.values()), kill)
         whole = {r.request_id: r async for r in fabric.generate(
             [req(f"w{i}", [256, 3 + i], max_tokens=400, temperature=0.0) for i in range(8)],
             timeout=120)}
@@ -74,12 +62,7 @@ async def test_a_killed_workers_samples_go_on_elsewhere_from_the_tokens_it_sampl
             # every token's logprob is the trainer's at the version that sampled it
             ref = taken_logprobs(model, r.prompt_token_ids.tolist(), ids)
             assert float(np.abs(ref - np.array(lps)).max()) <= 1e-5, r.request_id
-        positions = [d.start + k for d in seen[r.request_id] for k in range(len(d.token_ids))]
-        assert len(positions) == len(set(positions)), r.request_id
-        for d in seen[r.request_id]:
-            end = d.start + len(d.token_ids)
-            assert ids[d.start:end] == d.token_ids.tolist()
-            assert lps[d.start:end] == d.logprobs.tolist()
+        positions = streamed_as_answered(res, seen[r.request_id])
         assert not r.stream or positions == list(range(len(ids)))  # none missing either
         assert ids == whole["w" + r.request_id[1:]].completion_token_ids.tolist()
     assert moved["streamed"] > 0 and moved["not"] > 0, moved
