@@ -30,6 +30,9 @@ BENCHES = {
     "drain": ("rlfabric.bench.drain",
               "a worker drained or killed mid-generation: its rollouts go on elsewhere vs "
               "restarted"),
+    "kill": ("rlfabric.bench.kill",
+             "a worker SIGKILLed halfway through a rollout, 20 times: it goes on elsewhere "
+             "from the streamed tokens vs restarted"),
     "agent": ("rlfabric.bench.agent",
               "agent sessions on vLLM workers, session affinity on vs off: turn latency, "
               "prefix-cache hit rate"),

@@ -42,6 +42,10 @@ def live_view(history: list[StepStats], fleet: FleetView, *, steps: int, mode: s
         head.add_row(Text("failed", style="red"), Text(f"{last.failed} of the last step's "
                                                         "samples (left out of the loss)"),
                      Text(""), Text(""), Text(""))
+    if last and last.moved:
+        head.add_row(Text("moved", style="yellow"), Text(
+            f"{last.moved} of the last step's samples went on from a worker that left"),
+                     Text(""), Text(""), Text(""))
     head.add_row(Text("reward"), Text(spark([h.reward for h in history]), style="green"),
                  Text(""), Text(""), Text(status, style="yellow"))
     if last:
@@ -68,7 +72,9 @@ def summary_table(history: list[StepStats]) -> Table:
     episodes = any(h.turns_per_episode for h in history)  # the tools task
     colocated = any(h.sleep_ms for h in history)  # --colocate: sleep before train, wake after
     failures = any(h.failed for h in history)  # samples left out of the loss
-    cols = ["step", "ver", "reward", "mismatch", "n", *(("fail",) if failures else ()), "gen s",
+    moves = any(h.moved for h in history)  # samples that went on from a worker that left
+    cols = ["step", "ver", "reward", "mismatch", "n", *(("fail",) if failures else ()),
+            *(("moved",) if moves else ()), "gen s",
             *(("sleep",) if colocated else ()), "train s", "pause",
             *(("wake",) if colocated else ()), "update", "resume", "tok/s",
             *(("turns", "calls", "segs") if episodes else ())]
@@ -77,7 +83,8 @@ def summary_table(history: list[StepStats]) -> Table:
     for h in history:
         cells = [str(h.step + 1), str(h.version), f"{h.reward:.3f}",
                  "-" if h.mismatch is None else f"{h.mismatch:.1e}", str(h.samples),
-                 *((str(h.failed),) if failures else ()), f"{h.gen_s:.2f}",
+                 *((str(h.failed),) if failures else ()),
+                 *((str(h.moved),) if moves else ()), f"{h.gen_s:.2f}",
                  *((f"{h.sleep_ms:.1f}",) if colocated else ()),
                  f"{h.train_s:.2f}", f"{h.pause_ms:.1f}",
                  *((f"{h.wake_ms:.1f}",) if colocated else ()),

@@ -34,17 +34,18 @@ async def collect(fabric: Any, requests: Iterable[RolloutRequest],
 async def generate_moving(fabric: Any, requests: list[RolloutRequest],
                           ready: Callable[[dict[str, list[TokenDelta]]], bool],
                           act: Callable[[], Awaitable[None]], *, timeout: float = 180.0,
-                          wait: float = 120.0) -> tuple[dict[str, list[TokenDelta]],
-                                                        dict[str, list[Any]]]:
+                          wait: float = 120.0, session: str | None = None,
+                          ) -> tuple[dict[str, list[TokenDelta]], dict[str, list[Any]]]:
     """`requests` generated with their deltas; once `ready(deltas so far)` holds (within
     `wait` s), `act()` runs beside them (a drain, a kill). Their deltas and replies, by request
-    id."""
+    id. `session`: the requests are a turn of it."""
     seen: dict[str, list[TokenDelta]] = defaultdict(list)
     replies: dict[str, list[Any]] = defaultdict(list)
     going = anyio.Event()
 
     async def run() -> None:
-        async for item in fabric.rollouts.generate(requests, deltas=True, timeout=timeout):
+        async for item in fabric.rollouts.generate(requests, deltas=True, timeout=timeout,
+                                                   session=session):
             if isinstance(item, TokenDelta):
                 seen[item.request_id].append(item)
                 if ready(seen):

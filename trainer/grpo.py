@@ -62,6 +62,12 @@ class _Rollouts:
     #: samples that came back as errors: left out of the loss and of their group's baseline
     failed: int = 0
 
+    @property
+    def moved(self) -> int:
+        """Results sampled by more than one worker: each went on from the tokens a worker
+        that drained or died had sampled."""
+        return sum(len({s.worker for s in r.version_spans}) > 1 for r in self.results)
+
 
 @dataclass(kw_only=True, slots=True)
 class StepStats:
@@ -88,6 +94,8 @@ class StepStats:
     #: colocated: the workers' sleep before training and wake before the update (ms)
     sleep_ms: float = 0.0
     wake_ms: float = 0.0
+    #: samples that went on from a worker that drained or died (sampled by two workers)
+    moved: int = 0
     #: the tools task's episodes: turns, tool calls and trajectory segments, on average
     turns_per_episode: float = 0.0
     tool_calls_per_episode: float = 0.0
@@ -330,7 +338,7 @@ class GRPOTrainer:
             step=step, version=self.version, reward=reward, reward_std=reward_std,
             mismatch=mismatch, samples=samples, tokens=tokens,
             stale_dropped=self.buffer.dropped, two_version_samples=two, failed=out.failed,
-            gen_s=out.gen_s,
+            moved=out.moved, gen_s=out.gen_s,
             train_s=train_s, pause_ms=timed["pause"], update_ms=timed["update"],
             resume_ms=timed["resume"], sleep_ms=timed.get("sleep", 0.0),
             wake_ms=timed.get("wake", 0.0),

@@ -381,6 +381,25 @@ class MembershipWatcher:
         finally:
             self._checking.discard(key)
 
+    async def suspect(self, key: str) -> None:
+        """A client saw member `key` go quiet mid-work: ping it now, not at `member_ttl`. Gone
+        (no responders) is a leave at once, as in `_verify_gone`; any other answer leaves it
+        to the usual timeouts."""
+        if key not in self.members or key in self._checking:
+            return
+        self._checking.add(key)
+        try:
+            answer = await self.bus.fleet.ping(key, timeout=1.0)
+        except nats.errors.Error:
+            return
+        finally:
+            self._checking.discard(key)
+        if answer == "alive":
+            self._heard[key] = time.monotonic()
+        elif answer == "dead" and self.bus.link.settled(RECONNECT_SETTLE):
+            log.info("member %s left: it went quiet mid-work and its connection is gone", key)
+            await self.mark_dead(key)
+
     def _on_beat(self, msg: Msg, tg: TaskGroup) -> None:
         try:
             ids = self._beats_codec.decode(msg.data, check_version=False).worker_ids

@@ -173,6 +173,8 @@ class Awaited:
         #: sends a handed-over sample's continuation, and returns it as sent (None: a moved
         #: sample is answered as it came)
         self._move = move
+        #: told the worker of each token-delta message (`QuietWorkers`)
+        self.on_worker: Callable[[str], None] | None = None
         self.duplicates_dropped = 0
         self._waiting: dict[str, _Waiting] = {}
         self._codec = codec_for(RolloutReply | RolloutReplies)
@@ -270,6 +272,8 @@ class Awaited:
             batch = self._delta_codec.decode(msg.data, msg.headers, subject=msg.subject)
         except SchemaError:
             return
+        if self.on_worker is not None and batch.deltas:
+            self.on_worker(batch.worker_id)
         waiting = self._waiting
         if batch.taken and self._taken is not None:
             for rid, sid in batch.taken.items():
@@ -328,6 +332,11 @@ class Awaited:
             if self._answered is not None:
                 self._answered(reply.request_id)
         return ok
+
+    def holders(self) -> set[str]:
+        """The workers whose deltas brought samples still going on (not ended, not sent on)."""
+        return {p.worker for w in self._waiting.values() for i, p in w.progress.items()
+                if not p.finish and i not in w.got and i not in w.moved}
 
     def lost(self, request_ids: list[str]) -> tuple[list[str], list[str]]:
         """Requests whose worker left before answering: each sample still missing is sent on

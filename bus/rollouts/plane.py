@@ -51,6 +51,7 @@ from rlfabric.bus.control.membership import MembershipWatcher
 from rlfabric.bus.nats.outbox import Outbox, Ticket
 from rlfabric.bus.rollouts.affinity import Affinity, affinity_key
 from rlfabric.bus.rollouts.awaited import NO_MEMBERS, Awaited, Inbox, Item, NoMembers, Sink
+from rlfabric.bus.rollouts.quiet import QuietWorkers
 from rlfabric.bus.session import Bus
 from rlfabric.concurrency.sync import Signal
 from rlfabric.schemas import (
@@ -188,6 +189,7 @@ class RolloutPlane:
                                    functools.partial(self._requeue, pulled=True))
                 if self.vacancy is not None:
                     await tg.start(self.vacancy.run)
+                    tg.start_soon(QuietWorkers(self.awaited, self.vacancy.watcher).run)
                 task_status.started()
         finally:
             self._cancels.close()

@@ -43,7 +43,7 @@ from rlfabric.engines.errors import (
 )
 from rlfabric.engines.kinds import VllmOptions
 from rlfabric.engines.payload import PackedWeights
-from rlfabric.engines.protocol import TokenSink, adapter_held, checked
+from rlfabric.engines.protocol import PROGRESS_TOKENS, TokenSink, adapter_held, checked
 from rlfabric.engines.vllm.adapters import VllmAdapters, discard
 from rlfabric.engines.vllm.stats import PrefixCacheCounts, counting_into
 from rlfabric.schemas import (
@@ -299,16 +299,15 @@ class VllmEngine:
         self.check(request)
         n = request.sampling.n
         send, recv = anyio.create_memory_object_stream[RolloutResult](n)
-        stream = on_tokens if request.stream else None
         async with beside() as tg:  # a dead engine's error raised as itself
             for i in range(n):
-                tg.start_soon(self._one_sample, request, i, worker_id, send.clone(), stream)
+                tg.start_soon(self._one_sample, request, i, worker_id, send.clone(), on_tokens)
             send.close()
             async with recv:
                 async for res in recv:
                     yield res
 
-    def _params(self, request: RolloutRequest, index: int, *, streamed: bool) -> Any:
+    def _params(self, request: RolloutRequest, index: int, *, deltas: bool) -> Any:
         """vLLM's SamplingParams for sample `index` of `request`."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -319,15 +318,17 @@ class VllmEngine:
             n=1, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
             top_k=sp.top_k, seed=seed, logprobs=sp.logprobs,
             stop_token_ids=sorted(set(sp.stop_token_ids) | self._eos),
-            # streamed: every step's output (all tokens so far), the new ones sent as a delta
-            output_kind=(RequestOutputKind.CUMULATIVE if streamed
-                         else RequestOutputKind.FINAL_ONLY), detokenize=False)
+            # with deltas: the output so far every step (streamed) or every PROGRESS_TOKENS,
+            # the new tokens sent as a delta
+            output_kind=(RequestOutputKind.CUMULATIVE if deltas
+                         else RequestOutputKind.FINAL_ONLY),
+            stream_interval=None if request.stream else PROGRESS_TOKENS, detokenize=False)
 
     async def _one_sample(self, request: RolloutRequest, index: int, worker_id: str,
                           send: Any, on_tokens: TokenSink | None) -> None:
         from vllm import TokensPrompt
 
-        params = self._params(request, index, streamed=on_tokens is not None)
+        params = self._params(request, index, deltas=on_tokens is not None)
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist(),
                               cache_salt=f"w{self._weights_serial}")
         rid = f"{request.request_id}/{index}/{uuid.uuid4().hex[:8]}"

@@ -1,51 +1,53 @@
-"""A turn of a session taken by its bound worker, which is SIGKILLed while it samples: the
-client puts the request in the shared queue as the worker leaves, the other worker answers it
-once within the ack-wait, and the session's next turn goes to that worker."""
+"""A streamed turn of a session taken by its bound worker, which is SIGKILLed while it samples:
+as the worker goes quiet the client finds it gone (`QuietWorkers`), the turn goes on on the
+other worker from the tokens already streamed, its stream has no token twice or missing, and
+the session's next turn goes to that worker."""
 
 from __future__ import annotations
 
 import signal
 import time
 
-import anyio
+import msgspec
 import pytest
-from helpers import req
+from helpers import generate_moving, req, streamed_as_answered
 
 from rlfabric.schemas import RolloutResult
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio, pytest.mark.timeout(180)]
 
 
-async def test_a_taken_turn_survives_its_worker_killed_mid_sample(workers, client) -> None:
+async def test_a_taken_turn_goes_on_elsewhere_when_its_worker_is_killed_mid_sample(
+        workers, client) -> None:
     procs = dict(zip(["r0", "r1"], workers(["r0", "r1"], "--model", "tinyqwen",
                                                        "--threads", "1"), strict=True))
     async with client() as fabric:
         await fabric.wait_for_workers(2, timeout=60)
         first = [r async for r in fabric.generate([req("t1", max_tokens=4)], session="s")]
         bound = first[0].worker_id
-        got: list = []
+        turn = msgspec.structs.replace(req("t2", max_tokens=300, temperature=0.0), stream=True)
+        left_s = 0.0
 
-        async def second_turn() -> None:
-            got.extend([r async for r in fabric.generate([req("t2", max_tokens=300)],
-                                                         session="s", timeout=60)])
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(second_turn)
-            with anyio.fail_after(10):  # the offer is internal: no event says it was taken
-                while "t2" not in fabric.affinity.taken:  # noqa: ASYNC110
-                    await anyio.sleep(0.005)
-            assert fabric.affinity.taken["t2"] == bound
+        async def kill() -> None:
+            nonlocal left_s
+            assert fabric.affinity.taken["t2"] == bound  # offered to it, and taken
             procs[bound].send_signal(signal.SIGKILL)
             killed = time.monotonic()
-        took = time.monotonic() - killed
-        # when the other worker began it: what it spent on it is its own generating
-        began = took - got[0].timings.total_s
+            await fabric.watcher.wait_until(lambda s: bound not in s.worker_ids, timeout=30)
+            left_s = time.monotonic() - killed
+
+        seen, replies = await generate_moving(
+            fabric, [turn], lambda s: sum(len(d.token_ids) for d in s["t2"]) >= 64, kill,
+            session="s", timeout=60)
         third = [r async for r in fabric.generate([req("t3", max_tokens=4)], session="s")]
         counts, dropped = dict(fabric.affinity.counts), fabric.duplicates_dropped
     other = ({"r0", "r1"} - {bound}).pop()
-    print(f"\nworker killed mid-turn: begun by the other {began:.2f} s later, answered "
-          f"{took:.2f} s later; {counts}")
-    assert [(r.request_id, r.worker_id) for r in got] == [("t2", other)]
-    assert isinstance(got[0], RolloutResult) and got[0].attempt == 1  # sampled once, by it
-    assert began < 15.0 and counts["rescued"] == 1 and dropped == 0  # within the ack-wait
+    print(f"\nworker killed mid-turn: seen gone {left_s:.2f} s later; {counts}")
+    (res,) = replies["t2"]
+    assert isinstance(res, RolloutResult), res
+    spans = [(s.worker, s.start) for s in res.version_spans]
+    assert [w for w, _ in spans] == [bound, other] and spans[1][1] >= 64, spans  # kept, not again
+    assert streamed_as_answered(res, seen["t2"]) == list(range(len(res.completion_token_ids)))
+    # gone once it went quiet, well before membership's own 5 s (member_ttl)
+    assert left_s < 2.0 and counts["rescued"] == 1 and dropped == 0
     assert [r.worker_id for r in third] == [other]

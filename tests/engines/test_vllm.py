@@ -22,9 +22,10 @@ from collections.abc import Iterator
 
 import anyio
 import helpers
+import msgspec
 import pytest
 import torch
-from helpers import worst_gap
+from helpers import generate_moving, streamed_as_answered, worst_gap
 
 from rlfabric.bus import Limits, QuorumNotReached, QuorumPolicy
 from rlfabric.schemas import Adapter, RolloutResult
@@ -445,6 +446,57 @@ async def test_engine_process_killed_worker_leaves_and_its_requests_complete_els
     assert len(keys) == 24 and len(set(keys)) == 24
     assert all(isinstance(r, RolloutResult) for r in out)
     assert all(r.worker_id == "kv1" for r in out if r.attempt > 1)
+
+
+async def test_a_killed_workers_samples_go_on_elsewhere_from_the_tokens_it_sampled(
+        nats_url: str) -> None:
+    """As the torch engine's (tests/trainer/test_lost_worker.py): the worker process SIGKILLed
+    with its engine mid-generation, each sample goes on on the other worker from the tokens its
+    deltas brought (a non-streamed one's every `PROGRESS_TOKENS`)."""
+    import psutil  # a dependency of vLLM
+
+    # half streamed, half not; most go to kc0
+    reqs = [msgspec.structs.replace(req(f"c{i}", [256, 3 + i], max_tokens=160,
+                                        temperature=0.0), stream=i % 2 == 0)
+            for i in range(8)]
+    with fleet(nats_url) as f:
+        victim = f.start("kc0")
+        f.start("kc1", "--capacity", "2")
+        async with client(f) as fabric:
+            await fabric.wait_for_workers(2, timeout=240)
+            v0 = build_model(MODEL)
+            await fabric.update_weights(0, module=v0)
+            held: dict[str, str] = {}
+
+            async def kill() -> None:
+                held.update((await fabric.describe()).acks["kc0"].detail)
+                tree = [victim, *psutil.Process(victim.pid).children(recursive=True)]
+                for p in tree:
+                    with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                        p.send_signal(signal.SIGKILL)
+
+            seen, results = await generate_moving(
+                fabric, reqs, lambda s: len(s) == len(reqs) // 2 and all(
+                    sum(len(d.token_ids) for d in ds) >= 48 for ds in s.values()), kill,
+                wait=240)
+    assert int(held["in_flight"]) > 0, held
+    assert {rid: len(rs) for rid, rs in results.items()} == {r.request_id: 1 for r in reqs}
+    out = [rs[0] for rs in results.values()]
+    assert all(isinstance(r, RolloutResult) for r in out), out
+    moved = {"streamed": 0, "not": 0}
+    for r in reqs:
+        res = results[r.request_id][0]
+        who = [s.worker for s in res.version_spans]
+        assert who in (["kc0"], ["kc1"], ["kc0", "kc1"]), res.version_spans
+        if who == ["kc0", "kc1"]:  # kc0's part kept, not sampled again
+            moved["streamed" if r.stream else "not"] += 1
+            assert res.version_spans[0].end >= 32 and res.version_spans[1].start == \
+                res.version_spans[0].end, res.version_spans
+        if r.stream:
+            assert streamed_as_answered(res, seen[r.request_id]) == list(
+                range(len(res.completion_token_ids)))
+    assert moved["streamed"] and moved["not"], moved
+    assert worst_gap(v0, reqs, out) <= 1e-4
 
 
 QV = Adapter(name="qv", rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "down_proj"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -66,3 +67,42 @@ async def test_a_killed_workers_samples_go_on_elsewhere_from_the_tokens_it_sampl
         assert not r.stream or positions == list(range(len(ids)))  # none missing either
         assert ids == whole["w" + r.request_id[1:]].completion_token_ids.tolist()
     assert moved["streamed"] > 0 and moved["not"] > 0, moved
+
+
+async def test_a_grpo_step_counts_the_samples_a_drained_worker_handed_on(client, workers) -> None:
+    """`rlfabric up`'s step table: the samples that went on from a worker drained mid-step are
+    counted (`moved`), and the step trains on all of them."""
+    from rich.console import Console
+
+    from rlfabric.cli.up_view import summary_table
+    from rlfabric.trainer.config import GRPOConfig
+    from rlfabric.trainer.grpo import GRPOTrainer
+    from rlfabric.trainer.task import LetterTask
+
+    workers(["d0", "d1"], "--threads", "1")
+    async with client() as fabric, anyio.create_task_group() as tg:
+        await fabric.wait_for_workers(2, timeout=120)
+        first: list[str] = []
+        heard = fabric.rollouts.awaited.on_worker
+        assert heard is not None  # the quiet-worker watch hears every delta message
+
+        def on_worker(worker: str) -> None:
+            heard(worker)
+            if not first:  # the step's first progress: that worker is mid-sample
+                first.append(worker)
+                tg.start_soon(fabric.drain, worker)
+
+        fabric.rollouts.awaited.on_worker = on_worker
+        cfg = GRPOConfig(steps=1, prompts_per_step=4, group_size=4, max_tokens=200,
+                         reward_threshold=0.0)
+        grpo = GRPOTrainer(fabric, build_model("tiny"), cfg, task=LetterTask(max_tokens=200))
+        history = await grpo.run()
+    (step,) = history
+    assert first and step.samples == 16 and step.failed == 0, step
+    assert step.moved > 0, step
+    console = Console(width=150, record=True)
+    console.print(summary_table(history))
+    lines = console.export_text().splitlines()
+    head = next(line for line in lines if " moved " in line)
+    row = next(line for line in lines if line.split()[:1] == ["1"])
+    assert row.split()[head.split().index("moved")] == str(step.moved), (head, row)
