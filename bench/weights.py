@@ -17,6 +17,8 @@ q, k, v and o projections (32 layers, hidden 4096) at each rank, pushed as an ad
                            [--adapter-ranks 8,64] [--adapter-transports shm,nats]
     rlfabric bench weights --device cuda [--model qwen05b] [--workers 2]
                            [--transports cuda_ipc,shm,filesystem,nats]   (see weights_cuda)
+    rlfabric bench weights --delta [--lrs 1e-6,1e-5] [--delta-transports nats,shm,filesystem]
+                           (see weights_delta)
 """
 
 from __future__ import annotations
@@ -219,9 +221,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the transports of the adapter rows (default %(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="best of N per transport")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--delta", action="store_true",
+                   help="updates sent as deltas against full pushes after a real AdamW step "
+                        "(rlfabric.bench.weights_delta; its options below)")
+    from rlfabric.bench import weights_delta
+
+    weights_delta.add_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.delta:
+        from rlfabric.bench import weights_delta
+
+        return weights_delta.main(args)
     if args.device == "cuda":
         return _main_cuda(args)
     rows = anyio.run(bench, [int(x) for x in args.sizes.split(",") if x],

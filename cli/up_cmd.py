@@ -112,6 +112,10 @@ def _grpo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default=None, choices=transports.names(),
                    help=f"how weights reach the workers (default {d['transport']}; cuda_ipc "
                    "with --colocate --device cuda)")
+    p.add_argument("--delta", action="store_true",
+                   help="send each update as the bytes that changed since the last one every "
+                   "worker holds (shm, filesystem, nats; bfloat16 pays most: a step leaves most "
+                   "bit patterns as they were); the summary gives the last update's bytes")
     p.add_argument("--engine", default="torch", choices=registry.names(trains=True),
                    help="the workers' engine (default %(default)s); vllm serves the tiny64 "
                    "model (64-wide heads; tinychat with --task tools) and needs vLLM "
@@ -212,7 +216,7 @@ async def _main(args: argparse.Namespace, run_dir: Path, fleet: Fleet | None,
                      max_tokens=args.max_tokens, lr=args.lr, transport=_transport(args),
                      async_mode=args.async_mode, reward_threshold=_threshold(args),
                      lora_rank=args.lora, device=args.device or "cpu",
-                     max_failed=args.max_failed,
+                     max_failed=args.max_failed, delta=args.delta,
                      sleep_level=args.sleep_level if args.colocate else 0)
     run = _Run(args=args, cfg=cfg, run_dir=run_dir,
                mode="async (1 step off-policy)" if args.async_mode else "sync",

@@ -106,7 +106,7 @@ class TrlFabric:
     def __init__(self, nats: str, *, prefix: str = "rl", transport: str = "shm",
                  policy: QuorumPolicy | None = None, timeout: float = 600.0,
                  run: str | None = None, job: str = "", adapter: str = ADAPTER,
-                 max_failed: float = 0.1, **connect: Any) -> None:
+                 max_failed: float = 0.1, delta: bool = False, **connect: Any) -> None:
         self.nats = nats
         #: the job this run is on a shared pool ("": the pool's own; `rlfabric.schemas.jobs`)
         #: and the name its PEFT adapter is served under there
@@ -114,6 +114,9 @@ class TrlFabric:
         self.adapter = adapter
         self.prefix = prefix
         self.transport = transport
+        #: each sync sends what changed since the last one every worker holds
+        #: (`update_weights(..., delta=True)`)
+        self.delta = delta
         self.policy = policy
         self.timeout = timeout
         self._connect = connect
@@ -199,7 +202,8 @@ class TrlFabric:
 
     async def _push(self, state: dict[str, Any], adapter: Adapter | None, version: int) -> Any:
         return await self.client.update_weights(version, state_dict=state, adapter=adapter,
-                                                transport=self.transport, policy=self.policy)
+                                                transport=self.transport, policy=self.policy,
+                                                delta=self.delta)
 
     async def _base_of(self, model: Any) -> str:
         """The base policy a PEFT model's adapters run on: the checkpoint the workers serve,

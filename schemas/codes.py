@@ -42,6 +42,7 @@ class ErrorCode(StrEnum):
     JOB_DELETED = "job_deleted"  # the request's job was ended (rlfabric job delete)
     POOL_ONLY = "pool_only"  # a job asked for what only the pool's operator does (base weights)
     STALE_PREFIX_CACHE = "stale_prefix_cache"  # a kept prefix cache would serve other weights
+    DELTA_BASE_MISSING = "delta_base_missing"  # a weight delta against a version not held
 
     # ---- a worker's own events (ErrorEvent.code) ----
     WEIGHTS_UNAVAILABLE = "weights_unavailable"  # joined without the fleet's version

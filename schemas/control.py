@@ -54,6 +54,33 @@ class TensorMeta(Message, frozen=True, kw_only=True):
     nbytes: int = 0
 
 
+class DeltaPiece(Message, frozen=True, kw_only=True):
+    """One changed span of a packed buffer in a `WeightDelta`: `nbytes` bytes at `offset`,
+    their XOR with the base's compressed to `length` bytes of the delta's body."""
+
+    offset: int
+    nbytes: int
+    length: int
+
+
+class WeightDelta(Message, frozen=True, kw_only=True):
+    """The header of a weight delta (`rlfabric.tensors.delta`): the digest of the packed base
+    it applies to, the size of the buffer it makes, and its changed spans in body order."""
+
+    base: str
+    size: int
+    pieces: tuple[DeltaPiece, ...] = ()
+
+
+class DeltaOf(Message, frozen=True, kw_only=True):
+    """What an `UpdateWeights` that carries a delta applies to and makes: the digest of the
+    packed base version, and the layout of the buffer it makes (the transport's locator
+    describes the delta's own bytes)."""
+
+    base: str
+    tensors: tuple[TensorMeta, ...] = ()
+
+
 class SharedMemory(Message, tag_field="kind", tag="shm", frozen=True, kw_only=True):
     """Tensors staged in a POSIX shared-memory segment on the same host."""
 
@@ -174,6 +201,11 @@ class UpdateWeights(_Command, tag="update_weights", frozen=True, kw_only=True):
     run: str = ""
     #: the job an adapter belongs to ("": the default job); base weights are the pool's
     job: str = ""
+    #: set: the transport carries a delta against the packed version whose digest it names
+    #: (`rlfabric.tensors.delta`), which makes the buffer `digest` names
+    delta: DeltaOf | None = None
+    #: keep this version's packed bytes: the next push of this target may be a delta on them
+    keep: bool = False
 
 
 CollectiveBackend = Literal["gloo", "nccl"]

@@ -1,7 +1,8 @@
 """The torch side shared by engines and trainer: the packed weight format (`packing`: pack,
-unpack, digest), digests computed on the tensors' own device (`checksums`: checksum,
-device_digest), host->device staging (`staging`), the collective group weights are broadcast
-over (`collective`), and the model builder (`models`).
+unpack, digest), a version as a delta against another (`delta`), digests computed on the
+tensors' own device (`checksums`: checksum, device_digest), host->device staging (`staging`),
+the collective group weights are broadcast over (`collective`), and the model builder
+(`models`).
 
 `rlfabric.schemas` and `rlfabric.bus` never import torch; what needs it lives here. The names
 below are loaded on first use, so importing `rlfabric.tensors.errors` costs no torch.
@@ -12,6 +13,7 @@ from typing import Any
 _WHERE = {
     "CollectiveGroup": "collective",
     "CollectiveTimeout": "errors",
+    "DeltaRefused": "errors",
     "build_model": "models",
     "checksum": "checksums",
     "device_digest": "checksums",

@@ -102,6 +102,9 @@ class FabricClient:
         self.rollouts = RolloutPlane(bus, self.client_id, max_batch=self._batch_limit,
                                      affinity=self.affinity, job=self.job)
         self._updates: WeightUpdates | None = None
+        #: bytes the last `update_weights(..., delta=True)` staged (the delta's, or the
+        #: full weights' where they went)
+        self.last_push_bytes = 0
 
     def _batch_limit(self, queued: int, first: RolloutRequest) -> int:
         """Requests per persisted message (a message goes to one worker): what is queued
@@ -289,8 +292,8 @@ class FabricClient:
     async def update_weights(self, version: int, state_dict: Any = None, *, module: Any = None,
                              adapter: Adapter | None = None, transport: str = "shm",
                              target: Target | None = None, policy: QuorumPolicy | None = None,
-                             verify: Verify = "sender", reset_prefix_cache: bool = True
-                             ) -> FanoutReport:
+                             verify: Verify = "sender", reset_prefix_cache: bool = True,
+                             delta: bool = False) -> FanoutReport:
         """Make every worker serve `version` of these weights; returns once the quorum acked
         `done`. Each worker verifies the payload digest, swaps atomically (a failure keeps
         the old version and acks an error: `QuorumNotReached` names the worker and why) and
@@ -308,7 +311,13 @@ class FabricClient:
         A failed push is taken back (the fleet serves the previous version again; the error
         says where each worker is). `reset_prefix_cache=False` keeps engines' prefix caches:
         no engine serves a block computed under other weights either way (vLLM salts its
-        cache per load), it only keeps memory warm."""
+        cache per load), it only keeps memory warm.
+
+        `delta=True` (shm, filesystem, nats): where every worker acked the last version pushed
+        this way, only what changed since goes (`rlfabric.trainer.deltas`); each worker makes
+        the full version from the one it kept and verifies its digest as for any push. A worker
+        that lacks it refuses, and the full weights go at once; so does a version whose delta
+        would not pay. `last_push_bytes` says what the push staged."""
         if adapter is not None:
             target = adapter
         if isinstance(target, Adapter) and SEPARATOR in target.name:
@@ -321,6 +330,9 @@ class FabricClient:
             raise TypeError("update_weights needs state_dict= or module=")
         with spans.span("update_weights", attributes={spans.WEIGHT_VERSION: version,
                                                       "rlfabric.transport": transport}):
+            if delta:
+                return await self._push_delta(version, weights, transport, target, policy,
+                                              verify, reset_prefix_cache)
             # nats: the chunks are sent while the command is out (workers read as they land)
             with spans.span("stage_weights"):
                 staged = await self.updates.stage(version, weights, transport,
@@ -329,6 +341,31 @@ class FabricClient:
                                                   send_now=False)
             return await self.push_weights(staged, target=target, policy=policy,
                                            verify=verify, reset_prefix_cache=reset_prefix_cache)
+
+    async def _push_delta(self, version: int, weights: Any, transport: str,
+                          target: Target | None, policy: QuorumPolicy | None, verify: Verify,
+                          reset_prefix_cache: bool) -> FanoutReport:
+        from rlfabric.trainer.updates import delta_refused
+
+        key = target.name if isinstance(target, Adapter) else ""
+        staged, packed = await self.updates.stage_delta(version, weights, transport, key=key,
+                                                        with_checksum=verify == "sender")
+        self.last_push_bytes = staged.nbytes
+        try:
+            rep = await self.push_weights(staged, target=target, policy=policy, verify=verify,
+                                          reset_prefix_cache=reset_prefix_cache)
+        except Exception as exc:
+            if staged.delta is None or not delta_refused(exc):
+                raise
+            # some worker lost the base (restarted, say): everyone gets the full weights
+            staged, packed = await self.updates.stage_delta(
+                version, weights, transport, key=key, with_checksum=verify == "sender",
+                full=True)
+            self.last_push_bytes += staged.nbytes
+            rep = await self.push_weights(staged, target=target, policy=policy, verify=verify,
+                                          reset_prefix_cache=reset_prefix_cache)
+        self.updates.bases.keep(key, packed, set(rep.ok))
+        return rep
 
     async def unload_adapter(self, name: str, *, policy: QuorumPolicy | None = None
                              ) -> FanoutReport:

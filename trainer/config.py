@@ -31,6 +31,9 @@ class GRPOConfig:
     temperature: float = 1.0
     clip_eps: float = 0.2
     transport: str = "shm"
+    #: send each update as a delta against the last where every worker holds it
+    #: (`update_weights(..., delta=True)`: shm, filesystem, nats)
+    delta: bool = False
     async_mode: bool = False
     max_staleness: int = 1
     reward_threshold: float = 0.8
@@ -61,6 +64,8 @@ class GRPOConfig:
             (self.lora_rank >= 0, f"--lora {self.lora_rank}: a rank >= 1, or 0 for none"),
             (self.transport in transports.names(),
              f"--transport {self.transport}: use one of {', '.join(transports.names())}"),
+            (not self.delta or self.transport in ("shm", "filesystem", "nats"),
+             f"--delta goes over shm, filesystem or nats, not --transport {self.transport}"),
             (self.sleep_level in (0, 1, 2), f"--sleep-level {self.sleep_level}: 1 or 2"),
             (not (self.sleep_level and self.async_mode),
              "--colocate trains while the workers sleep, so it runs in sync mode: drop --async"),

@@ -303,12 +303,13 @@ class GRPOTrainer:
         if isinstance(self.model, LoraModel):
             state = self.model.adapter_state()
             await self.fabric.update_weights(version, state_dict=state, adapter=self.adapter,
-                                             transport=self.cfg.transport)
+                                             transport=self.cfg.transport, delta=self.cfg.delta)
         else:
             state = self.model.state_dict()
             await self.fabric.update_weights(version, state_dict=state,
-                                             transport=self.cfg.transport)
-        self.update_bytes = sum(t.numel() * t.element_size() for t in state.values())
+                                             transport=self.cfg.transport, delta=self.cfg.delta)
+        self.update_bytes = self.fabric.last_push_bytes if self.cfg.delta else \
+            sum(t.numel() * t.element_size() for t in state.values())
 
     # ---- the loop ----
     async def push_initial(self) -> None:

@@ -26,7 +26,9 @@ from typing import Any, Literal
 
 import anyio
 import msgspec
+import torch
 
+from rlfabric import tensors
 from rlfabric.bus import (
     Broadcaster,
     Fanout,
@@ -41,6 +43,8 @@ from rlfabric.schemas import (
     Collective,
     CollectiveBackend,
     CudaIpc,
+    DeltaOf,
+    ErrorCode,
     FanoutReport,
     InitTransport,
     MembershipSnapshot,
@@ -49,6 +53,7 @@ from rlfabric.schemas import (
     base_policy,
 )
 from rlfabric.tensors import CollectiveGroup, CollectiveTimeout
+from rlfabric.trainer.deltas import DeltaBases, Packed, pack
 from rlfabric.trainer.desired import DesiredStateWriter
 from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
 from rlfabric.trainer.policies import PushedPolicies
@@ -56,6 +61,8 @@ from rlfabric.trainer.staging import WeightStager, as_state_dict
 from rlfabric.transports import Staged
 
 Verify = Literal["sender", "workers", "off"]
+#: the transports a delta goes over (the device ones carry GPU buffers, not host bytes)
+DELTA_TRANSPORTS = ("shm", "filesystem", "nats")
 #: seconds a failed push's taking back waits for the workers
 TAKE_BACK_S = 30.0
 
@@ -72,6 +79,8 @@ class WeightUpdates:
         self._current: dict[str, Staged] = {}
         #: the last push the fleet took, by adapter name: sent again to take a failed one back
         self._sent: dict[str, UpdateWeights] = {}
+        #: what the next `stage_delta` of each target encodes against
+        self.bases = DeltaBases()
         self._group: CollectiveGroup | None = None
         self._group_fingerprint = ""
         self._last_epoch = 0
@@ -88,6 +97,33 @@ class WeightUpdates:
         return await self.stager.stage(version, as_state_dict(weights), transport,
                                        mark_stable=mark_stable, with_checksum=with_checksum,
                                        send_now=send_now)
+
+    async def stage_delta(self, version: int, weights: Any, transport: str, *, key: str,
+                          with_checksum: bool, full: bool = False) -> tuple[Staged, Packed]:
+        """`weights` staged as a delta against the last version of target `key` pushed this
+        way, where every member holds it and the delta pays; else (or `full`) whole. Either
+        way workers are asked to keep it (`rlfabric.trainer.deltas`)."""
+        if transport not in DELTA_TRANSPORTS:
+            raise ValueError(f"update_weights(delta=True) goes over {', '.join(DELTA_TRANSPORTS)}"
+                             f", not {transport!r}")
+        state = as_state_dict(weights)
+        new = await pack(version, state)
+        base = None if full else self.bases.base_for(key, new, set(self.watcher.members))
+        body = await self.bases.encode(base, new) if base is not None else None
+        if base is None or body is None:
+            staged = await self.stager.stage(version, state, transport, mark_stable=True,
+                                             with_checksum=with_checksum, send_now=False)
+        else:
+            expected = await anyio.to_thread.run_sync(tensors.checksum, state) \
+                if with_checksum else ""
+            blob = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            staged = await self.stager.stage(version, {"delta": blob}, transport,
+                                             mark_stable=True, with_checksum=False,
+                                             send_now=False)
+            staged.digest, staged.expected_checksum = new.digest, expected
+            staged.delta = DeltaOf(base=base.digest, tensors=new.metas)
+        staged.keep = True
+        return staged, new
 
     async def push(self, staged: Staged, *, target: Target | None, policy: QuorumPolicy,
                    verify: Verify, reset_prefix_cache: bool = True) -> FanoutReport:
@@ -121,8 +157,9 @@ class WeightUpdates:
                         rep = await self._broadcast_sending(cmd, staged, policy)
                         self._check(rep, staged, verify)
                 except Exception as exc:
-                    with anyio.CancelScope(shield=True):
-                        await self._take_back(adapter, cmd, exc)
+                    if cmd.delta is None or not delta_refused(exc):
+                        with anyio.CancelScope(shield=True):
+                            await self._take_back(adapter, cmd, exc)
                     raise
                 if not staged.for_joiners:  # freed now: joiners wait for the next push
                     if not adapter:
@@ -290,6 +327,16 @@ class WeightUpdates:
                                       timeout=policy.timeout, policy=policy)
         assert self._group is not None  # init_transport set it or raised
         return self._group
+
+
+def delta_refused(exc: Exception) -> bool:
+    """Whether a push failed only because workers lack the base its delta applies to (the full
+    weights are pushed then, instead of taking it back)."""
+    rep = getattr(exc, "report", None)
+    if not isinstance(rep, FanoutReport) or rep.missing:
+        return False
+    errors = [a for a in rep.acks.values() if a.status == "error"]
+    return bool(errors) and all(a.error_code == ErrorCode.DELTA_BASE_MISSING for a in errors)
 
 
 def _where(rep: FanoutReport) -> str:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rlfabric.schemas import (
     Base,
+    DeltaOf,
     ErrorCode,
     RLFabricError,
     Target,
@@ -121,6 +122,10 @@ class Staged:
     #: kept until the next version, for workers that join meantime; False (cuda_ipc): freed
     #: once the push is decided, and joiners wait for the next push
     for_joiners: bool = True
+    #: set: the staged bytes are a delta against that base (`digest` names what it makes)
+    delta: DeltaOf | None = None
+    #: workers keep this version's packed bytes for a delta to come (`UpdateWeights.keep`)
+    keep: bool = False
     _release: list[Release] = field(default_factory=list)
     _stable: Callable[[], None] | None = None
 
@@ -130,7 +135,7 @@ class Staged:
         return UpdateWeights(cmd_id=cmd_id, version=self.version, transport=self.transport,
                              digest=self.digest, target=target or Base(),
                              reset_prefix_cache=reset_prefix_cache, deadline=deadline, run=run,
-                             job=job)
+                             job=job, delta=self.delta, keep=self.keep)
 
     def on_release(self, fn: Release) -> None:
         self._release.append(fn)

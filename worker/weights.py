@@ -45,6 +45,7 @@ from rlfabric.transports import (
     name_of,
 )
 from rlfabric.transports.collective import join
+from rlfabric.worker.kept import KeptVersions
 from rlfabric.worker.policies import Policies, desired_policy
 from rlfabric.worker.residency import Residency
 
@@ -70,6 +71,8 @@ class WeightSync:
         #: the adapters held within the engine's limit: least recently used evicted, reloaded
         #: on demand
         self.residency = Residency(int(getattr(engine, "max_adapters", 0) or 0))
+        #: the versions kept for a delta to apply to
+        self.kept = KeptVersions(worker_id)
 
     # ---- the desired state ----
     def in_line(self, state: DesiredState) -> bool:
@@ -227,22 +230,30 @@ class WeightSync:
                 with spans.span("verify digest"):
                     dg = await _device_digest(got.pieces)
                 return await self._verified_load(cmd, dg, pieces=got.pieces)
-            view = memoryview(got.buffer)[:tensors.buffer_size(t.tensors)]
+            size = tensors.buffer_size(t.tensors)
+            made = None
+            if cmd.delta is not None:  # the version made here from the one kept and the delta
+                made = await self.kept.undelta(cmd, got.buffer, size)
+            view = memoryview(got.buffer)[:size] if made is None else memoryview(made)
+            path = got.path if made is None else None
+            if cmd.keep and made is None:  # kept past the transport's buffer: a copy
+                made = bytearray(view)
             device = getattr(self.engine, "weights_device", "cpu")
-            if device.startswith("cuda"):
-                # to the engine's GPU through pinned memory, digested on the way
-                try:
+            pieces: tuple[tuple[int, Any], ...] = ()
+            try:
+                if device.startswith("cuda"):  # to the GPU through pinned memory, digested
                     with spans.span("stage to device"):
                         flat, dg = await _to_device_in_thread(view, device)
-                finally:
-                    del view
-                return await self._verified_load(cmd, dg, pieces=((0, flat),))
-            try:
-                with spans.span("verify digest"):
-                    dg = await _digest_in_thread(view)
-                return await self._verified_load(cmd, dg, view=view, path=got.path)
+                    pieces, view = ((0, flat),), memoryview(b"")
+                else:
+                    with spans.span("verify digest"):
+                        dg = await _digest_in_thread(view)
+                acked = await self._verified_load(cmd, dg, view=view if not pieces else None,
+                                                  path=path, pieces=pieces)
             finally:
                 del view  # no view may outlive the buffer
+            self.kept.loaded(cmd, made)
+            return acked
 
     async def _verified_load(self, cmd: UpdateWeights, dg: str, *,
                              view: memoryview | None = None, path: str | None = None,
@@ -253,7 +264,8 @@ class WeightSync:
             del view, pieces  # the raised error's frames must not keep the buffer alive
             raise CommandFailed(ErrorCode.DIGEST_MISMATCH, f"{self.worker_id}: v{cmd.version} "
                                 f"payload digest {dg} != {cmd.digest}; old weights kept")
-        with payload(view if view is not None else memoryview(b""), cmd.transport.tensors,
+        layout = cmd.delta.tensors if cmd.delta is not None else cmd.transport.tensors
+        with payload(view if view is not None else memoryview(b""), layout,
                      path=path, pieces=pieces) as weights, spans.span("load weights"):
             return await self._load(weights, cmd)
 

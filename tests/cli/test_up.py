@@ -230,6 +230,22 @@ def test_a_fleet_with_a_gateway_on_tls_and_role_keys(tmp_path: Path, spawn, pref
     assert untrusted.returncode != 0 and "refused this client's TLS" in untrusted.stderr
 
 
+def test_delta_updates_in_bfloat16_send_what_changed_and_serve_what_was_trained(
+        tmp_path: Path) -> None:
+    out = subprocess.run([EXE, "up", "--workers", "2", "--steps", "3", "--dtype", "bfloat16",
+                          "--delta", "--lr", "1e-5", "--threshold", "0", "--no-live", "--json",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    # exit 1 only for the reward: 3 steps at lr 1e-5 need not raise it
+    assert out.returncode in (0, 1), out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0 or summary["reward_final"] <= summary["reward_first"], summary
+    bf16 = build_model("tiny", dtype=torch.bfloat16).state_dict()
+    full = sum(t.nbytes for t in bf16.values())
+    assert 0 < summary["update_bytes"] < full / 3, (summary["update_bytes"], full)
+    assert summary["mismatch_max"] <= 1e-4  # the workers serve what was trained
+    assert set(summary["workers_on_final"].values()) == {3}
+
+
 def test_colocated_in_bfloat16_the_workers_sleep_through_training_and_wake_into_each_update(
         tmp_path: Path) -> None:
     # level 2: the workers drop their weights each step, and each update brings them back

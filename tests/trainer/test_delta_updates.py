@@ -1,0 +1,135 @@
+"""`update_weights(..., delta=True)` on real torch workers: after a real AdamW step only what
+changed goes, over shm, filesystem and nats; every worker verifies the full version's checksum
+against the sender's and serves exactly its logprobs; a worker that joined since gets the full
+weights; one that lost the base (restarted) refuses the delta and the full weights go at once;
+a damaged delta is refused by name and the old weights serve; a LoRA adapter goes the same
+way."""
+
+from __future__ import annotations
+
+import signal
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+import torch
+from helpers import req, taken_logprobs
+
+from rlfabric.bus import QuorumNotReached, QuorumPolicy
+from rlfabric.schemas import Adapter
+from rlfabric.tensors import lora
+from rlfabric.tensors.checksums import checksum
+from rlfabric.tensors.models import build_model
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio]
+
+BF16 = ("--threads", "1", "--dtype", "bfloat16")
+
+
+def _step(model: torch.nn.Module, seed: int, lr: float = 1e-5) -> None:
+    """One AdamW step on seeded tokens (a fresh optimizer: the first step's size is lr)."""
+    model.train()
+    x = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed))
+    model(x, labels=x).loss.backward()
+    torch.optim.AdamW(model.parameters(), lr=lr).step()
+    model.zero_grad()
+    model.eval()
+
+
+def _full_bytes(model: torch.nn.Module) -> int:
+    from rlfabric.tensors import plan
+
+    return plan(model.state_dict())[1]
+
+
+async def _served_as(fabric, model: torch.nn.Module, version: int) -> None:
+    """Greedy rollouts on every worker: tagged `version`, logprobs the trainer's own."""
+    reqs = [req(f"p{version}.{i}", [256, 5 + i], max_tokens=12, temperature=0.0)
+            for i in range(6)]
+    out = [r async for r in fabric.generate(reqs, timeout=60)]
+    for r in out:
+        assert [s.version for s in r.version_spans] == [version], r.version_spans
+        ref = taken_logprobs(model, [256, 5 + int(r.request_id.split(".")[1])],
+                             r.completion_token_ids.tolist())
+        gap = float(np.abs(ref - r.logprobs.numpy()).max())
+        assert gap <= 1e-5
+
+
+async def test_deltas_over_every_transport_joiners_and_a_lost_base(client, workers) -> None:
+    # bfloat16, as models are trained: a step keeps most elements' bit patterns (in float32
+    # it moves every one's low bytes, and the delta would not pay)
+    (d0, _) = workers(["d0", "d1"], *BF16)
+    model = build_model("tiny", dtype=torch.bfloat16)
+    full = _full_bytes(model)
+    async with client() as fabric:
+        await fabric.wait_for_workers(2, timeout=60)
+        rep = await fabric.update_weights(1, module=model, delta=True)  # no base yet: full
+        assert fabric.last_push_bytes == full and set(rep.ok) == {"d0", "d1"}
+        sizes = {}
+        for v, transport in enumerate(["shm", "filesystem", "nats"], start=2):
+            _step(model, v)
+            rep = await fabric.update_weights(v, module=model, transport=transport, delta=True)
+            assert set(rep.ok) == {"d0", "d1"}  # checksums verified against the sender's
+            sizes[transport] = fabric.last_push_bytes
+        assert all(n < full / 4 for n in sizes.values()), (sizes, full)
+        await _served_as(fabric, model, 4)
+
+        workers(["d2"], *BF16)  # joins: it holds no base
+        await fabric.wait_for_workers(3, timeout=60)
+        _step(model, 5)
+        rep = await fabric.update_weights(5, module=model, delta=True)
+        assert fabric.last_push_bytes == full and set(rep.ok) == {"d0", "d1", "d2"}
+        _step(model, 6)
+        await fabric.update_weights(6, module=model, delta=True)
+        assert fabric.last_push_bytes < full / 4  # all three hold v5 now
+
+        # d0 restarts under its own id: it loses the base the trainer thinks it holds
+        d0.send_signal(signal.SIGKILL)
+        await fabric.watcher.wait_until(lambda s: "d0" not in s.worker_ids, timeout=30)
+        workers(["d0"], *BF16)
+        await fabric.wait_for_workers(3, timeout=60)
+        _step(model, 7)
+        rep = await fabric.update_weights(7, module=model, delta=True)
+        assert set(rep.ok) == {"d0", "d1", "d2"}
+        assert fabric.last_push_bytes > full  # the delta, refused by d0, then the full
+        await _served_as(fabric, model, 7)
+
+
+async def test_a_damaged_delta_is_refused_and_the_old_weights_serve(client, workers) -> None:
+    workers(["e0", "e1"], *BF16)
+    model = build_model("tiny", dtype=torch.bfloat16)
+    async with client() as fabric:
+        await fabric.wait_for_workers(2, timeout=60)
+        await fabric.update_weights(1, module=model, delta=True)
+        served = build_model("tiny", dtype=torch.bfloat16)
+        served.load_state_dict(model.state_dict())
+        _step(model, 2)
+        staged, _ = await fabric.updates.stage_delta(2, model, "shm", key="",
+                                                     with_checksum=True)
+        assert staged.delta is not None
+        seg = shared_memory.SharedMemory(name=staged.transport.name)
+        (body,) = staged.transport.tensors
+        seg.buf[body.offset + body.nbytes - 50] ^= 0xFF  # inside the last piece, after staging
+        seg.close()
+        with pytest.raises(QuorumNotReached, match=r"e0 \(digest_mismatch.*e1 \(digest_mismatch"):
+            await fabric.push_weights(staged, policy=QuorumPolicy(timeout=20))
+        assert (await fabric.bus.state.read()).weight_version == 1
+        await _served_as(fabric, served, 1)
+
+        # an adapter goes as a delta too, verified against the sender's checksum
+        qv = Adapter(name="qv", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+        adapter = {k: v.to(torch.bfloat16)
+                   for k, v in lora.random_adapter(served, qv, seed=2, std=0.2).items()}
+        full = sum(t.nbytes for t in adapter.values())
+        await fabric.update_weights(1, state_dict=adapter, adapter=qv, delta=True)
+        assert fabric.last_push_bytes >= full  # no base yet
+        with torch.no_grad():
+            next(iter(adapter.values()))[0, :3] += 0.5  # a few elements move
+        rep = await fabric.update_weights(2, state_dict=adapter, adapter=qv, transport="nats",
+                                          delta=True)
+        assert fabric.last_push_bytes < full / 4
+        assert {a.weights_checksum for a in rep.acks.values()} == {checksum(adapter)}
+        areqs = [req(f"q{i}", [256, i], max_tokens=8, temperature=0.0, adapter="qv")
+                 for i in range(4)]
+        aout = [r async for r in fabric.generate(areqs, timeout=60)]
+    assert len(aout) == 4 and all([s.version for s in r.version_spans] == [2] for r in aout)

@@ -1,0 +1,82 @@
+"""Weight updates sent as deltas (`update_weights(..., delta=True)`): the trainer keeps the
+packed bytes of the last version each target (base weights, or an adapter) was pushed as, on
+the host, and sends the next one as its delta against them (`rlfabric.tensors.delta`) where
+every member acked that version; otherwise, or where the delta would not pay, the full
+weights. Every push of this kind asks workers to keep what they load (`UpdateWeights.keep`),
+so the next delta has its base on both sides. A worker that no longer holds the base refuses
+the delta (`delta_base_missing`) and the client pushes the full weights at once.
+
+Memory: one packed copy of each target on the trainer's host (the model's size for the base
+weights), and one on each worker that keeps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from rlfabric import tensors
+from rlfabric.schemas import TensorMeta
+from rlfabric.tensors import delta
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A version packed on the host: its layout, bytes and digest."""
+
+    version: int
+    metas: tuple[TensorMeta, ...]
+    buf: bytearray
+    digest: str
+
+
+@dataclass(frozen=True)
+class _Base:
+    packed: Packed
+    #: the workers that acked it: each keeps it
+    holders: frozenset[str]
+
+
+async def pack(version: int, state: Mapping[str, Any]) -> Packed:
+    def run() -> Packed:
+        metas, size = tensors.plan(state)
+        buf = bytearray(size)
+        tensors.pack_into(state, metas, buf)
+        return Packed(version, metas, buf, tensors.digest(buf))
+
+    return await anyio.to_thread.run_sync(run)
+
+
+class DeltaBases:
+    """The last version pushed of each target ("" the base weights, else the adapter's name),
+    and who holds it."""
+
+    def __init__(self) -> None:
+        self._bases: dict[str, _Base] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the kept versions take."""
+        return sum(len(b.packed.buf) for b in self._bases.values())
+
+    def base_for(self, key: str, new: Packed, members: Set[str]) -> Packed | None:
+        """The version `new` may go as a delta against: the last one pushed of `key`, of the
+        same layout, held by every member now."""
+        base = self._bases.get(key)
+        if base is None or base.packed.metas != new.metas or not members or \
+                not members <= base.holders:
+            return None
+        return base.packed
+
+    async def encode(self, base: Packed, new: Packed) -> bytes | None:
+        return await anyio.to_thread.run_sync(
+            lambda: delta.encode(base.buf, new.buf, new.metas, base_digest=base.digest))
+
+    def keep(self, key: str, packed: Packed, holders: Set[str]) -> None:
+        self._bases[key] = _Base(packed, frozenset(holders))
+
+    def forget(self, key: str) -> None:
+        self._bases.pop(key, None)

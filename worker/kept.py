@@ -1,0 +1,62 @@
+"""The versions a worker keeps for a weight delta to apply to (`UpdateWeights.keep`): the
+packed bytes of the last version of each target loaded with `keep`, and their digest. A delta
+(`UpdateWeights.delta`) against one of them makes the full version here
+(`rlfabric.tensors.delta`); against anything else it is refused (`delta_base_missing`), and
+the trainer pushes the full weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from rlfabric.bus import CommandFailed
+from rlfabric.schemas import Adapter, ErrorCode, UpdateWeights
+from rlfabric.telemetry import spans
+from rlfabric.tensors.errors import DeltaRefused
+
+
+def target_key(cmd: UpdateWeights) -> str:
+    """"" for the base weights, else the adapter's key in the engine."""
+    return cmd.target.name if isinstance(cmd.target, Adapter) else ""
+
+
+class KeptVersions:
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        #: by target: the digest of a version's packed bytes, and the bytes
+        self.held: dict[str, tuple[str, bytearray]] = {}
+
+    async def undelta(self, cmd: UpdateWeights, received: Any, size: int) -> bytearray:
+        """The buffer `cmd`'s delta (the first `size` bytes of `received`) makes from the
+        version kept for its target; `CommandFailed` (`delta_base_missing`,
+        `digest_mismatch`) if it cannot be made."""
+        assert cmd.delta is not None
+        held = self.held.get(target_key(cmd))
+        if held is None or held[0] != cmd.delta.base:
+            raise CommandFailed(ErrorCode.DELTA_BASE_MISSING, (
+                f"{self.worker_id}: v{cmd.version} came as a delta against the packed version "
+                f"with digest {cmd.delta.base}, and this worker holds "
+                f"{'digest ' + held[0] if held else 'none'}; push the full weights"))
+        # NOTE: an idle anyio worker thread keeps the arguments of its last call alive: the
+        # view goes in a box it is taken out of
+        box = [memoryview(received)[:size]]
+        from rlfabric.tensors import delta  # torch: loaded with the first delta
+
+        digest, base = held
+        try:
+            with spans.span("apply delta"):
+                return await anyio.to_thread.run_sync(
+                    lambda: delta.apply(base, box.pop(), base_digest=digest))
+        except DeltaRefused as exc:
+            code, why = exc.code, str(exc)
+        # NOTE: raised outside the except block: the refused frames hold views of the buffer
+        raise CommandFailed(code, f"{self.worker_id}: v{cmd.version} not loaded: {why}")
+
+    def loaded(self, cmd: UpdateWeights, made: bytearray | None) -> None:
+        """`cmd` was loaded: keep its bytes (`made`) if it asks to, else keep nothing of its
+        target (a later delta against an older version must not apply)."""
+        if cmd.keep and made is not None:
+            self.held[target_key(cmd)] = (cmd.digest, made)
+        else:
+            self.held.pop(target_key(cmd), None)
