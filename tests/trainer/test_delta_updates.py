@@ -1,6 +1,6 @@
 """`update_weights(..., delta=True)` on real torch workers: after a real AdamW step only what
 changed goes, over shm, filesystem and nats; every worker verifies the full version's checksum
-against the sender's and serves exactly its logprobs; a worker that joined since gets the full
+against the sender's and, after 20 such updates, serves exactly the trainer's logprobs; a worker that joined since gets the full
 weights; one that lost the base (restarted) refuses the delta and the full weights go at once;
 a damaged delta is refused by name and the old weights serve; a LoRA adapter goes the same
 way."""
@@ -72,27 +72,31 @@ async def test_deltas_over_every_transport_joiners_and_a_lost_base(client, worke
             assert set(rep.ok) == {"d0", "d1"}  # checksums verified against the sender's
             sizes[transport] = fabric.last_push_bytes
         assert all(n < full / 4 for n in sizes.values()), (sizes, full)
-        await _served_as(fabric, model, 4)
+        for v in range(5, 21):  # 20 updates in all, each a delta on the last
+            _step(model, v)
+            await fabric.update_weights(v, module=model, delta=True)
+            assert fabric.last_push_bytes < full / 4
+        await _served_as(fabric, model, 20)
 
         workers(["d2"], *BF16)  # joins: it holds no base
         await fabric.wait_for_workers(3, timeout=60)
-        _step(model, 5)
-        rep = await fabric.update_weights(5, module=model, delta=True)
+        _step(model, 21)
+        rep = await fabric.update_weights(21, module=model, delta=True)
         assert fabric.last_push_bytes == full and set(rep.ok) == {"d0", "d1", "d2"}
-        _step(model, 6)
-        await fabric.update_weights(6, module=model, delta=True)
-        assert fabric.last_push_bytes < full / 4  # all three hold v5 now
+        _step(model, 22)
+        await fabric.update_weights(22, module=model, delta=True)
+        assert fabric.last_push_bytes < full / 4  # all three hold v21 now
 
         # d0 restarts under its own id: it loses the base the trainer thinks it holds
         d0.send_signal(signal.SIGKILL)
         await fabric.watcher.wait_until(lambda s: "d0" not in s.worker_ids, timeout=30)
         workers(["d0"], *BF16)
         await fabric.wait_for_workers(3, timeout=60)
-        _step(model, 7)
-        rep = await fabric.update_weights(7, module=model, delta=True)
+        _step(model, 23)
+        rep = await fabric.update_weights(23, module=model, delta=True)
         assert set(rep.ok) == {"d0", "d1", "d2"}
         assert fabric.last_push_bytes > full  # the delta, refused by d0, then the full
-        await _served_as(fabric, model, 7)
+        await _served_as(fabric, model, 23)
 
 
 async def test_a_damaged_delta_is_refused_and_the_old_weights_serve(client, workers) -> None:
