@@ -5,7 +5,7 @@ elements and their indices, zstd against lz4). Applied to the same base, a delta
 buffer bit for bit; the caller checks its digest as it checks any push's.
 
     delta = encode(base, new, metas, base_digest=digest(base))   # None: a full push pays more
-    new = apply(base, delta, base_digest=digest(base))
+    new = apply(base, delta, base_digest=digest(base))             # or in_place=True, revert()
 
 The body is `MAGIC`, the `WeightDelta` header's length (8 bytes, little-endian), the header
 (msgpack), then each piece's compressed bytes in header order.
@@ -43,14 +43,22 @@ def _words(buf: Buffer, offset: int, nbytes: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint64, count=nbytes // 8, offset=offset)
 
 
+def scratch_for(metas: Iterable[TensorMeta]) -> bytearray:
+    """A buffer for the largest span of `metas`: `encode` and `apply` reuse it instead of
+    allocating (and faulting in) a new one per tensor."""
+    return bytearray(max((_span(m)[1] for m in metas), default=0))
+
+
 def encode(base: Buffer, new: Buffer, metas: Iterable[TensorMeta], *, base_digest: str,
-           level: int = LEVEL, pays_below: float = PAYS_BELOW) -> bytes | None:
+           level: int = LEVEL, pays_below: float = PAYS_BELOW,
+           scratch: bytearray | None = None) -> bytes | None:
     """`new` as a delta against `base` (both packed with `metas`' layout); None if it would
     be `pays_below` of the full buffer or more."""
     metas = tuple(metas)
     size = buffer_size(metas)
     if len(memoryview(base)) < size or len(memoryview(new)) < size:
         raise ValueError(f"base and new must hold the {size} bytes their layout describes")
+    scratch = scratch if scratch is not None else scratch_for(metas)
     zc = zstandard.ZstdCompressor(level=level)
     pieces, body, total = [], [], 0
     for m in metas:
@@ -60,7 +68,7 @@ def encode(base: Buffer, new: Buffer, metas: Iterable[TensorMeta], *, base_diges
         a, b = _words(base, offset, nbytes), _words(new, offset, nbytes)
         if np.array_equal(a, b):
             continue
-        packed = zc.compress(np.bitwise_xor(a, b).data)
+        packed = zc.compress(np.bitwise_xor(a, b, out=_words(scratch, 0, nbytes)).data)
         total += len(packed)
         if total >= pays_below * size:
             return None
@@ -88,10 +96,12 @@ def header(delta: Buffer) -> tuple[WeightDelta, int]:
     return head, start + n
 
 
-def apply(base: Buffer, delta: Buffer, *, base_digest: str) -> bytearray:
-    """The buffer `delta` makes from `base` (whose digest is `base_digest`). `DeltaRefused`:
+def apply(base: Buffer, delta: Buffer, *, base_digest: str, in_place: bool = False,
+          scratch: bytearray | None = None) -> bytearray:
+    """The buffer `delta` makes from `base` (whose digest is `base_digest`): a new one, or
+    `base` itself changed (`in_place`, a bytearray; `revert` undoes it). `DeltaRefused`:
     `delta_base_missing` if the delta is against another base, `digest_mismatch` if a piece is
-    damaged; the base is left as it was."""
+    damaged; the base is then as it was."""
     head, at = header(delta)
     if head.base != base_digest:
         raise DeltaRefused(ErrorCode.DELTA_BASE_MISSING,
@@ -101,24 +111,65 @@ def apply(base: Buffer, delta: Buffer, *, base_digest: str) -> bytearray:
         raise DeltaRefused(ErrorCode.DELTA_BASE_MISSING,
                            f"the delta makes {head.size} bytes; the base held has "
                            f"{len(memoryview(base))}")
-    out = bytearray(memoryview(base)[:head.size])
-    view = memoryview(delta)
+    if in_place and not isinstance(base, bytearray):
+        raise TypeError("apply(in_place=True) changes a bytearray")
+    out = base if in_place else bytearray(memoryview(base)[:head.size])
+    _xor_in(out, head, memoryview(delta), at, scratch)
+    return out
+
+
+def revert(buf: bytearray, delta: Buffer, *, scratch: bytearray | None = None) -> None:
+    """Undo `apply(buf, delta, in_place=True)` (the XOR again gives the base back)."""
+    head, at = header(delta)
+    _xor_in(buf, head, memoryview(delta), at, scratch)
+
+
+def _xor_in(out: bytearray, head: WeightDelta, view: memoryview, at: int,
+            scratch: bytearray | None) -> None:
+    """XOR each piece into `out`; a damaged one undoes those before it, then raises."""
+    if scratch is None or len(scratch) < max((p.nbytes for p in head.pieces), default=0):
+        scratch = bytearray(max((p.nbytes for p in head.pieces), default=0))
     zd = zstandard.ZstdDecompressor()
-    for p in head.pieces:
-        if p.offset + p.nbytes > head.size or at + p.length > len(view):
+    starts = []
+    for p in head.pieces:  # every piece in bounds before any is applied
+        if p.offset + p.nbytes > len(out) or at + p.length > len(view) or p.nbytes % 8:
             raise DeltaRefused(ErrorCode.DIGEST_MISMATCH,
                                f"the delta's piece at offset {p.offset} lies outside it")
-        try:
-            xor = zd.decompress(view[at:at + p.length], max_output_size=p.nbytes)
-        except zstandard.ZstdError as exc:
-            raise DeltaRefused(ErrorCode.DIGEST_MISMATCH,
-                               f"the delta's piece at offset {p.offset} is damaged: {exc}"
-                               ) from None
-        if len(xor) != p.nbytes:
-            raise DeltaRefused(ErrorCode.DIGEST_MISMATCH,
-                               f"the delta's piece at offset {p.offset} holds {len(xor)} bytes, "
-                               f"not {p.nbytes}")
-        words = _words(out, p.offset, p.nbytes)
-        np.bitwise_xor(words, np.frombuffer(xor, dtype=np.uint64), out=words)
+        starts.append(at)
         at += p.length
-    return out
+    for i, (p, start) in enumerate(zip(head.pieces, starts, strict=True)):
+        try:
+            xor = _decompressed(zd, view, start, p, scratch)
+        except DeltaRefused:
+            for q, s in zip(head.pieces[:i], starts, strict=False):
+                _xor_piece(out, q, _decompressed(zd, view, s, q, scratch))
+            raise
+        _xor_piece(out, p, xor)
+
+
+def _xor_piece(out: bytearray, p: DeltaPiece, xor: np.ndarray) -> None:
+    words = _words(out, p.offset, p.nbytes)
+    np.bitwise_xor(words, xor, out=words)
+
+
+def _decompressed(zd: Any, view: memoryview, start: int, p: DeltaPiece, scratch: bytearray
+                  ) -> np.ndarray:
+    """Piece `p`'s XOR words, decompressed into `scratch`; `DeltaRefused` if damaged."""
+    dst = memoryview(scratch)[:p.nbytes]
+    got = 0
+    try:
+        with zd.stream_reader(view[start:start + p.length]) as reader:
+            while got < p.nbytes:
+                n = reader.readinto(dst[got:])
+                if not n:
+                    break
+                got += n
+            extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        raise DeltaRefused(ErrorCode.DIGEST_MISMATCH,
+                           f"the delta's piece at offset {p.offset} is damaged: {exc}") from None
+    if got != p.nbytes or extra:
+        raise DeltaRefused(ErrorCode.DIGEST_MISMATCH,
+                           f"the delta's piece at offset {p.offset} holds "
+                           f"{'more than ' if extra else ''}{got} bytes, not {p.nbytes}")
+    return _words(scratch, 0, p.nbytes)

@@ -6,8 +6,9 @@ weights. Every push of this kind asks workers to keep what they load (`UpdateWei
 so the next delta has its base on both sides. A worker that no longer holds the base refuses
 the delta (`delta_base_missing`) and the client pushes the full weights at once.
 
-Memory: one packed copy of each target on the trainer's host (the model's size for the base
-weights), and one on each worker that keeps it.
+Memory: two packed copies of each target on the trainer's host (the last version, and the one
+before it, packed into again), one tensor's scratch, and one packed copy on each worker that
+keeps it (a delta is applied to it in place).
 """
 
 from __future__ import annotations
@@ -40,27 +41,33 @@ class _Base:
     holders: frozenset[str]
 
 
-async def pack(version: int, state: Mapping[str, Any]) -> Packed:
-    def run() -> Packed:
-        metas, size = tensors.plan(state)
-        buf = bytearray(size)
-        tensors.pack_into(state, metas, buf)
-        return Packed(version, metas, buf, tensors.digest(buf))
-
-    return await anyio.to_thread.run_sync(run)
-
-
 class DeltaBases:
     """The last version pushed of each target ("" the base weights, else the adapter's name),
     and who holds it."""
 
     def __init__(self) -> None:
         self._bases: dict[str, _Base] = {}
+        # the bytes of a replaced base, packed into again (no new buffer to fault in each
+        # push), and a buffer for one tensor's XOR
+        self._spare: dict[str, bytearray] = {}
+        self._scratch = bytearray()
 
     @property
     def nbytes(self) -> int:
-        """Host memory the kept versions take."""
-        return sum(len(b.packed.buf) for b in self._bases.values())
+        """Host memory the kept versions and their spares take."""
+        return sum(len(b.packed.buf) for b in self._bases.values()) + \
+            sum(map(len, self._spare.values())) + len(self._scratch)
+
+    async def pack(self, key: str, version: int, state: Mapping[str, Any]) -> Packed:
+        spare = self._spare.pop(key, None)
+
+        def run() -> Packed:
+            metas, size = tensors.plan(state)
+            buf = spare if spare is not None and len(spare) == size else bytearray(size)
+            tensors.pack_into(state, metas, buf)
+            return Packed(version, metas, buf, tensors.digest(buf))
+
+        return await anyio.to_thread.run_sync(run)
 
     def base_for(self, key: str, new: Packed, members: Set[str]) -> Packed | None:
         """The version `new` may go as a delta against: the last one pushed of `key`, of the
@@ -72,11 +79,21 @@ class DeltaBases:
         return base.packed
 
     async def encode(self, base: Packed, new: Packed) -> bytes | None:
-        return await anyio.to_thread.run_sync(
-            lambda: delta.encode(base.buf, new.buf, new.metas, base_digest=base.digest))
+        def run() -> bytes | None:
+            largest = max((m.nbytes for m in new.metas), default=0) + 64
+            if len(self._scratch) < largest:
+                self._scratch = delta.scratch_for(new.metas)
+            return delta.encode(base.buf, new.buf, new.metas, base_digest=base.digest,
+                                scratch=self._scratch)
+
+        return await anyio.to_thread.run_sync(run)
 
     def keep(self, key: str, packed: Packed, holders: Set[str]) -> None:
+        old = self._bases.get(key)
         self._bases[key] = _Base(packed, frozenset(holders))
+        if old is not None and old.packed.buf is not packed.buf:
+            self._spare[key] = old.packed.buf
 
     def forget(self, key: str) -> None:
         self._bases.pop(key, None)
+        self._spare.pop(key, None)

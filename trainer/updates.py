@@ -53,7 +53,7 @@ from rlfabric.schemas import (
     base_policy,
 )
 from rlfabric.tensors import CollectiveGroup, CollectiveTimeout
-from rlfabric.trainer.deltas import DeltaBases, Packed, pack
+from rlfabric.trainer.deltas import DeltaBases, Packed
 from rlfabric.trainer.desired import DesiredStateWriter
 from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
 from rlfabric.trainer.policies import PushedPolicies
@@ -107,7 +107,7 @@ class WeightUpdates:
             raise ValueError(f"update_weights(delta=True) goes over {', '.join(DELTA_TRANSPORTS)}"
                              f", not {transport!r}")
         state = as_state_dict(weights)
-        new = await pack(version, state)
+        new = await self.bases.pack(key, version, state)
         base = None if full else self.bases.base_for(key, new, set(self.watcher.members))
         body = await self.bases.encode(base, new) if base is not None else None
         if base is None or body is None:

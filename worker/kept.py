@@ -6,6 +6,8 @@ the trainer pushes the full weights."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -14,6 +16,12 @@ from rlfabric.bus import CommandFailed
 from rlfabric.schemas import Adapter, ErrorCode, UpdateWeights
 from rlfabric.telemetry import spans
 from rlfabric.tensors.errors import DeltaRefused
+
+
+def _delta() -> Any:
+    from rlfabric.tensors import delta  # torch: loaded with the first delta
+
+    return delta
 
 
 def target_key(cmd: UpdateWeights) -> str:
@@ -26,11 +34,30 @@ class KeptVersions:
         self.worker_id = worker_id
         #: by target: the digest of a version's packed bytes, and the bytes
         self.held: dict[str, tuple[str, bytearray]] = {}
+        self._scratch = bytearray()  # a delta's pieces are decompressed here, one at a time
 
-    async def undelta(self, cmd: UpdateWeights, received: Any, size: int) -> bytearray:
-        """The buffer `cmd`'s delta (the first `size` bytes of `received`) makes from the
-        version kept for its target; `CommandFailed` (`delta_base_missing`,
-        `digest_mismatch`) if it cannot be made."""
+    @contextlib.asynccontextmanager
+    async def making(self, cmd: UpdateWeights, received: Any, size: int
+                     ) -> AsyncIterator[bytearray | None]:
+        """Within it: the full version `cmd`'s delta (the first `size` bytes of `received`)
+        makes, in the kept bytes of its base, changed in place (no second copy); None if `cmd`
+        is no delta. Left by an error (a digest or a load that failed), the kept bytes go back
+        to the base. `CommandFailed` (`delta_base_missing`, `digest_mismatch`) if it cannot be
+        made."""
+        if cmd.delta is None:
+            yield None
+            return
+        made = await self._undelta(cmd, received, size)
+        try:
+            yield made
+        except BaseException:
+            box = [memoryview(received)[:size]]  # see `_undelta`
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(
+                    lambda: _delta().revert(made, box.pop(), scratch=self._scratch))
+            raise
+
+    async def _undelta(self, cmd: UpdateWeights, received: Any, size: int) -> bytearray:
         assert cmd.delta is not None
         held = self.held.get(target_key(cmd))
         if held is None or held[0] != cmd.delta.base:
@@ -41,13 +68,22 @@ class KeptVersions:
         # NOTE: an idle anyio worker thread keeps the arguments of its last call alive: the
         # view goes in a box it is taken out of
         box = [memoryview(received)[:size]]
-        from rlfabric.tensors import delta  # torch: loaded with the first delta
-
         digest, base = held
+        delta = _delta()
+
+        def run() -> bytearray:
+            view = box.pop()
+            head, _ = delta.header(view)
+            largest = max((p.nbytes for p in head.pieces), default=0)
+            if len(self._scratch) < largest:
+                self._scratch = bytearray(largest)
+            made: bytearray = delta.apply(base, view, base_digest=digest, in_place=True,
+                                          scratch=self._scratch)
+            return made
+
         try:
             with spans.span("apply delta"):
-                return await anyio.to_thread.run_sync(
-                    lambda: delta.apply(base, box.pop(), base_digest=digest))
+                return await anyio.to_thread.run_sync(run)
         except DeltaRefused as exc:
             code, why = exc.code, str(exc)
         # NOTE: raised outside the except block: the refused frames hold views of the buffer

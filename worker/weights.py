@@ -231,27 +231,26 @@ class WeightSync:
                     dg = await _device_digest(got.pieces)
                 return await self._verified_load(cmd, dg, pieces=got.pieces)
             size = tensors.buffer_size(t.tensors)
-            made = None
-            if cmd.delta is not None:  # the version made here from the one kept and the delta
-                made = await self.kept.undelta(cmd, got.buffer, size)
-            view = memoryview(got.buffer)[:size] if made is None else memoryview(made)
-            path = got.path if made is None else None
-            if cmd.keep and made is None:  # kept past the transport's buffer: a copy
-                made = bytearray(view)
-            device = getattr(self.engine, "weights_device", "cpu")
-            pieces: tuple[tuple[int, Any], ...] = ()
-            try:
-                if device.startswith("cuda"):  # to the GPU through pinned memory, digested
-                    with spans.span("stage to device"):
-                        flat, dg = await _to_device_in_thread(view, device)
-                    pieces, view = ((0, flat),), memoryview(b"")
-                else:
-                    with spans.span("verify digest"):
-                        dg = await _digest_in_thread(view)
-                acked = await self._verified_load(cmd, dg, view=view if not pieces else None,
-                                                  path=path, pieces=pieces)
-            finally:
-                del view  # no view may outlive the buffer
+            # a delta: the full version made here, in the bytes kept of its base
+            async with self.kept.making(cmd, got.buffer, size) as made:
+                view = memoryview(got.buffer)[:size] if made is None else memoryview(made)
+                path = got.path if made is None else None
+                if cmd.keep and made is None:  # kept past the transport's buffer: a copy
+                    made = bytearray(view)
+                device = getattr(self.engine, "weights_device", "cpu")
+                pieces: tuple[tuple[int, Any], ...] = ()
+                try:
+                    if device.startswith("cuda"):  # to the GPU through pinned memory, digested
+                        with spans.span("stage to device"):
+                            flat, dg = await _to_device_in_thread(view, device)
+                        pieces, view = ((0, flat),), memoryview(b"")
+                    else:
+                        with spans.span("verify digest"):
+                            dg = await _digest_in_thread(view)
+                    acked = await self._verified_load(cmd, dg, path=path, pieces=pieces,
+                                                      view=view if not pieces else None)
+                finally:
+                    del view  # no view may outlive the buffer
             self.kept.loaded(cmd, made)
             return acked
 

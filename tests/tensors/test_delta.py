@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rlfabric.schemas import ErrorCode
 from rlfabric.tensors import DeltaRefused
-from rlfabric.tensors.delta import apply, encode, header
+from rlfabric.tensors.delta import apply, encode, header, revert
 from rlfabric.tensors.models import build_model
 from rlfabric.tensors.packing import digest, pack_into, plan
 
@@ -85,6 +85,22 @@ def test_a_damaged_piece_is_refused_and_the_base_kept() -> None:
         apply(base, b"not a delta at all", base_digest=digest(base))
     with pytest.raises(DeltaRefused, match="outside"):
         apply(base, bytes(delta[:-100]), base_digest=digest(base))  # cut short
+
+
+def test_applied_in_place_and_reverted_and_a_damaged_one_leaves_the_base() -> None:
+    metas, base, new = _stepped(torch.bfloat16, 1e-5)
+    kept, d = bytes(base), digest(base)
+    delta = encode(base, new, metas, base_digest=d)
+    assert delta is not None
+    buf = bytearray(base)
+    assert apply(buf, delta, base_digest=d, in_place=True) is buf and buf == new
+    revert(buf, delta)
+    assert buf == kept
+    damaged = bytearray(delta)
+    damaged[-20] ^= 0xFF  # the last piece: those before it are applied, then undone
+    with pytest.raises(DeltaRefused, match="damaged"):
+        apply(buf, damaged, base_digest=d, in_place=True)
+    assert buf == kept
 
 
 def test_a_delta_that_would_not_pay_is_none() -> None:

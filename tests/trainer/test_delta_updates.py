@@ -1,9 +1,9 @@
 """`update_weights(..., delta=True)` on real torch workers: after a real AdamW step only what
 changed goes, over shm, filesystem and nats; every worker verifies the full version's checksum
-against the sender's and, after 20 such updates, serves exactly the trainer's logprobs; a worker that joined since gets the full
-weights; one that lost the base (restarted) refuses the delta and the full weights go at once;
-a damaged delta is refused by name and the old weights serve; a LoRA adapter goes the same
-way."""
+against the sender's and, after 20 such updates, serves exactly the trainer's logprobs; a worker
+that joined since gets the full weights; one that lost the base (restarted) refuses the delta
+and the full weights go at once; a damaged delta is refused by name and the old weights serve;
+a LoRA adapter goes the same way."""
 
 from __future__ import annotations
 
@@ -119,6 +119,10 @@ async def test_a_damaged_delta_is_refused_and_the_old_weights_serve(client, work
             await fabric.push_weights(staged, policy=QuorumPolicy(timeout=20))
         assert (await fabric.bus.state.read()).weight_version == 1
         await _served_as(fabric, served, 1)
+        # each worker's kept v1 is whole again: the next delta on it applies
+        rep = await fabric.update_weights(2, module=model, delta=True)
+        assert len(rep.ok) == 2 and fabric.last_push_bytes < _full_bytes(model) / 4
+        await _served_as(fabric, model, 2)
 
         # an adapter goes as a delta too, verified against the sender's checksum
         qv = Adapter(name="qv", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
@@ -129,11 +133,11 @@ async def test_a_damaged_delta_is_refused_and_the_old_weights_serve(client, work
         assert fabric.last_push_bytes >= full  # no base yet
         with torch.no_grad():
             next(iter(adapter.values()))[0, :3] += 0.5  # a few elements move
-        rep = await fabric.update_weights(2, state_dict=adapter, adapter=qv, transport="nats",
+        rep = await fabric.update_weights(3, state_dict=adapter, adapter=qv, transport="nats",
                                           delta=True)
         assert fabric.last_push_bytes < full / 4
         assert {a.weights_checksum for a in rep.acks.values()} == {checksum(adapter)}
         areqs = [req(f"q{i}", [256, i], max_tokens=8, temperature=0.0, adapter="qv")
                  for i in range(4)]
         aout = [r async for r in fabric.generate(areqs, timeout=60)]
-    assert len(aout) == 4 and all([s.version for s in r.version_spans] == [2] for r in aout)
+    assert len(aout) == 4 and all([s.version for s in r.version_spans] == [3] for r in aout)
