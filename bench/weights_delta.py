@@ -76,13 +76,14 @@ def _encode_s(before: dict, after: dict) -> tuple[float, float]:
     """Seconds the trainer spends making the delta, and the share of elements that changed."""
     from rlfabric.tensors import digest, pack_into, plan
     from rlfabric.tensors.delta import encode
+    from rlfabric.trainer.deltas import ENCODE_THREADS
 
     metas, size = plan(before)
     a, b = bytearray(size), bytearray(size)
     pack_into(before, metas, a)
     t0 = time.perf_counter()
     pack_into(after, metas, b)
-    encode(a, b, metas, base_digest=digest(a))
+    encode(a, b, metas, base_digest=digest(a), threads=ENCODE_THREADS)
     took = time.perf_counter() - t0
     changed = sum(int((before[k].view(torch.int16) != after[k].view(torch.int16)).sum())
                   for k in before)

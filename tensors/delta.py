@@ -13,6 +13,7 @@ The body is `MAGIC`, the `WeightDelta` header's length (8 bytes, little-endian),
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterable
 from typing import Any
 
@@ -51,32 +52,44 @@ def scratch_for(metas: Iterable[TensorMeta]) -> bytearray:
 
 def encode(base: Buffer, new: Buffer, metas: Iterable[TensorMeta], *, base_digest: str,
            level: int = LEVEL, pays_below: float = PAYS_BELOW,
-           scratch: bytearray | None = None) -> bytes | None:
+           scratch: list[bytearray] | None = None, threads: int = 1) -> bytes | None:
     """`new` as a delta against `base` (both packed with `metas`' layout); None if it would
-    be `pays_below` of the full buffer or more."""
+    be `pays_below` of the full buffer or more. `threads` encode tensors side by side (numpy
+    and zstd let go of the GIL); `scratch` holds a buffer per thread (`scratch_for`), reused
+    from one call to the next, else made here."""
     metas = tuple(metas)
     size = buffer_size(metas)
+    metas = tuple(m for m in metas if m.nbytes)
     if len(memoryview(base)) < size or len(memoryview(new)) < size:
         raise ValueError(f"base and new must hold the {size} bytes their layout describes")
-    scratch = scratch if scratch is not None else scratch_for(metas)
-    zc = zstandard.ZstdCompressor(level=level)
-    pieces, body, total = [], [], 0
-    for m in metas:
-        offset, nbytes = _span(m)
-        if not nbytes:
-            continue
-        a, b = _words(base, offset, nbytes), _words(new, offset, nbytes)
-        if np.array_equal(a, b):
-            continue
-        packed = zc.compress(np.bitwise_xor(a, b, out=_words(scratch, 0, nbytes)).data)
-        total += len(packed)
-        if total >= pays_below * size:
-            return None
-        pieces.append(DeltaPiece(offset=offset, nbytes=nbytes, length=len(packed)))
-        body.append(packed)
+    threads = max(1, min(threads, len(metas)))
+    scratch = scratch if scratch is not None else []
+    while len(scratch) < threads:
+        scratch.append(scratch_for(metas))
+
+    def run(k: int) -> list[tuple[DeltaPiece, bytes]]:
+        zc, tmp, out = zstandard.ZstdCompressor(level=level), scratch[k], []
+        for m in metas[k::threads]:
+            offset, nbytes = _span(m)
+            a, b = _words(base, offset, nbytes), _words(new, offset, nbytes)
+            if not np.array_equal(a, b):
+                packed = zc.compress(np.bitwise_xor(a, b, out=_words(tmp, 0, nbytes)).data)
+                out.append((DeltaPiece(offset=offset, nbytes=nbytes, length=len(packed)),
+                            packed))
+        return out
+
+    if threads == 1:
+        done = run(0)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            done = [x for part in pool.map(run, range(threads)) for x in part]
+    done.sort(key=lambda piece: piece[0].offset)
+    if sum(p.length for p, _ in done) >= pays_below * size:
+        return None
     header = msgspec.msgpack.encode(WeightDelta(base=base_digest, size=size,
-                                                pieces=tuple(pieces)))
-    return b"".join([MAGIC, len(header).to_bytes(8, "little"), header, *body])
+                                                pieces=tuple(p for p, _ in done)))
+    return b"".join([MAGIC, len(header).to_bytes(8, "little"), header,
+                     *(body for _, body in done)])
 
 
 def header(delta: Buffer) -> tuple[WeightDelta, int]:

@@ -7,12 +7,13 @@ so the next delta has its base on both sides. A worker that no longer holds the 
 the delta (`delta_base_missing`) and the client pushes the full weights at once.
 
 Memory: two packed copies of each target on the trainer's host (the last version, and the one
-before it, packed into again), one tensor's scratch, and one packed copy on each worker that
-keeps it (a delta is applied to it in place).
+before it, packed into again) and a tensor's scratch per encoding thread; one packed copy on
+each worker that keeps it (a delta is applied to it in place).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,9 @@ import anyio
 from rlfabric import tensors
 from rlfabric.schemas import TensorMeta
 from rlfabric.tensors import delta
+
+#: threads a delta is encoded on (numpy and zstd let go of the GIL)
+ENCODE_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -50,13 +54,13 @@ class DeltaBases:
         # the bytes of a replaced base, packed into again (no new buffer to fault in each
         # push), and a buffer for one tensor's XOR
         self._spare: dict[str, bytearray] = {}
-        self._scratch = bytearray()
+        self._scratch: list[bytearray] = []
 
     @property
     def nbytes(self) -> int:
         """Host memory the kept versions and their spares take."""
         return sum(len(b.packed.buf) for b in self._bases.values()) + \
-            sum(map(len, self._spare.values())) + len(self._scratch)
+            sum(map(len, self._spare.values())) + sum(map(len, self._scratch))
 
     async def pack(self, key: str, version: int, state: Mapping[str, Any]) -> Packed:
         spare = self._spare.pop(key, None)
@@ -81,10 +85,10 @@ class DeltaBases:
     async def encode(self, base: Packed, new: Packed) -> bytes | None:
         def run() -> bytes | None:
             largest = max((m.nbytes for m in new.metas), default=0) + 64
-            if len(self._scratch) < largest:
-                self._scratch = delta.scratch_for(new.metas)
+            if any(len(s) < largest for s in self._scratch):
+                self._scratch.clear()
             return delta.encode(base.buf, new.buf, new.metas, base_digest=base.digest,
-                                scratch=self._scratch)
+                                scratch=self._scratch, threads=ENCODE_THREADS)
 
         return await anyio.to_thread.run_sync(run)
 

@@ -45,6 +45,8 @@ def test_a_step_applied_as_a_delta_is_the_new_buffer_bit_for_bit(dtype: torch.dt
     metas, base, new = _stepped(dtype, 1e-5)
     delta = encode(base, new, metas, base_digest=digest(base), pays_below=1.0)
     assert delta is not None
+    # encoded on 3 threads, tensor by tensor: the same bytes
+    assert encode(base, new, metas, base_digest=digest(base), pays_below=1.0, threads=3) == delta
     got = apply(base, delta, base_digest=digest(base))
     assert got == new and digest(got) == digest(new)
     assert len(delta) < share * len(new)
