@@ -32,20 +32,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model stepped and pushed (default %(default)s)")
 
 
-def _stepped(name: str, lr: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The model's state before and after one AdamW step at `lr` on seeded tokens."""
+def _stepped(name: str, lrs: list[float]) -> tuple[dict[str, torch.Tensor],
+                                                  dict[float, dict[str, torch.Tensor]]]:
+    """The model's state, and after one AdamW step from it at each of `lrs` on the same
+    seeded tokens."""
     from rlfabric.tensors.models import build_model
 
     model = build_model(name, dtype=torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    model.train()
     vocab = model.get_input_embeddings().weight.shape[0]
     x = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
-    model(x, labels=x).loss.backward()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    opt.step()
-    after = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    del model, opt
+    after = {}
+    for lr in lrs:
+        model.load_state_dict(before)
+        model.train()
+        model(x, labels=x).loss.backward()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt.step()
+        after[lr] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        del opt
+        model.zero_grad(set_to_none=True)
+    del model
     return before, after
 
 
@@ -129,9 +136,10 @@ async def bench(lrs: list[float], transports: list[str], model: str
     from rlfabric.bus import EmbeddedNats
 
     out, ways = [], []
+    before, stepped = _stepped(model, lrs)
     async with EmbeddedNats() as nats:
         for lr in lrs:
-            before, after = _stepped(model, lr)
+            after = stepped.pop(lr)
             enc, changed = _encode_s(before, after)
             ways += encodings(lr, before, after)
             for tr in transports:
@@ -141,7 +149,7 @@ async def bench(lrs: list[float], transports: list[str], model: str
                             "full_mb": f["bytes"] / 1e6, "delta_mb": d["bytes"] / 1e6,
                             "x_bytes": f["bytes"] / d["bytes"], "full_s": f["seconds"],
                             "delta_s": d["seconds"], "x_time": f["seconds"] / d["seconds"]})
-            del before, after
+            del after
     return out, ways
 
 
