@@ -4,8 +4,9 @@ The trainer holds `--model` (default `qwen05b`: Qwen2.5-0.5B's shape, random wei
 bfloat16 and takes one real AdamW step on seeded tokens at each learning rate. For each
 transport, two workers (the null engine: each applies the delta to the version it kept and
 verifies the full version's digest, so the transport and the delta are what is measured) get
-v0 (full, kept), then v1 = v0 after the step as a delta (`update_weights(..., delta=True)`),
-then the same step's bytes as a full push (`delta=False`). Columns: bytes the push staged
+v0 (full, kept) and v1 = v0 after the step as a delta (`update_weights(..., delta=True)`; each
+side's first delta makes the buffers it reuses); timed: v2, the step back, as a delta, and v3,
+the step again, as a full push (`delta=False`). Columns: bytes the push staged
 (what crosses the wire once per push), the update's time from staging to every worker's ack,
 and the delta's ratios. `encode` is the trainer's own part of a delta push (pack, XOR, zstd).
 A second table writes the same deltas each way rlfabric could (docs/decisions.md).
@@ -32,28 +33,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model stepped and pushed (default %(default)s)")
 
 
-def _stepped(name: str, lrs: list[float]) -> tuple[dict[str, torch.Tensor],
-                                                  dict[float, dict[str, torch.Tensor]]]:
-    """The model's state, and after one AdamW step from it at each of `lrs` on the same
-    seeded tokens."""
-    from rlfabric.tensors.models import build_model
+class _Steps:
+    """The model's state, and its state after one AdamW step from it at a learning rate, on
+    the same seeded tokens (one step's memory at a time: the model, before, after)."""
 
-    model = build_model(name, dtype=torch.bfloat16)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    vocab = model.get_input_embeddings().weight.shape[0]
-    x = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
-    after = {}
-    for lr in lrs:
-        model.load_state_dict(before)
+    def __init__(self, name: str) -> None:
+        from rlfabric.tensors.models import build_model
+
+        self.model = build_model(name, dtype=torch.bfloat16)
+        self.before = {k: v.clone() for k, v in self.model.state_dict().items()}
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        self.x = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
+
+    def after(self, lr: float) -> dict[str, torch.Tensor]:
+        model = self.model
+        model.load_state_dict(self.before)
         model.train()
-        model(x, labels=x).loss.backward()
+        model(self.x, labels=self.x).loss.backward()
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         opt.step()
-        after[lr] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         del opt
         model.zero_grad(set_to_none=True)
-    del model
-    return before, after
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 async def _fleet_rows(url: str, tr: str, before: dict, after: dict) -> list[dict[str, Any]]:
@@ -67,10 +68,13 @@ async def _fleet_rows(url: str, tr: str, before: dict, after: dict) -> list[dict
     async with FabricClient.connect(url, prefix=prefix, policy=QuorumPolicy(timeout=600)) as fab, \
             children(cmds, ready="ready"):
         await fab.wait_for_workers(2, timeout=120)
+        # v0 whole, kept; v1 the step as a delta (each side's first delta makes its buffers);
+        # timed: v2 the step back as a delta, v3 the step again whole
         await fab.update_weights(0, state_dict=before, transport=tr, verify="off", delta=True)
-        for version, delta in ((1, True), (2, False)):
+        await fab.update_weights(1, state_dict=after, transport=tr, verify="off", delta=True)
+        for version, state, delta in ((2, before, True), (3, after, False)):
             t0 = time.perf_counter()
-            rep = await fab.update_weights(version, state_dict=after, transport=tr,
+            rep = await fab.update_weights(version, state_dict=state, transport=tr,
                                            verify="off", delta=delta)
             took = time.perf_counter() - t0
             assert len(rep.ok) == 2, rep
@@ -136,10 +140,11 @@ async def bench(lrs: list[float], transports: list[str], model: str
     from rlfabric.bus import EmbeddedNats
 
     out, ways = [], []
-    before, stepped = _stepped(model, lrs)
+    steps = _Steps(model)
+    before = steps.before
     async with EmbeddedNats() as nats:
         for lr in lrs:
-            after = stepped.pop(lr)
+            after = steps.after(lr)
             enc, changed = _encode_s(before, after)
             ways += encodings(lr, before, after)
             for tr in transports:

@@ -114,8 +114,9 @@ def _grpo_options(p: argparse.ArgumentParser) -> None:
                    "with --colocate --device cuda)")
     p.add_argument("--delta", action="store_true",
                    help="send each update as the bytes that changed since the last one every "
-                   "worker holds (shm, filesystem, nats; bfloat16 pays most: a step leaves most "
-                   "bit patterns as they were); the summary gives the last update's bytes")
+                   "worker holds (--transport nats or filesystem; over shm they go whole; "
+                   "bfloat16 pays most: a step leaves most bit patterns as they were); the "
+                   "summary gives the last update's bytes")
     p.add_argument("--engine", default="torch", choices=registry.names(trains=True),
                    help="the workers' engine (default %(default)s); vllm serves the tiny64 "
                    "model (64-wide heads; tinychat with --task tools) and needs vLLM "

@@ -313,11 +313,12 @@ class FabricClient:
         no engine serves a block computed under other weights either way (vLLM salts its
         cache per load), it only keeps memory warm.
 
-        `delta=True` (shm, filesystem, nats): where every worker acked the last version pushed
-        this way, only what changed since goes (`rlfabric.trainer.deltas`); each worker makes
-        the full version from the one it kept and verifies its digest as for any push. A worker
+        `delta=True` (filesystem, nats): where every worker acked the last version pushed this
+        way, only what changed since goes (`rlfabric.trainer.deltas`); each worker makes the
+        full version from the one it kept and verifies its digest as for any push. A worker
         that lacks it refuses, and the full weights go at once; so does a version whose delta
-        would not pay. `last_push_bytes` says what the push staged."""
+        would not pay. Over shm the weights go whole (a delta costs more than shm's one copy).
+        `last_push_bytes` says what the push staged."""
         if adapter is not None:
             target = adapter
         if isinstance(target, Adapter) and SEPARATOR in target.name:
@@ -364,7 +365,8 @@ class FabricClient:
             self.last_push_bytes += staged.nbytes
             rep = await self.push_weights(staged, target=target, policy=policy, verify=verify,
                                           reset_prefix_cache=reset_prefix_cache)
-        self.updates.bases.keep(key, packed, set(rep.ok))
+        if packed is not None:
+            self.updates.bases.keep(key, packed, set(rep.ok))
         return rep
 
     async def unload_adapter(self, name: str, *, policy: QuorumPolicy | None = None

@@ -32,7 +32,7 @@ class GRPOConfig:
     clip_eps: float = 0.2
     transport: str = "shm"
     #: send each update as a delta against the last where every worker holds it
-    #: (`update_weights(..., delta=True)`: shm, filesystem, nats)
+    #: (`update_weights(..., delta=True)`: nats, filesystem; over shm whole)
     delta: bool = False
     async_mode: bool = False
     max_staleness: int = 1

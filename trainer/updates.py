@@ -61,8 +61,12 @@ from rlfabric.trainer.staging import WeightStager, as_state_dict
 from rlfabric.transports import Staged
 
 Verify = Literal["sender", "workers", "off"]
-#: the transports a delta goes over (the device ones carry GPU buffers, not host bytes)
+#: the transports `delta=True` takes (the device ones carry GPU buffers, not host bytes)
 DELTA_TRANSPORTS = ("shm", "filesystem", "nats")
+#: where a delta costs more than it saves, so `delta=True` sends the weights whole: a shm push
+#: is one copy through the host's memory, less than encoding and applying a delta
+#: (docs/benchmarks.md, `bench weights --delta`)
+WHOLE_OVER = ("shm",)
 #: seconds a failed push's taking back waits for the workers
 TAKE_BACK_S = 30.0
 
@@ -99,14 +103,20 @@ class WeightUpdates:
                                        send_now=send_now)
 
     async def stage_delta(self, version: int, weights: Any, transport: str, *, key: str,
-                          with_checksum: bool, full: bool = False) -> tuple[Staged, Packed]:
+                          with_checksum: bool, full: bool = False
+                          ) -> tuple[Staged, Packed | None]:
         """`weights` staged as a delta against the last version of target `key` pushed this
-        way, where every member holds it and the delta pays; else (or `full`) whole. Either
-        way workers are asked to keep it (`rlfabric.trainer.deltas`)."""
+        way, where every member holds it and the delta pays; else (or `full`) whole, and
+        workers are asked to keep it (`rlfabric.trainer.deltas`). Over `WHOLE_OVER` whole,
+        nothing kept (None)."""
         if transport not in DELTA_TRANSPORTS:
             raise ValueError(f"update_weights(delta=True) goes over {', '.join(DELTA_TRANSPORTS)}"
                              f", not {transport!r}")
         state = as_state_dict(weights)
+        if transport in WHOLE_OVER:
+            self.bases.forget(key)  # the workers let go of theirs as they load this
+            return await self.stager.stage(version, state, transport, mark_stable=True,
+                                           with_checksum=with_checksum, send_now=False), None
         new = await self.bases.pack(key, version, state)
         base = None if full else self.bases.base_for(key, new, set(self.watcher.members))
         body = await self.bases.encode(base, new) if base is not None else None

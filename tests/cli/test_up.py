@@ -233,7 +233,8 @@ def test_a_fleet_with_a_gateway_on_tls_and_role_keys(tmp_path: Path, spawn, pref
 def test_delta_updates_in_bfloat16_send_what_changed_and_serve_what_was_trained(
         tmp_path: Path) -> None:
     out = subprocess.run([EXE, "up", "--workers", "2", "--steps", "3", "--dtype", "bfloat16",
-                          "--delta", "--lr", "1e-5", "--threshold", "0", "--no-live", "--json",
+                          "--delta", "--transport", "nats", "--lr", "1e-5", "--threshold", "0",
+                          "--no-live", "--json",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     # exit 1 only for the reward: 3 steps at lr 1e-5 need not raise it
     assert out.returncode in (0, 1), out.stdout[-3000:] + out.stderr[-3000:]

@@ -1,14 +1,14 @@
 """`update_weights(..., delta=True)` on real torch workers: after a real AdamW step only what
-changed goes, over shm, filesystem and nats; every worker verifies the full version's checksum
-against the sender's and, after 20 such updates, serves exactly the trainer's logprobs; a worker
-that joined since gets the full weights; one that lost the base (restarted) refuses the delta
-and the full weights go at once; a damaged delta is refused by name and the old weights serve;
-a LoRA adapter goes the same way."""
+changed goes, over filesystem and nats (over shm whole); every worker verifies the full
+version's checksum against the sender's and, after 20 such updates, serves exactly the
+trainer's logprobs; a worker that joined since gets the full weights; one that lost the base
+(restarted) refuses the delta and the full weights go at once; a damaged delta is refused by
+name and the old weights serve; a LoRA adapter goes the same way."""
 
 from __future__ import annotations
 
+import os
 import signal
-from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ from rlfabric.schemas import Adapter
 from rlfabric.tensors import lora
 from rlfabric.tensors.checksums import checksum
 from rlfabric.tensors.models import build_model
+from rlfabric.transports.filesystem import WEIGHTS_FILE
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
@@ -63,28 +64,31 @@ async def test_deltas_over_every_transport_joiners_and_a_lost_base(client, worke
     full = _full_bytes(model)
     async with client() as fabric:
         await fabric.wait_for_workers(2, timeout=60)
-        rep = await fabric.update_weights(1, module=model, delta=True)  # no base yet: full
+        # no base yet: whole
+        rep = await fabric.update_weights(1, module=model, transport="nats", delta=True)
         assert fabric.last_push_bytes == full and set(rep.ok) == {"d0", "d1"}
         sizes = {}
-        for v, transport in enumerate(["shm", "filesystem", "nats"], start=2):
+        for v, transport in enumerate(["filesystem", "nats", "shm", "nats"], start=2):
             _step(model, v)
             rep = await fabric.update_weights(v, module=model, transport=transport, delta=True)
             assert set(rep.ok) == {"d0", "d1"}  # checksums verified against the sender's
-            sizes[transport] = fabric.last_push_bytes
-        assert all(n < full / 4 for n in sizes.values()), (sizes, full)
-        for v in range(5, 21):  # 20 updates in all, each a delta on the last
+            sizes[v] = fabric.last_push_bytes
+        # shm goes whole and nothing is kept, so the next goes whole too
+        assert [n < full / 4 for n in sizes.values()] == [True, True, False, False], sizes
+        for v in range(6, 21):  # 20 updates in all, deltas on the last again
             _step(model, v)
-            await fabric.update_weights(v, module=model, delta=True)
+            await fabric.update_weights(v, module=model, transport="nats", delta=True)
             assert fabric.last_push_bytes < full / 4
         await _served_as(fabric, model, 20)
 
         workers(["d2"], *BF16)  # joins: it holds no base
         await fabric.wait_for_workers(3, timeout=60)
         _step(model, 21)
-        rep = await fabric.update_weights(21, module=model, delta=True)
+        rep = await fabric.update_weights(21, module=model, transport="filesystem",
+                                          delta=True)
         assert fabric.last_push_bytes == full and set(rep.ok) == {"d0", "d1", "d2"}
         _step(model, 22)
-        await fabric.update_weights(22, module=model, delta=True)
+        await fabric.update_weights(22, module=model, transport="filesystem", delta=True)
         assert fabric.last_push_bytes < full / 4  # all three hold v21 now
 
         # d0 restarts under its own id: it loses the base the trainer thinks it holds
@@ -93,7 +97,8 @@ async def test_deltas_over_every_transport_joiners_and_a_lost_base(client, worke
         workers(["d0"], *BF16)
         await fabric.wait_for_workers(3, timeout=60)
         _step(model, 23)
-        rep = await fabric.update_weights(23, module=model, delta=True)
+        rep = await fabric.update_weights(23, module=model, transport="filesystem",
+                                          delta=True)
         assert set(rep.ok) == {"d0", "d1", "d2"}
         assert fabric.last_push_bytes > full  # the delta, refused by d0, then the full
         await _served_as(fabric, model, 23)
@@ -104,23 +109,25 @@ async def test_a_damaged_delta_is_refused_and_the_old_weights_serve(client, work
     model = build_model("tiny", dtype=torch.bfloat16)
     async with client() as fabric:
         await fabric.wait_for_workers(2, timeout=60)
-        await fabric.update_weights(1, module=model, delta=True)
+        await fabric.update_weights(1, module=model, transport="nats", delta=True)
         served = build_model("tiny", dtype=torch.bfloat16)
         served.load_state_dict(model.state_dict())
         _step(model, 2)
-        staged, _ = await fabric.updates.stage_delta(2, model, "shm", key="",
+        staged, _ = await fabric.updates.stage_delta(2, model, "filesystem", key="",
                                                      with_checksum=True)
         assert staged.delta is not None
-        seg = shared_memory.SharedMemory(name=staged.transport.name)
         (body,) = staged.transport.tensors
-        seg.buf[body.offset + body.nbytes - 50] ^= 0xFF  # inside the last piece, after staging
-        seg.close()
+        with open(os.path.join(staged.transport.path, WEIGHTS_FILE), "r+b") as f:
+            f.seek(body.offset + body.nbytes - 50)  # inside the last piece, after staging
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0xFF]))
         with pytest.raises(QuorumNotReached, match=r"e0 \(digest_mismatch.*e1 \(digest_mismatch"):
             await fabric.push_weights(staged, policy=QuorumPolicy(timeout=20))
         assert (await fabric.bus.state.read()).weight_version == 1
         await _served_as(fabric, served, 1)
         # each worker's kept v1 is whole again: the next delta on it applies
-        rep = await fabric.update_weights(2, module=model, delta=True)
+        rep = await fabric.update_weights(2, module=model, transport="filesystem", delta=True)
         assert len(rep.ok) == 2 and fabric.last_push_bytes < _full_bytes(model) / 4
         await _served_as(fabric, model, 2)
 
@@ -129,7 +136,8 @@ async def test_a_damaged_delta_is_refused_and_the_old_weights_serve(client, work
         adapter = {k: v.to(torch.bfloat16)
                    for k, v in lora.random_adapter(served, qv, seed=2, std=0.2).items()}
         full = sum(t.nbytes for t in adapter.values())
-        await fabric.update_weights(1, state_dict=adapter, adapter=qv, delta=True)
+        await fabric.update_weights(1, state_dict=adapter, adapter=qv, transport="nats",
+                                    delta=True)
         assert fabric.last_push_bytes >= full  # no base yet
         with torch.no_grad():
             next(iter(adapter.values()))[0, :3] += 0.5  # a few elements move
