@@ -55,6 +55,7 @@ class KeptVersions:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(
                     lambda: _delta().revert(made, box.pop(), scratch=self._scratch))
+            self.held[target_key(cmd)] = (cmd.delta.base, made)  # the base again
             raise
 
     async def _undelta(self, cmd: UpdateWeights, received: Any, size: int) -> bytearray:
@@ -70,6 +71,9 @@ class KeptVersions:
         box = [memoryview(received)[:size]]
         digest, base = held
         delta = _delta()
+        # changing: named by no digest until it is the base again or the new version loaded,
+        # so a delta never applies to bytes left half-way (a cancelled load, say)
+        self.held[target_key(cmd)] = ("", base)
 
         def run() -> bytearray:
             view = box.pop()
@@ -86,6 +90,7 @@ class KeptVersions:
                 return await anyio.to_thread.run_sync(run)
         except DeltaRefused as exc:
             code, why = exc.code, str(exc)
+        self.held[target_key(cmd)] = held  # refused whole: the base as it was
         # NOTE: raised outside the except block: the refused frames hold views of the buffer
         raise CommandFailed(code, f"{self.worker_id}: v{cmd.version} not loaded: {why}")
 
