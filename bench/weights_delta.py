@@ -10,6 +10,13 @@ the step again, as a full push (`delta=False`). Columns: bytes the push staged
 (what crosses the wire once per push), the update's time from staging to every worker's ack,
 and the delta's ratios. `encode` is the trainer's own part of a delta push (pack, XOR, zstd).
 A second table writes the same deltas each way rlfabric could (docs/decisions.md).
+
+`--joiners N`: two workers get v1 whole and v2..v5 as deltas over nats (the step, back and
+forth), then N workers join at once; each takes v5 from the workers keeping it
+(`rlfabric.worker.peers`) and verifies its digest. The row: the bytes the trainer staged for all
+five versions against one copy of the model, the chunks the keepers served, the seconds from
+the joiners' start until every one serves v5, and v6's push, which reaches all of them as a
+delta.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="transports (default %(default)s)")
     p.add_argument("--delta-model", default="qwen05b",
                    help="the model stepped and pushed (default %(default)s)")
+    p.add_argument("--joiners", type=int, default=0,
+                   help="instead of the tables: N workers join at once after v5 went as deltas "
+                        "over nats at the first --lrs (0: the tables)")
 
 
 class _Steps:
@@ -158,7 +168,59 @@ async def bench(lrs: list[float], transports: list[str], model: str
     return out, ways
 
 
+async def joiners(n: int, lr: float, model: str) -> dict[str, Any]:
+    from rlfabric.bus import EmbeddedNats, QuorumPolicy
+    from rlfabric.trainer import FabricClient
+
+    steps = _Steps(model)
+    states = [steps.before, steps.after(lr)]
+    del steps.model
+    full = sum(v.nbytes for v in states[0].values())
+    prefix = f"wj{uuid.uuid4().hex[:8]}"
+
+    def cmd(wid: str) -> list[str]:
+        return ["rlfabric", "worker", "--nats", url, "--prefix", prefix, "--engine", "null",
+                "--worker-id", wid]
+
+    async with EmbeddedNats() as nats:
+        url = nats.url
+        async with FabricClient.connect(url, prefix=prefix, policy=QuorumPolicy(timeout=600)
+                                        ) as fab, children([cmd(f"k{i}") for i in range(2)],
+                                                           ready="ready"):
+            await fab.wait_for_workers(2, timeout=120)
+            sent = 0
+            for v in range(1, 6):
+                await fab.update_weights(v, state_dict=states[(v - 1) % 2], transport="nats",
+                                         verify="off", delta=True)
+                sent += fab.last_push_bytes
+            policy = (await fab.bus.state.read()).policy
+            ids = [f"j{i}" for i in range(n)]
+            t0 = time.perf_counter()
+            async with children([cmd(j) for j in ids], ready="ready"):
+                await fab.watcher.wait_until(
+                    lambda s: sum(m.worker_id in ids and m.policy == policy and len(m.kept) == 1
+                                  for m in s.members) == n, timeout=600)
+                took = time.perf_counter() - t0
+                rep = await fab.update_weights(6, state_dict=states[1], transport="nats",
+                                               verify="off", delta=True)
+                assert len(rep.ok) == n + 2, rep
+                v6 = fab.last_push_bytes
+    return {"joiners": n, "full_mb": full / 1e6, "sent_mb": sent / 1e6, "x_copy": sent / full,
+            "seconds": took, "v6_mb": v6 / 1e6}
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.joiners:
+        lr = float(args.lrs.split(",")[0])
+        row = anyio.run(joiners, args.joiners, lr, args.delta_model)
+        print(f"{args.delta_model} in bfloat16, lr {lr:g}, v1 whole and v2..v5 as deltas over "
+              f"nats to 2 workers (null engine), then {args.joiners} join at once")
+        print(table([row], [("joiners", "joiners", "d"), ("full_mb", "model MB", ".1f"),
+                            ("sent_mb", "trainer sent MB, v1..v5", ".1f"),
+                            ("x_copy", "x one copy", ".3f"),
+                            ("seconds", "s until all serve v5", ".2f"),
+                            ("v6_mb", "v6 to all, MB", ".1f")]))
+        return 0
     rows, ways = anyio.run(bench, [float(x) for x in args.lrs.split(",") if x],
                            [t for t in args.delta_transports.split(",") if t], args.delta_model)
     print(f"{args.delta_model} in bfloat16, one AdamW step a version, 2 workers (null engine)")

@@ -225,6 +225,11 @@ class Subjects:
         return f"{self.prefix}.weights.{int(version)}" + (
             f".{check_token(tag, 'weights tag')}" if tag else "")
 
+    def peer_weights(self, digest: str) -> str:
+        """Core NATS, a `PeerAsk`: the workers keeping the packed version `digest` answer it,
+        one of them (queue group `peers`) with a `PeerOffer`."""
+        return f"{self.prefix}.peers.weights.{check_token(digest, 'digest')}"
+
     @property
     def weights_all(self) -> str:
         return f"{self.prefix}.weights.>"

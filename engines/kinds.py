@@ -103,9 +103,10 @@ def _vllm_options(p: argparse.ArgumentParser) -> None:
                    "rlfabric's own or a subclass of it (default %(default)s)")
     g.add_argument("--weight-transfer", choices=("nccl", "ipc"), default=d["weight_transfer"],
                    help="CUDA only: the weight-transfer backend vLLM starts with. nccl: "
-                   "collective updates from rlfabric.trainer.VllmNcclSync (trainer on its own "
-                   "GPU). ipc: for a trainer on this host's GPUs (colocated): cuda_ipc pushes, "
-                   "and shm/filesystem/nats pushes staged to the GPU, enter vLLM through its "
+                   "collective updates from rlfabric.integrations.vllm_sync.VllmNcclSync "
+                   "(trainer on its own GPU). ipc: for a trainer on this host's GPUs "
+                   "(colocated): cuda_ipc pushes, and shm/filesystem/nats pushes staged to the "
+                   "GPU, enter vLLM through its "
                    "own IPC backend, device to device (default %(default)s)")
 
 

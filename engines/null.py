@@ -16,7 +16,6 @@ from anyio.abc import TaskStatus
 from rlfabric.engines.payload import PackedWeights
 from rlfabric.engines.protocol import (
     PauseMode,
-    RuntimeCollective,
     TokenSink,
     adapter_held,
     checked,
@@ -33,7 +32,7 @@ from rlfabric.schemas import (
 )
 
 
-class NullEngine(RuntimeCollective):
+class NullEngine:
     name = "null"
     weights_device = "cpu"
 

@@ -63,19 +63,6 @@ def adapter_held(request: RolloutRequest, held: dict[str, tuple[int, ...]]) -> N
                               f"than min_weight_version {request.min_weight_version}")
 
 
-class RuntimeCollective:
-    """For engines that load from a state dict: the worker runtime joins collective groups
-    and receives broadcasts for them (`owns_collective = False`)."""
-
-    owns_collective = False
-
-    async def init_transport(self, cmd: InitTransport, rank_offset: int) -> None:
-        raise WeightLoadError("the worker runtime joins collective groups for this engine")
-
-    async def receive_collective(self, cmd: UpdateWeights) -> None:
-        raise WeightLoadError("the worker runtime receives collective updates for this engine")
-
-
 @runtime_checkable
 class Engine(Protocol):
     """One inference engine replica, driven by the worker runtime."""
@@ -158,23 +145,6 @@ class Engine(Protocol):
         checksums, on any worker."""
         ...
 
-    #: True: collective updates go through the engine's own machinery (vLLM's NCCL weight
-    #: transfer), so the worker hands `init_transport` and collective updates to the engine.
-    #: False: the worker runtime joins the group, receives the broadcast itself and calls
-    #: `load_weights`.
-    owns_collective: bool
-
-    async def init_transport(self, cmd: InitTransport, rank_offset: int) -> None:
-        """(`owns_collective` engines) Join the weight-broadcast group `cmd` describes as
-        ranks `rank_offset...` (this worker's offset from rlfabric's handshake) of
-        `cmd.world_size`; raise `Unsupported` at once where the engine cannot, never hang."""
-        ...
-
-    async def receive_collective(self, cmd: UpdateWeights) -> None:
-        """(`owns_collective` engines) Receive the broadcast of `cmd.version` over the group
-        joined by `init_transport` and serve it."""
-        ...
-
     async def load_adapter(self, weights: PackedWeights, adapter: Adapter, version: int) -> str:
         """Load `version` of LoRA `adapter` from `weights` (its tensors in PEFT's layout) beside
         the versions already held, as its newest (held versions at or after it are dropped: a
@@ -222,6 +192,26 @@ class Engine(Protocol):
 
 
 @runtime_checkable
+class JoinsGroups(Protocol):
+    """An engine that takes collective weight updates through its own machinery (vLLM's
+    weight transfer: tensors streamed into its own loader). The worker then hands it
+    `init_transport` and collective updates; an engine without these calls loads every
+    version from a payload (`load_weights`), and the worker joins the group and receives the
+    broadcast for it. Optional: `TorchEngine` and `NullEngine` have no such calls."""
+
+    async def init_transport(self, cmd: InitTransport, rank_offset: int) -> None:
+        """Join the weight-broadcast group `cmd` describes as ranks `rank_offset...` (this
+        worker's offset from rlfabric's handshake) of `cmd.world_size`; raise `Unsupported` at
+        once where the engine cannot, never hang."""
+        ...
+
+    async def receive_collective(self, cmd: UpdateWeights) -> None:
+        """Receive the broadcast of `cmd.version` over the group joined by `init_transport`
+        and serve it."""
+        ...
+
+
+@runtime_checkable
 class ServesMany(Protocol):
     """An engine that can take a delivered message's requests in one call. The worker then
     serves such a message with one task, not a task per request (with tracing off: a traced
@@ -238,5 +228,6 @@ class ServesMany(Protocol):
         ...
 
 
-__all__ = ["PROGRESS_TOKENS", "Engine", "EngineDied", "PauseMode", "RequestRejected",
-           "ServesMany", "TokenSink", "Unsupported", "WeightLoadError", "adapter_held"]
+__all__ = ["PROGRESS_TOKENS", "Engine", "EngineDied", "JoinsGroups", "PauseMode",
+           "RequestRejected", "ServesMany", "TokenSink", "Unsupported", "WeightLoadError",
+           "adapter_held"]

@@ -1,2 +1,3 @@
-"""rlfabric inside trainers other than its own: `rlfabric.integrations.trl` (TRL's
-GRPOTrainer). Each module imports its trainer's package; this one imports nothing."""
+"""rlfabric inside trainers and engines other than its own: `rlfabric.integrations.trl` (TRL's
+GRPOTrainer), `rlfabric.integrations.vllm_sync` (vLLM's own NCCL weight transfer, driven over
+the bus). Each module imports its trainer's package; this one imports nothing."""

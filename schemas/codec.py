@@ -32,7 +32,7 @@ COUNT_HEADER = "rlf-count"
 TRACEPARENTS_HEADER = "rlf-traceparents"
 #: on a stored command: `<writer>.<serial>` of the last desired-state write its sender sent
 STATE_MARK_HEADER = "rlf-state-mark"
-SCHEMA_VERSION = "1.8"
+SCHEMA_VERSION = "1.9"
 SCHEMA_MAJOR = 1
 
 T = TypeVar("T")

@@ -107,6 +107,18 @@ class Nats(Message, tag_field="kind", tag="nats", frozen=True, kw_only=True):
     tensors: tuple[TensorMeta, ...] = ()
 
 
+class PeerAsk(Message, frozen=True, kw_only=True):
+    """Core NATS request on `<prefix>.peers.weights.<digest>`: a worker that joined or fell
+    behind asks for chunk `index` (bytes `[index * chunk_bytes, (index + 1) * chunk_bytes)`)
+    of the packed version with that digest from the workers keeping it (one of them answers:
+    a queue group), not from the trainer (`rlfabric.worker.peers`)."""
+
+    worker_id: str
+    digest: str
+    index: int = 0
+    chunk_bytes: int = 0
+
+
 class Collective(Message, tag_field="kind", tag="collective", frozen=True, kw_only=True):
     """Tensors broadcast by the trainer (rank 0) over an initialised group (NCCL or gloo)."""
 
@@ -212,9 +224,11 @@ CollectiveBackend = Literal["gloo", "nccl"]
 COLLECTIVE_BACKENDS: tuple[str, ...] = get_args(CollectiveBackend)
 
 
-class VllmWire(Message, frozen=True, kw_only=True):
-    """vLLM's NCCL weight-transfer wire parameters (its `NCCLWeightTransferInitInfo`): the
-    trainer's choice, shipped to every worker so both sides cut the stream the same way."""
+class TensorStream(Message, frozen=True, kw_only=True):
+    """How a group streams the tensors of an update into an engine's own loader, tensor by
+    tensor, packed into `packed_num_buffers` buffers of `packed_buffer_size_bytes` (vLLM's
+    NCCL weight transfer speaks it): the trainer's choice, shipped to every worker so both
+    sides cut the stream the same way."""
 
     packed: bool = True
     packed_buffer_size_bytes: int = 1 << 30
@@ -223,9 +237,10 @@ class VllmWire(Message, frozen=True, kw_only=True):
 
 class InitTransport(_Command, tag="init_transport", frozen=True, kw_only=True):
     """Form collective group `group_epoch`: rank 0 is the trainer, each worker's first rank is
-    `rank_offsets[worker_id]`. `vllm` set: the group speaks vLLM's own NCCL weight-transfer
-    protocol (tensor by tensor into vLLM's loader; `rlfabric.trainer.vllm_sync`), which only
-    vLLM workers join; unset: rlfabric's packed-buffer broadcast."""
+    `rank_offsets[worker_id]`. `stream` set: the tensors are streamed into the engine's own
+    loader (`TensorStream`; `rlfabric.integrations.vllm_sync`), which only engines that join
+    groups themselves take (`rlfabric.engines.protocol.JoinsGroups`); unset: rlfabric's
+    packed-buffer broadcast, which the worker receives for its engine."""
 
     backend: CollectiveBackend
     group_epoch: int
@@ -233,7 +248,7 @@ class InitTransport(_Command, tag="init_transport", frozen=True, kw_only=True):
     master_port: int
     world_size: int
     rank_offsets: dict[str, int]
-    vllm: VllmWire | None = None
+    stream: TensorStream | None = None
 
 
 class Sleep(_Command, tag="sleep", frozen=True, kw_only=True):

@@ -53,6 +53,9 @@ class WorkerInfo(Message, frozen=True, kw_only=True):
     paused_jobs: tuple[str, ...] = ()
     #: tokens it served in the last minute, by job (refreshed every few seconds at most)
     job_tokens: dict[str, int] = {}
+    #: digests of the packed versions it keeps for a weight delta to apply to
+    #: (`UpdateWeights.keep`), one per target; it gives them to peers (`PeerAsk`)
+    kept: tuple[str, ...] = ()
 
 
 class Beats(Message, frozen=True, kw_only=True):

@@ -136,7 +136,7 @@ ALLOWED = {
     "trainer": {"schemas", "concurrency", "telemetry", "bus", "tensors", "transports"},
     "gateway": {"schemas", "concurrency", "telemetry", "bus", "text"},
     "launch": {"schemas", "concurrency", "telemetry", "bus", "engines", "worker", "errors"},
-    "integrations": {"schemas", "bus", "tensors", "trainer", "errors"},
+    "integrations": {"schemas", "concurrency", "bus", "tensors", "trainer", "errors"},
 }
 
 
@@ -207,11 +207,11 @@ MAX_CLASS_LINES = 300
 
 
 def test_no_class_over_300_lines_where_the_protocols_live() -> None:
-    # worker/, bus/ and gateway/: a class that long owns more than one piece of state
+    # worker/, bus/, gateway/ and engines/: a class that long owns more than one piece of state
     import ast
 
     big = []
-    for name in ("worker", "bus", "gateway"):
+    for name in ("worker", "bus", "gateway", "engines"):
         for path in sorted(_top_folders()[name].rglob("*.py")):  # type: ignore[attr-defined]
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ClassDef):

@@ -17,9 +17,7 @@ from rlfabric.trainer.errors import (
 )
 from rlfabric.trainer.policies import PolicyMismatch
 
-_LAZY = {"build_model": "rlfabric.tensors.models", "Staged": "rlfabric.transports",
-         "VllmNcclSync": "rlfabric.trainer.vllm_sync",
-         "BusWeightSyncClient": "rlfabric.trainer.vllm_sync"}
+_LAZY = {"build_model": "rlfabric.tensors.models", "Staged": "rlfabric.transports"}
 
 
 def __getattr__(name: str) -> Any:
@@ -31,7 +29,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BusWeightSyncClient",
     "FabricClient",
     "PolicyMismatch",
     "PoolOnly",
@@ -39,7 +36,6 @@ __all__ = [
     "RolloutFailed",
     "Staged",
     "TransportInitFailed",
-    "VllmNcclSync",
     "WeightsMismatch",
     "build_model",
     "continuation",

@@ -14,7 +14,7 @@ each worker that keeps it (a delta is applied to it in place).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,12 +73,16 @@ class DeltaBases:
 
         return await anyio.to_thread.run_sync(run)
 
-    def base_for(self, key: str, new: Packed, members: Set[str]) -> Packed | None:
+    def base_for(self, key: str, new: Packed, members: Mapping[str, Sequence[str]]
+                 ) -> Packed | None:
         """The version `new` may go as a delta against: the last one pushed of `key`, of the
-        same layout, held by every member now."""
+        same layout, held by every member now (`members`: each one's `WorkerInfo.kept`; one
+        that took the version from a peer says so there)."""
         base = self._bases.get(key)
-        if base is None or base.packed.metas != new.metas or not members or \
-                not members <= base.holders:
+        if base is None or base.packed.metas != new.metas or not members:
+            return None
+        digest = base.packed.digest
+        if any(w not in base.holders and digest not in kept for w, kept in members.items()):
             return None
         return base.packed
 
@@ -91,6 +95,11 @@ class DeltaBases:
                                 scratch=self._scratch, threads=ENCODE_THREADS)
 
         return await anyio.to_thread.run_sync(run)
+
+    def packed(self, key: str) -> Packed | None:
+        """The last version of `key` pushed this way (what the next delta is against)."""
+        base = self._bases.get(key)
+        return base.packed if base is not None else None
 
     def keep(self, key: str, packed: Packed, holders: Set[str]) -> None:
         old = self._bases.get(key)

@@ -58,7 +58,7 @@ from rlfabric.trainer.desired import DesiredStateWriter
 from rlfabric.trainer.errors import TransportInitFailed, WeightsMismatch
 from rlfabric.trainer.policies import PushedPolicies
 from rlfabric.trainer.staging import WeightStager, as_state_dict
-from rlfabric.transports import Staged
+from rlfabric.transports import Staged, name_of
 
 Verify = Literal["sender", "workers", "off"]
 #: the transports `delta=True` takes (the device ones carry GPU buffers, not host bytes)
@@ -118,7 +118,8 @@ class WeightUpdates:
             return await self.stager.stage(version, state, transport, mark_stable=True,
                                            with_checksum=with_checksum, send_now=False), None
         new = await self.bases.pack(key, version, state)
-        base = None if full else self.bases.base_for(key, new, set(self.watcher.members))
+        kept = {w: info.kept for w, info in self.watcher.members.items()}
+        base = None if full else self.bases.base_for(key, new, kept)
         body = await self.bases.encode(base, new) if base is not None else None
         if base is None or body is None:
             staged = await self.stager.stage(version, state, transport, mark_stable=True,
@@ -217,16 +218,38 @@ class WeightUpdates:
         # the wait is for those known to have applied it, not for the missing
         applied = {w for w, a in (failed_rep.acks if failed_rep else {}).items()
                    if a.status == "ok" and a.weight_version == failed.version}
+        whole = await self._whole(adapter, back) if back.delta is not None else None
         try:
-            async with self.broadcaster.open(back) as fo:
+            async with self.broadcaster.open(whole[0] if whole else back) as fo:
                 rep = await fo.heard(applied, timeout=TAKE_BACK_S)
         except Exception as other:  # the bus itself: the workers find the desired state
             _amend(exc, f"taking {what} back failed too ({type(other).__name__}: {other}); "
                    "workers off the desired state go back to it on their own")
             return
+        finally:
+            if whole:
+                await whole[1].release()
         _amend(exc, f"taken back to v{prev.version}" + (
             f": the fleet serves it again ({_where(rep)})" if applied else
             f" (none had applied v{failed.version}; now {_where(rep)})"))
+
+    async def _whole(self, key: str, back: UpdateWeights
+                     ) -> tuple[UpdateWeights, Staged] | None:
+        """A delta push to send again, as its full version: the workers that applied the
+        failed one hold no base for it (they keep what they load). The packed version kept to
+        encode the next delta against is that version; None if it is not (nothing sent)."""
+        packed = self.bases.packed(key)
+        if packed is None or packed.digest != back.digest:
+            return None
+        staged = await self.stager.stage(back.version, tensors.unpack(packed.buf, packed.metas),
+                                         name_of(back.transport), mark_stable=True,
+                                         with_checksum=False)
+        cmd = msgspec.structs.replace(staged.command(back.cmd_id, target=back.target,
+                                                     deadline=back.deadline, run=back.run,
+                                                     job=back.job,
+                                                     reset_prefix_cache=back.reset_prefix_cache),
+                                      keep=True)
+        return cmd, staged
 
     async def forget_adapter(self, name: str) -> None:
         """After an unload: the adapter's staging is freed, joiners no longer load it."""

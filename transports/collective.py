@@ -31,6 +31,7 @@ class CollectiveTransport:
     help = "a broadcast over a gloo/NCCL group the trainer forms (init_transport)"
     locator = Collective
     pull = False
+    lasting = False
 
     def __init__(self, bus: Bus) -> None:
         del bus

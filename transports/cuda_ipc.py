@@ -78,6 +78,7 @@ class CudaIpcTransport:
             "host; no copy through host memory)")
     locator = CudaIpc
     pull = True
+    lasting = False
 
     def __init__(self, bus: Bus) -> None:
         del bus

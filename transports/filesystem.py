@@ -39,6 +39,7 @@ class FilesystemTransport:
     help = "a file under a shared directory (any host that mounts it)"
     locator = Filesystem
     pull = True
+    lasting = True
     #: where versions are written: `<root>/<prefix>/v<version>/`
     root = os.path.join(tempfile.gettempdir(), "rlfabric-weights")
 

@@ -50,6 +50,7 @@ class NatsTransport:
     help = "chunks in a JetStream stream (any host that reaches the server)"
     locator = Nats
     pull = True
+    lasting = True
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
@@ -217,7 +218,7 @@ class NatsTransport:
         wait = job.fetch_timeout
         if job.deadline:  # past the command's deadline nobody waits for this version
             wait = max(0.0, min(wait, job.deadline - time.time()))
-        yield Received(await self._read(locator, wait))
+        yield Received(await self._read(locator, wait), owned=True)
 
     async def _read(self, t: Nats, timeout: float) -> bytearray:
         """Every chunk of the version into one buffer (an ordered push consumer:

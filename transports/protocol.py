@@ -105,6 +105,8 @@ class Received:
     buffer: Any
     path: str | None = None
     pieces: tuple[tuple[int, Any], ...] = ()
+    #: the buffer is this worker's own (not a mapping, not the transport's): kept as it is
+    owned: bool = False
 
 
 @dataclass(eq=False)
@@ -190,6 +192,14 @@ class WeightTransport(Protocol):
         """True: each worker fetches the version itself, so a worker joining later loads it
         from the desired state. False: delivered live to the workers present, two-phase
         (`ready`, then `done`), over a group formed by init_transport."""
+        ...
+
+    @property
+    def lasting(self) -> bool:
+        """True: the locator opens for as long as the trainer keeps the version staged, so a
+        worker that joins later loads it from the desired state. False: only while its push is
+        out (a collective's broadcast, cuda_ipc's GPU buffers): joiners wait for the next
+        push."""
         ...
 
     async def stage(self, job: StageJob) -> Staged:

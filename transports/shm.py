@@ -47,6 +47,7 @@ class SharedMemoryTransport:
     help = "a shared-memory segment on this host (trainer and workers on one machine)"
     locator = SharedMemory
     pull = True
+    lasting = True
 
     def __init__(self, bus: Bus) -> None:
         del bus

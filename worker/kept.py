@@ -7,7 +7,7 @@ the trainer pushes the full weights."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -35,6 +35,8 @@ class KeptVersions:
         #: by target: the digest of a version's packed bytes, and the bytes
         self.held: dict[str, tuple[str, bytearray]] = {}
         self._scratch = bytearray()  # a delta's pieces are decompressed here, one at a time
+        #: called when what is kept changed (`rlfabric.worker.peers` gives it to others)
+        self.on_change: Callable[[], None] = lambda: None
 
     @contextlib.asynccontextmanager
     async def making(self, cmd: UpdateWeights, received: Any, size: int
@@ -101,3 +103,9 @@ class KeptVersions:
             self.held[target_key(cmd)] = (cmd.digest, made)
         else:
             self.held.pop(target_key(cmd), None)
+        self.on_change()
+
+    def lacks_base(self, cmd: UpdateWeights) -> bool:
+        """Whether `cmd` is a delta against a version this worker does not keep."""
+        held = self.held.get(target_key(cmd))
+        return cmd.delta is not None and (held is None or held[0] != cmd.delta.base)

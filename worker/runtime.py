@@ -71,6 +71,7 @@ from rlfabric.schemas import (
 from rlfabric.telemetry import instruments, spans
 from rlfabric.worker.admission import MAX_REQUEST_TOKENS
 from rlfabric.worker.alignment import Alignment
+from rlfabric.worker.groups import init_transport
 from rlfabric.worker.job_control import JobControl
 from rlfabric.worker.jobs import JobScopes
 from rlfabric.worker.rollouts import RolloutServer
@@ -150,6 +151,7 @@ class Worker:
         async with beside(cancel_at_exit=True) as tg:  # an engine's death raised as itself
             await tg.start(self._run_engine)
             await tg.start(self.receiver.run)
+            await tg.start(self.weights.peers.run)
             # no older than the last command the receiver will not apply
             desired = await self.bus.state.after(self.receiver.start_end)
             await self.weights.load_current(desired)  # never serve a stale version
@@ -250,13 +252,11 @@ class Worker:
                       STATE_WRITE_S)
 
     def _refresh_info(self, info: WorkerInfo) -> WorkerInfo:
-        in_flight, policy = self.rollouts.load, self.weights.policies.base
-        jobs, tokens = self.jobs.in_flight(), self.jobs.tokens.snapshot()
-        if info.in_flight == in_flight and info.weight_version == self.engine.version and \
-                info.policy == policy and info.jobs == jobs and info.job_tokens == tokens:
-            return info
-        return msgspec.structs.replace(info, in_flight=in_flight, jobs=jobs, job_tokens=tokens,
-                                       weight_version=self.engine.version, policy=policy)
+        now = dict(in_flight=self.rollouts.load, policy=self.weights.policies.base,
+                   jobs=self.jobs.in_flight(), job_tokens=self.jobs.tokens.snapshot(),
+                   weight_version=self.engine.version, kept=self.weights.peers.keeps())
+        same = all(getattr(info, k) == v for k, v in now.items())
+        return info if same else msgspec.structs.replace(info, **now)
 
     # ---- commands: one method per op ----
     async def _handle_command(self, cmd: Command, ctx: CommandContext) -> AckFields | None:
@@ -276,7 +276,7 @@ class Worker:
             case UpdateWeights():
                 return await self._update_weights(cmd, ctx)
             case InitTransport():
-                return await self.weights.init_transport(cmd, ctx)
+                return await init_transport(self.weights, cmd, ctx)
             case Sleep():
                 return await self._sleep(cmd)
             case Wake():

@@ -22,15 +22,12 @@ from rlfabric import tensors
 from rlfabric.bus import AckFields, Bus, CommandContext, CommandFailed
 from rlfabric.engines.errors import EngineError, WeightLoadError
 from rlfabric.engines.payload import PackedWeights, payload
-from rlfabric.engines.protocol import Engine
+from rlfabric.engines.protocol import Engine, JoinsGroups
 from rlfabric.schemas import (
     Adapter,
-    Collective,
-    CudaIpc,
     DesiredState,
     ErrorCode,
     ErrorEvent,
-    InitTransport,
     UpdateWeights,
     adapter_key,
     base_policy,
@@ -42,10 +39,11 @@ from rlfabric.transports import (
     ReceiveJob,
     TransportError,
     Transports,
+    WeightTransport,
     name_of,
 )
-from rlfabric.transports.collective import join
 from rlfabric.worker.kept import KeptVersions
+from rlfabric.worker.peers import PeerSource, whole
 from rlfabric.worker.policies import Policies, desired_policy
 from rlfabric.worker.residency import Residency
 
@@ -71,8 +69,9 @@ class WeightSync:
         #: the adapters held within the engine's limit: least recently used evicted, reloaded
         #: on demand
         self.residency = Residency(int(getattr(engine, "max_adapters", 0) or 0))
-        #: the versions kept for a delta to apply to
+        #: the versions kept for a delta to apply to, given to workers that lack them
         self.kept = KeptVersions(worker_id)
+        self.peers = PeerSource(bus, self.kept, worker_id)
 
     # ---- the desired state ----
     def in_line(self, state: DesiredState) -> bool:
@@ -104,14 +103,18 @@ class WeightSync:
                 await self._join_load(upd, f"adapter {key!r} v{upd.version}")
 
     async def _join_load(self, cmd: UpdateWeights, what: str) -> None:
-        if isinstance(cmd.transport, Collective | CudaIpc):  # live only during their push
-            self.unloadable = f"{what} was pushed over {name_of(cmd.transport)}"
-            log.info("%s: %s; waiting for the next push", self.worker_id, self.unloadable)
-            return
         try:
+            if not self._transport(cmd).lasting:  # live only during its push
+                self.unloadable = f"{what} was pushed over {name_of(cmd.transport)}"
+                log.info("%s: %s; waiting for the next push", self.worker_id, self.unloadable)
+                return
             # the push's deadline bounded its sender's wait; a joiner loading it later is not
-            await self._apply(msgspec.structs.replace(cmd, deadline=0.0))
-        except (CommandFailed, EngineError) as exc:
+            cmd = msgspec.structs.replace(cmd, deadline=0.0)
+            # a delta it holds no base for: the full version from the workers keeping it
+            got = await self.peers.fetch(cmd, self.fetch_timeout) \
+                if self.kept.lacks_base(cmd) else None
+            await self._apply(cmd if got is None else whole(cmd), opened=got)
+        except (CommandFailed, EngineError, TransportError) as exc:
             # e.g. the shm segment of a trainer that has exited: serve nothing of it, say so
             # (at INFO: a fleet outliving its trainer is expected), take the next push
             self.unloadable = (f"the fleet's {what} cannot be loaded ({exc.code}: {exc}"
@@ -173,59 +176,32 @@ class WeightSync:
                                 f"base weights v{cmd.version}; base weights are the pool's: "
                                 "push them from a client that names no job")
         cmd = keyed(cmd)
-        collective = isinstance(cmd.transport, Collective)
-        if isinstance(cmd.target, Adapter) and collective and self.engine.owns_collective:
+        live = not self._transport(cmd).pull  # a broadcast to a group
+        engine = self.engine if isinstance(self.engine, JoinsGroups) else None
+        if isinstance(cmd.target, Adapter) and live and engine is not None:
             raise CommandFailed(ErrorCode.UNSUPPORTED, f"{self.worker_id} ({self.engine.name}) "
                                 "takes LoRA adapters over shm, filesystem or nats, not over its "
                                 "engine's collective group")
         async with self.loading:
-            if not collective and not isinstance(cmd.target, Adapter) and \
+            if not live and not isinstance(cmd.target, Adapter) and \
                     base_policy(cmd.run, cmd.version, cmd.digest) == self.policies.base:
                 # served already (taken from the desired state, or a push sent again)
                 return AckFields(weight_version=self.engine.version)
-            if collective and self.engine.owns_collective:
-                await self.engine.receive_collective(cmd)
+            if live and engine is not None:
+                await engine.receive_collective(cmd)
                 self.policies.set_base(cmd.version, cmd.run, cmd.digest)
                 return AckFields(weight_version=self.engine.version)
             return await self._apply(cmd, ready=ctx.ready)
 
-    async def init_transport(self, cmd: InitTransport, ctx: CommandContext) -> AckFields:
-        if self.worker_id not in cmd.rank_offsets:
-            raise CommandFailed(ErrorCode.NOT_IN_GROUP,
-                                f"{self.worker_id} has no rank in group epoch "
-                                f"{cmd.group_epoch}")
-        rank = cmd.rank_offsets[self.worker_id]
-        detail = {"rank": str(rank), "group_epoch": str(cmd.group_epoch)}
-        if self.engine.owns_collective:
-            await self.engine.init_transport(cmd, rank)
-            return AckFields(detail=detail)
-        if cmd.vllm is not None:
-            raise CommandFailed(ErrorCode.UNSUPPORTED,
-                                f"group epoch {cmd.group_epoch} speaks vLLM's "
-                                f"NCCL weight-transfer protocol, which only vLLM workers "
-                                f"join; {self.worker_id} runs the {self.engine.name} engine: "
-                                "push to it with FabricClient.init_transport/update_weights")
-        if self.groups.group is not None:
-            self.groups.group.close()  # an old group is torn down, never reused
-            self.groups.group = None
-        remaining = cmd.deadline - time.time() if cmd.deadline else 60.0
-        try:
-            self.groups.group = await join(
-                self.worker_id, rank, backend=cmd.backend, master_addr=cmd.master_addr,
-                master_port=cmd.master_port, world_size=cmd.world_size,
-                group_epoch=cmd.group_epoch, timeout=max(1.0, remaining), ready=ctx.ready)
-        except TransportError as exc:
-            raise CommandFailed(exc.code, str(exc)) from exc
-        return AckFields(detail=detail)
-
     # ---- any transport ----
     async def _apply(self, cmd: UpdateWeights,
-                     ready: Callable[[], Awaitable[None]] | None = None) -> AckFields:
+                     ready: Callable[[], Awaitable[None]] | None = None,
+                     opened: Received | None = None) -> AckFields:
         t = cmd.transport
         job = ReceiveJob(worker_id=self.worker_id, version=cmd.version, deadline=cmd.deadline,
                          fetch_timeout=self.fetch_timeout, ready=ready, groups=self.groups)
         async with contextlib.AsyncExitStack() as keep:
-            got = await self._open(cmd, job, keep)
+            got = opened if opened is not None else await self._open(cmd, job, keep)
             if got.pieces:  # on a GPU already: digested there
                 with spans.span("verify digest"):
                     dg = await _device_digest(got.pieces)
@@ -236,7 +212,8 @@ class WeightSync:
                 view = memoryview(got.buffer)[:size] if made is None else memoryview(made)
                 path = got.path if made is None else None
                 if cmd.keep and made is None:  # kept past the transport's buffer: a copy
-                    made = bytearray(view)
+                    own = got.owned and len(got.buffer) == size
+                    made = got.buffer if own else bytearray(view)
                 device = getattr(self.engine, "weights_device", "cpu")
                 pieces: tuple[tuple[int, Any], ...] = ()
                 try:
@@ -268,16 +245,20 @@ class WeightSync:
                      path=path, pieces=pieces) as weights, spans.span("load weights"):
             return await self._load(weights, cmd)
 
+    def _transport(self, cmd: UpdateWeights) -> WeightTransport:
+        """The transport that staged `cmd`'s version; `CommandFailed` if none here can."""
+        try:
+            return self.transports.for_locator(cmd.transport)
+        except ValueError as exc:
+            raise CommandFailed(ErrorCode.UNSUPPORTED, f"{self.worker_id} cannot open v"
+                                f"{cmd.version}: {exc}") from exc
+
     async def _open(self, cmd: UpdateWeights, job: ReceiveJob,
                     keep: contextlib.AsyncExitStack) -> Received:
         """The version's bytes, held open by `keep`; any failure is a CommandFailed."""
         t = cmd.transport
         kind = name_of(t)
-        try:
-            transport = self.transports.get(kind)
-        except ValueError as exc:
-            raise CommandFailed(ErrorCode.UNSUPPORTED, f"{self.worker_id} cannot open v"
-                                f"{cmd.version}: {exc}") from exc
+        transport = self._transport(cmd)
         with spans.span("fetch weights", attributes={"rlfabric.transport": kind}):
             try:
                 return await keep.enter_async_context(transport.receive(t, job))

@@ -19,7 +19,6 @@ from rlfabric.engines.payload import PackedWeights
 from rlfabric.engines.protocol import (
     PROGRESS_TOKENS,
     RequestRejected,
-    RuntimeCollective,
     TokenSink,
     adapter_held,
     checked,
@@ -38,7 +37,7 @@ from rlfabric.schemas import (
 )
 
 
-class TorchEngine(RuntimeCollective):
+class TorchEngine:
     name = "torch"
 
     def __init__(self, model: str = "tiny", *, device: str | None = None,

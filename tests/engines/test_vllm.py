@@ -344,7 +344,8 @@ async def test_vllm_nccl_bridge_commands_reach_every_worker_and_cpu_refuses_at_o
     """vLLM's trainer engine calls its client's four methods from its own threads; through
     `BusWeightSyncClient` each is a quorum-acked command. Here (vLLM's CPU build) the workers
     refuse the NCCL group at once, naming why, and a collective update without a group."""
-    from rlfabric.trainer import BusWeightSyncClient, TransportInitFailed, VllmNcclSync
+    from rlfabric.integrations.vllm_sync import BusWeightSyncClient, VllmNcclSync
+    from rlfabric.trainer import TransportInitFailed
 
     async with client(two_vllm) as fabric:
         await fabric.wait_for_workers(2, timeout=240)
@@ -382,7 +383,8 @@ async def test_mixed_fleet_torch_and_vllm_verify_against_the_sender(nats_url: st
                     for i in range(12)]
             out = [r async for r in fabric.generate(reqs, timeout=120)]
             # vLLM's NCCL protocol reaches vLLM workers only: refused before any rendezvous
-            from rlfabric.trainer import BusWeightSyncClient, TransportInitFailed, VllmNcclSync
+            from rlfabric.integrations.vllm_sync import BusWeightSyncClient, VllmNcclSync
+            from rlfabric.trainer import TransportInitFailed
 
             with pytest.raises(TransportInitFailed, match=r"vLLM workers only; not: mt \(torch\)"):
                 await VllmNcclSync(fabric, v1).init()
@@ -390,7 +392,8 @@ async def test_mixed_fleet_torch_and_vllm_verify_against_the_sender(nats_url: st
                                              world_size=3, group_epoch=7,
                                              policy=QuorumPolicy(timeout=30))
             with pytest.raises(QuorumNotReached,
-                               match=r"mt \(unsupported: group epoch 7 speaks vLLM's NCCL"):
+                               match=r"mt \(unsupported: group epoch 7 streams tensors into an "
+                                     r"engine's own loader"):
                 await anyio.to_thread.run_sync(bus_client.init_weight_transfer_engine, {
                     "master_address": "127.0.0.1", "master_port": 29512, "world_size": 3})
     assert {r.worker_id for r in out} == {"mt", "mv"}

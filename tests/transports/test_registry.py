@@ -33,6 +33,7 @@ class InboxTransport:
     help = "this test's throwaway transport (buffers in a dict of the test process)"
     locator = External
     pull = True
+    lasting = True
 
     def __init__(self, bus: Bus) -> None:
         del bus

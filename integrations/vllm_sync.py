@@ -33,8 +33,8 @@ from rlfabric.schemas import (
     FanoutReport,
     InitTransport,
     TensorMeta,
+    TensorStream,
     UpdateWeights,
-    VllmWire,
 )
 from rlfabric.trainer.errors import TransportInitFailed
 
@@ -61,13 +61,13 @@ class BusWeightSyncClient:
         self._token = anyio.lowlevel.current_token()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        wire = VllmWire(**{k: init_info[k] for k in
+        wire = TensorStream(**{k: init_info[k] for k in
                            ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
                            if k in init_info})
         self._send(InitTransport(
             cmd_id=new_cmd_id(), backend="nccl", group_epoch=self.group_epoch,
             master_addr=init_info["master_address"], master_port=init_info["master_port"],
-            world_size=self.world_size, rank_offsets=self.rank_offsets, vllm=wire))
+            world_size=self.world_size, rank_offsets=self.rank_offsets, stream=wire))
 
     def start_weight_update(self) -> None:
         """Nothing on the bus: each worker starts its update inside `update_weights`'s
