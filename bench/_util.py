@@ -83,6 +83,24 @@ async def children(cmds: list[list[str]], ready: str | None = None,
             t.join(timeout=5)
 
 
+@contextlib.contextmanager
+def metrics_on(on: bool) -> Iterator[None]:
+    """`--metrics`: Prometheus metrics on in this process and in every worker it starts (each
+    on a free port), as an operator scraping the fleet runs it."""
+    if not on:
+        yield
+        return
+    from rlfabric.telemetry import configure
+    from rlfabric.telemetry.export import METRICS_PORT_ENV
+
+    with environ({METRICS_PORT_ENV: "0"}):
+        tel = configure(role="trainer", prometheus_port=0)
+        try:
+            yield
+        finally:
+            tel.shutdown()
+
+
 def _drain(p: subprocess.Popen, log: collections.deque, ev: threading.Event,
            ready: str | None) -> None:
     assert p.stdout is not None

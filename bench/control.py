@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 
-from rlfabric.bench._util import children, cpu_seconds, pct, table
+from rlfabric.bench._util import children, cpu_seconds, metrics_on, pct, table
 from rlfabric.bus import EmbeddedCluster, EmbeddedNats, QuorumPolicy
 from rlfabric.bus.nats.cluster import free_ports
 from rlfabric.bus.nats.server import check_sync
@@ -525,6 +525,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", default="", metavar="always|DURATION",
                    help="also run rlfabric on a server that flushes to disk as `rlfabric nats "
                    "--sync` says (always: before acking each write): a row beside the default's")
+    p.add_argument("--metrics", action="store_true",
+                   help="Prometheus metrics on, in this process and every responder (what "
+                   "they cost)")
     p.add_argument("--json", action="store_true")
 
 
@@ -537,8 +540,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rlfabric bench control: --{exc}", file=sys.stderr)
         return 2
-    rows = anyio.run(run, [int(x) for x in args.sizes.split(",")], args.rounds, args.processes,
-                     args.cluster, args.blocks, args.sync)
+    with metrics_on(args.metrics):
+        rows = anyio.run(run, [int(x) for x in args.sizes.split(",")], args.rounds,
+                         args.processes, args.cluster, args.blocks, args.sync)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

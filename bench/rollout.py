@@ -70,7 +70,15 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from rlfabric.bench._util import child_pids, children, cpu_seconds, named, pct, table
+from rlfabric.bench._util import (
+    child_pids,
+    children,
+    cpu_seconds,
+    metrics_on,
+    named,
+    pct,
+    table,
+)
 from rlfabric.bus import EmbeddedNats
 from rlfabric.bus.nats.cluster import free_ports
 from rlfabric.bus.nats.server import check_sync
@@ -536,8 +544,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rlfabric bench rollout: --{exc}", file=sys.stderr)
         return 2
-    rows = anyio.run(run, engines, sizes, args.scale, args.rounds, args.trace, args.threads,
-                     args.max_tokens, args.lanes, args.capacity, args.prefetch, args.sync)
+    with metrics_on(args.metrics):
+        rows = anyio.run(run, engines, sizes, args.scale, args.rounds, args.trace,
+                         args.threads, args.max_tokens, args.lanes, args.capacity,
+                         args.prefetch, args.sync)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -591,4 +601,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", default="", metavar="always|DURATION",
                    help="also run rlfabric on a server that flushes to disk as --sync says "
                    "(always: before acknowledging each write): a row beside the default's")
+    p.add_argument("--metrics", action="store_true",
+                   help="Prometheus metrics on, in this process and every worker (what they "
+                   "cost)")
     p.add_argument("--json", action="store_true")

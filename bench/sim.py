@@ -108,8 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         op, _, secs = item.partition("=")
         delays[op] = float(secs)
     ids = [i for i in args.ids.split(",") if i]
-    anyio.run(serve, ConnectOptions.from_url(args.nats, name="rlfabric-sim"), args.prefix, ids,
-              delays)
+    from rlfabric.telemetry import configure
+
+    tel = configure(role="worker")  # metrics where RLFABRIC_METRICS_PORT asks (bench --metrics)
+    try:
+        anyio.run(serve, ConnectOptions.from_url(args.nats, name="rlfabric-sim"), args.prefix,
+                  ids, delays)
+    finally:
+        tel.shutdown()
     return 0
 
 

@@ -78,6 +78,17 @@ class Subjects:
         return f"{self._upper}_SESSIONS"
 
     @property
+    def events_stream(self) -> str:
+        """The fleet's events, kept (capped): joins, leaves, state changes, commands' outcomes,
+        errors (`rlfabric events`)."""
+        return f"{self._upper}_EVENTS"
+
+    @property
+    def events_kept(self) -> list[str]:
+        """The event subjects the events stream keeps: every kind but beats."""
+        return [self.events(kind, "*") for kind in ("state", "error", "command", "member")]
+
+    @property
     def rollout_consumer(self) -> str:
         """The one durable consumer every worker pulls from: the workers' queue group."""
         return f"{self._upper}_WORKERS"
@@ -244,6 +255,7 @@ class Subjects:
         return f"{self.prefix}.events.beat.*"
 
     def events(self, kind: str, source: str) -> str:
+        """Core NATS, an `Event` of `kind` sent by `source` (kept by the events stream)."""
         return f"{self.prefix}.events.{kind}.{source}"
 
     @property

@@ -11,6 +11,8 @@ from rlfabric import __version__
 from rlfabric.cli import (
     bench_cmd,
     ctl_cmd,
+    dashboard_cmd,
+    events_cmd,
     gateway_cmd,
     job_cmd,
     nats_cmd,
@@ -27,6 +29,8 @@ examples:
   rlfabric worker --nats nats://127.0.0.1:4222 --engine torch --model tiny
   rlfabric gateway --nats nats://127.0.0.1:4222 --model tinyqwen   the OpenAI API for agents
   rlfabric status --nats nats://127.0.0.1:4222    members, versions, queue depths
+  rlfabric events --since 10m --follow            joins, leaves, states, commands and acks
+  rlfabric dashboard --nats nats://127.0.0.1:4222 the fleet on a live web page (:8090)
   rlfabric ctl --nats nats://127.0.0.1:4222 pause --mode wait
   rlfabric schema > rlfabric-schema.json          JSON Schema of every wire message
   rlfabric bench rollout                          rlfabric vs aiohttp vs in-process
@@ -43,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rlfabric {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for mod in (up_cmd, nats_cmd, worker_cmd, gateway_cmd, status_cmd, ctl_cmd, job_cmd,
-                schema_cmd, bench_cmd):
+    for mod in (up_cmd, nats_cmd, worker_cmd, gateway_cmd, status_cmd, events_cmd,
+                dashboard_cmd, ctl_cmd, job_cmd, schema_cmd, bench_cmd):
         mod.add_parser(sub)
     return p
 

@@ -73,7 +73,7 @@ def connect_options(args: argparse.Namespace, name: str, *,
     )
 
 
-def add_telemetry_options(p: argparse.ArgumentParser) -> None:
+def add_telemetry_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g = p.add_argument_group(
         "telemetry", "off unless asked; OTLP export too when the OTLP exporter package is "
         "installed and OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_TRACES_EXPORTER=otlp) is set")
@@ -84,13 +84,16 @@ def add_telemetry_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics", metavar="PATH", default=None,
                    help="append OpenTelemetry metrics to PATH as JSON lines, every 5 s and at "
                    "exit")
+    return g
 
 
-def start_telemetry(args: argparse.Namespace, role: str, worker_id: str = "") -> Telemetry:
+def start_telemetry(args: argparse.Namespace, role: str, worker_id: str = "", *,
+                    prometheus: bool = False, prometheus_port: int | None = None) -> Telemetry:
     from rlfabric.telemetry import configure
 
     return configure(role=role, worker_id=worker_id, trace_path=args.trace,
-                     metrics_path=args.metrics)
+                     metrics_path=args.metrics, prometheus=prometheus,
+                     prometheus_port=prometheus_port)
 
 
 #: the collector's thresholds in a long-lived process (Python's default: 700, 10, 10)

@@ -118,3 +118,12 @@ def desired_json(view: FleetView) -> dict[str, Any]:
         "adapters": {n: u.version for n, u in sorted(d.adapters.items())},
         "text": desired_line(view),
     }
+
+
+def command_text(c: dict[str, Any]) -> str:
+    """A command's outcome (a `CommandEvent` as builtins), in words."""
+    version = f" v{c['version']}" if c.get("version", -1) >= 0 else ""
+    failed = ", ".join(f"{w} ({code})" for w, code in sorted(c["failed"].items()))
+    return (f"{c['op']}{version} {c['cmd_id'][:12]} from {c['source']}: ok "
+            f"{', '.join(c['ok']) or '-'}; failed {failed or '-'}; missing "
+            f"{', '.join(c['missing']) or '-'}; {c['seconds']:.3f}s")

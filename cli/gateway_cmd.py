@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.access_log:
         logging.getLogger("rlfabric.gateway.access").setLevel(logging.INFO)
-    telemetry = start_telemetry(args, "gateway")
+    telemetry = start_telemetry(args, "gateway", prometheus=True)  # served on /metrics
     try:
         anyio.run(_serve, args, backend_options={"use_uvloop": True})
     except NatsUnavailable as exc:

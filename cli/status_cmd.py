@@ -12,7 +12,7 @@ import msgspec
 
 from rlfabric.bus import Bus, NatsUnavailable, fleet_view
 from rlfabric.cli._common import add_bus_options, connect_options
-from rlfabric.cli._fleet import COLUMNS, desired_json, job_rows, member_row
+from rlfabric.cli._fleet import COLUMNS, command_text, desired_json, job_rows, member_row
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +36,7 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
         "desired_state": desired_json(view),
         "jobs": job_rows(view),
         "checkpoint_claim": msgspec.to_builtins(view.checkpoint) if view.checkpoint else None,
+        "commands": [msgspec.to_builtins(c) for c in view.commands],
     }
 
 
@@ -65,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     print("\nstreams (messages held): " + ", ".join(
         f"{k}={'absent' if v is None else v}" for k, v in info["streams"].items()))
     print(info["desired_state"]["text"])
+    if info["commands"]:
+        print("\nlast commands (rlfabric events has every event):")
+        for c in info["commands"]:
+            print(f"  {command_text(c)}")
     if info["jobs"]:
         print(f"\njobs on the pool: {len(info['jobs'])}")
         print(_table(info["jobs"], ["job", "state", "adapters", "in_flight", "held_by",

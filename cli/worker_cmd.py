@@ -98,7 +98,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "under an older one finish on it; a request for a dropped one fails "
                    "version_unavailable (default %(default)s)")
     registry.add_worker_options(p)
-    add_telemetry_options(p)
+    g = add_telemetry_options(p)
+    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (0: any free "
+                   "port, printed at start): state, weight version, requests in flight, tokens, "
+                   "weight updates' bytes and seconds (docs/observability.md)")
     p.set_defaults(func=run)
 
 
@@ -111,7 +115,10 @@ async def serve(args: argparse.Namespace) -> None:
     registry.prepare_process(args.engine, args.threads)
     engine = registry.make_engine(args.engine, args.model, **registry.options_from(args))
     worker_id = args.worker_id or default_worker_id()
-    telemetry = start_telemetry(args, "worker", worker_id)
+    telemetry = start_telemetry(args, "worker", worker_id, prometheus_port=args.metrics_port)
+    if telemetry.prometheus_port is not None:
+        print(f"rlfabric worker {worker_id}: Prometheus metrics on "
+              f"http://0.0.0.0:{telemetry.prometheus_port}/metrics", flush=True)
     try:
         await _serve(args, engine, worker_id)
     finally:

@@ -8,6 +8,8 @@ keys, body limits, and every error in OpenAI's shape (never a bare 500 for bad i
     GET  /health                                 liveness: 200 while the bus is reachable
     GET  /ready                                  readiness: 503 until a worker serving the
                                                  model is a member
+    GET  /metrics                                Prometheus' text format (rlfabric gateway
+                                                 turns it on; empty where nothing did)
     GET  /v1/sessions/{id}/trajectory            the session's segments (token ids, loss mask,
                                                  logprobs, weight versions, reasons)
     POST /v1/sessions/{id}/finish                no turn follows
@@ -35,7 +37,7 @@ from rlfabric.gateway.service import Gateway
 from rlfabric.schemas import ErrorCode
 from rlfabric.schemas.jobs import SEPARATOR
 from rlfabric.schemas.validation import InvalidRequest
-from rlfabric.telemetry import instruments, spans
+from rlfabric.telemetry import instruments, prometheus_text, spans
 from rlfabric.text import ChatFormatError
 
 log = logging.getLogger("rlfabric.gateway")
@@ -80,6 +82,7 @@ def create_app(gateway: Gateway, *, api_keys: dict[str, str] | None = None,
         routes=[
             Route("/health", api.health, methods=["GET"]),  # open: no key, no metrics
             Route("/ready", api.ready, methods=["GET"]),  # the same
+            Route("/metrics", api.metrics, methods=["GET"]),  # the same: a scraper has no key
             Route("/v1/models", guarded("models", api.models), methods=["GET"]),
             Route("/v1/chat/completions", guarded("chat", api.chat), methods=["POST"]),
             Route("/sessions/{session_id}/v1/chat/completions", guarded("chat", api.chat),
@@ -226,6 +229,10 @@ class _Api:
     async def health(self, request: Request) -> Response:
         h = self.gateway.health()
         return _json(h, 200 if h["status"] == "ok" else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        body, kind = prometheus_text()
+        return Response(body, media_type=kind)
 
     async def ready(self, request: Request) -> Response:
         r = self.gateway.ready()

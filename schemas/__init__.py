@@ -68,11 +68,13 @@ from rlfabric.schemas.errors import (
 from rlfabric.schemas.fleet import (
     Beats,
     CheckpointClaim,
+    CommandEvent,
     DesiredState,
     ErrorEvent,
     Event,
     FanoutReport,
     FleetView,
+    MemberEvent,
     MembershipSnapshot,
     StateEvent,
     WorkerInfo,
@@ -164,6 +166,8 @@ _ALL: tuple[type, ...] = (
     FleetView,
     ErrorEvent,
     StateEvent,
+    CommandEvent,
+    MemberEvent,
     CheckpointClaim,
 )
 #: Every message type by name: what `rlfabric schema` prints and the codec tests cover.
@@ -198,6 +202,7 @@ __all__ = [
     "Collective",
     "CollectiveBackend",
     "Command",
+    "CommandEvent",
     "CudaIpc",
     "CudaIpcBucket",
     "DeltaOf",
@@ -215,6 +220,7 @@ __all__ = [
     "InitTransport",
     "JobShare",
     "MalformedMessage",
+    "MemberEvent",
     "MembershipSnapshot",
     "Nats",
     "PackedF32",

@@ -128,6 +128,8 @@ class FleetView(Message, frozen=True, kw_only=True):
     jobs: dict[str, DesiredState] = {}
     #: each job's weight and quota as its operator set them (a job not named: weight 1)
     shares: dict[str, JobShare] = {}
+    #: the last commands sent to the fleet and their outcomes, oldest first (events stream)
+    commands: tuple[CommandEvent, ...] = ()
 
     @property
     def pushed(self) -> bool:
@@ -180,4 +182,35 @@ class StateEvent(Message, tag_field="kind", tag="state", frozen=True, kw_only=Tr
     at: float = 0.0
 
 
-Event = ErrorEvent | StateEvent
+class CommandEvent(Message, tag_field="kind", tag="command", frozen=True, kw_only=True):
+    """A command's outcome, sent by the client that sent it once its wait for acks ended:
+    who acked it, who refused it (worker -> error code) and who never answered, and the
+    seconds from its publish to that end."""
+
+    source: str
+    cmd_id: str
+    op: str
+    #: the weight version it pushed (-1: not a push)
+    version: int = -1
+    ok: tuple[str, ...] = ()
+    failed: dict[str, str] = {}
+    missing: tuple[str, ...] = ()
+    seconds: float = 0.0
+    at: float = 0.0
+
+
+class MemberEvent(Message, tag_field="kind", tag="member", frozen=True, kw_only=True):
+    """A worker joined or left, as a client's membership watcher saw it (`why`: how a leave
+    was found). Every watcher sends it; the events stream keeps one copy
+    (`Nats-Msg-Id` = change, worker id and its start)."""
+
+    source: str
+    worker_id: str
+    change: Literal["joined", "left"]
+    engine: str = ""
+    why: str = ""
+    at: float = 0.0
+
+
+#: what the events stream keeps (`<prefix>.events.<kind>.<source>`; beats are not kept)
+Event = ErrorEvent | StateEvent | CommandEvent | MemberEvent

@@ -2,7 +2,13 @@
 through the OTel SDK. Off by default (no-op helpers); `configure()` turns them on."""
 
 from rlfabric.telemetry import instruments
-from rlfabric.telemetry.export import JsonLinesSpanExporter, Telemetry, configure, span_record
+from rlfabric.telemetry.export import (
+    JsonLinesSpanExporter,
+    Telemetry,
+    configure,
+    prometheus_text,
+    span_record,
+)
 from rlfabric.telemetry.spans import (
     carrier,
     consumer_span,
@@ -15,6 +21,18 @@ from rlfabric.telemetry.spans import (
 )
 
 __all__ = [
-    "JsonLinesSpanExporter", "Telemetry", "carrier", "configure", "consumer_span", "enabled",
-    "instruments", "parent_of", "producer_span", "span", "span_record", "start", "within",
+    "JsonLinesSpanExporter",
+    "Telemetry",
+    "carrier",
+    "configure",
+    "consumer_span",
+    "enabled",
+    "instruments",
+    "parent_of",
+    "producer_span",
+    "prometheus_text",
+    "span",
+    "span_record",
+    "start",
+    "within",
 ]

@@ -10,6 +10,12 @@
   Several processes may append to one file: each batch is one `write` on an O_APPEND file.
 - `metrics_path`: the OTel metrics SDK's own JSON (`MetricsData.to_json`), one line per export
   (every `metrics_interval` seconds and at shutdown).
+- `prometheus_port`: Prometheus' text format on `http://<prometheus_host>:<port>/metrics`
+  (OpenTelemetry's Prometheus reader; names after Prometheus' conventions:
+  `rlfabric_rollout_tokens_total`, `rlfabric_control_ack_duration_seconds`, ...); where none
+  is given, `RLFABRIC_METRICS_PORT` (a process started with it, every worker a bench starts
+  with `--metrics`). `prometheus` alone: the reader, for a server that serves
+  `prometheus_text()` itself (the gateway's and the dashboard's `/metrics`).
 - OTLP, when an `OTEL_EXPORTER_OTLP_*ENDPOINT` is set or `OTEL_TRACES_EXPORTER` /
   `OTEL_METRICS_EXPORTER` names `otlp`, and the `opentelemetry-exporter-otlp` package is
   installed (a warning says so when it is not).
@@ -39,6 +45,8 @@ from rlfabric.telemetry import instruments
 from rlfabric.telemetry.spans import set_tracer
 
 log = logging.getLogger("rlfabric.telemetry")
+#: where no port is given, serve Prometheus metrics on this one (0: any free port)
+METRICS_PORT_ENV = "RLFABRIC_METRICS_PORT"
 _json = msgspec.json.Encoder()
 
 
@@ -144,6 +152,28 @@ def _otlp(kind: str) -> Any | None:
         return None
 
 
+def _prometheus(tel: Telemetry, port: int | None, host: str) -> MetricReader:
+    """OpenTelemetry's Prometheus reader (it registers with prometheus_client's registry), and
+    prometheus_client's HTTP server on `port` (0: any free one; `tel.prometheus_port` says
+    which) where one is asked for."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import start_http_server
+
+    reader = PrometheusMetricReader()
+    if port is not None:
+        server, _ = start_http_server(port, addr=host)
+        tel.prometheus_port = server.server_address[1]
+        tel._servers.append(server)
+    return reader
+
+
+def prometheus_text() -> tuple[bytes, str]:
+    """This process's metrics in Prometheus' text format, and its content type."""
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
 @dataclass
 class Telemetry:
     """What `configure` set up in this process."""
@@ -151,7 +181,10 @@ class Telemetry:
     tracer_provider: TracerProvider | None = None
     meter_provider: MeterProvider | None = None
     files: list[str] = field(default_factory=list)
+    #: where Prometheus scrapes this process (None: nowhere)
+    prometheus_port: int | None = None
     _open: list[AppendFile] = field(default_factory=list)
+    _servers: list[Any] = field(default_factory=list)
 
     @property
     def tracing(self) -> bool:
@@ -170,10 +203,16 @@ class Telemetry:
         for f in self._open:
             f.close()
         self._open.clear()
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+        self._servers.clear()
 
 
 def configure(*, role: str, worker_id: str = "", trace_path: str | None = None,
-              metrics_path: str | None = None, metrics_interval: float = 5.0) -> Telemetry:
+              metrics_path: str | None = None, metrics_interval: float = 5.0,
+              prometheus: bool = False, prometheus_port: int | None = None,
+              prometheus_host: str = "0.0.0.0") -> Telemetry:
     """Set up this process's spans and metrics (see the module doc); a no-op with neither a
     path nor OTLP asked for."""
     attrs: dict[str, Any] = {"service.name": "rlfabric", "process.pid": os.getpid(),
@@ -207,6 +246,10 @@ def configure(*, role: str, worker_id: str = "", trace_path: str | None = None,
         tel.files.append(metrics_path)
     if (otlp_m := _otlp("metrics")) is not None:
         readers.append(PeriodicExportingMetricReader(otlp_m, export_interval_millis=every))
+    if prometheus_port is None and os.environ.get(METRICS_PORT_ENV):
+        prometheus_port = int(os.environ[METRICS_PORT_ENV])
+    if prometheus or prometheus_port is not None:
+        readers.append(_prometheus(tel, prometheus_port, prometheus_host))
     if readers:
         mp = MeterProvider(resource=resource, metric_readers=readers)
         tel.meter_provider = mp

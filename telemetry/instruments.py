@@ -10,6 +10,18 @@ exists (`configure(metrics_path=...)`, OTLP, or the application's own global one
 - `rlfabric.control.ack.duration` (histogram, s): from a command's publish to each worker's
   ack, by op and status;
 - `rlfabric.weight.version` (gauge): the version a worker serves, set after every load;
+- `rlfabric.worker.state` (gauge): 1 for the state a worker is in (`state`), 0 for the others;
+- `rlfabric.weight.update.size` (histogram, bytes) and `rlfabric.weight.update.duration`
+  (histogram, s): what a worker fetched for each weight update (a delta's own bytes) and how
+  long the update took it, from the command to its ack, by `transport` and `outcome`;
+- `rlfabric.weight.push.size` (histogram, bytes) and `rlfabric.weight.push.duration`
+  (histogram, s): what a trainer's `update_weights` staged and how long it took, every worker's
+  ack included;
+- `rlfabric.fleet.workers` (gauge) and `rlfabric.job.share` (gauge, 0..1): the members by
+  `state`, and each job's share of the tokens served in the last minute, as the dashboard
+  reads them;
+- `rlfabric.rollout.staleness` (histogram, versions): for each sample a trainer takes, how many
+  versions its oldest token is behind the version the trainer pushed last;
 - `rlfabric.errors` (counter): typed errors answered, by `code` (and worker);
 - `rlfabric.gateway.segments` (counter): session turns that started a new trajectory segment,
   by `reason` and tenant (the first turn of a session counts too);
@@ -23,6 +35,10 @@ Rates (rollouts/s, tokens/s) are the counters' rates, as any backend computes th
 from __future__ import annotations
 
 from opentelemetry import metrics
+
+#: histogram buckets: 1 MiB to 64 GiB by 4x; 10 ms to 10 min
+_BYTES = tuple(float(4 ** k * 2 ** 20) for k in range(9))
+_SECONDS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 600.0)
 
 
 class Instruments:
@@ -40,6 +56,31 @@ class Instruments:
             description="from a command's publish to a worker's ack")
         self.weight_version = meter.create_gauge(
             "rlfabric.weight.version", unit="{version}", description="weight version served")
+        self.worker_state = meter.create_gauge(
+            "rlfabric.worker.state", unit="", description="1 for the worker's state, else 0")
+        self.update_size = meter.create_histogram(
+            "rlfabric.weight.update.size", unit="By", description="bytes a weight update fetched",
+            explicit_bucket_boundaries_advisory=_BYTES)
+        self.update_duration = meter.create_histogram(
+            "rlfabric.weight.update.duration", unit="s",
+            description="a worker's weight update, command to ack",
+            explicit_bucket_boundaries_advisory=_SECONDS)
+        self.push_size = meter.create_histogram(
+            "rlfabric.weight.push.size", unit="By", description="bytes a weight push staged",
+            explicit_bucket_boundaries_advisory=_BYTES)
+        self.push_duration = meter.create_histogram(
+            "rlfabric.weight.push.duration", unit="s",
+            description="a weight push, staging to every ack",
+            explicit_bucket_boundaries_advisory=_SECONDS)
+        self.fleet_workers = meter.create_gauge(
+            "rlfabric.fleet.workers", unit="{worker}", description="members, by state")
+        self.job_share = meter.create_gauge(
+            "rlfabric.job.share", unit="1",
+            description="a job's share of the tokens served in the last minute")
+        self.staleness = meter.create_histogram(
+            "rlfabric.rollout.staleness", unit="{version}",
+            description="versions a sample's oldest token is behind the trainer's last push",
+            explicit_bucket_boundaries_advisory=(0, 1, 2, 3, 4, 8, 16))
         self.errors = meter.create_counter(
             "rlfabric.errors", unit="{error}", description="typed errors, by code")
         self.gateway_segments = meter.create_counter(

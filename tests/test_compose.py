@@ -74,7 +74,7 @@ def test_every_compose_command_exists_in_the_cli() -> None:
     services = compose()["services"]
     assert {"nats", "worker-0", "worker-1", "trainer", "tests"} <= set(services)
     for name, svc in services.items():
-        if name != "nats":
+        if svc.get("image", "").startswith("rlfabric:"):  # not nats, Prometheus, Grafana
             check_command(svc["command"], f"compose service {name}")
     trainer = services["trainer"]["command"]
     assert "--workers-external" in trainer and "--nats" in trainer  # attaches, starts nothing
@@ -102,11 +102,11 @@ def test_every_dockerfile_command_exists_and_compose_builds_existing_targets() -
 
 
 def test_what_compose_mounts_exists_and_nats_runs_jetstream() -> None:
-    nats = compose()["services"]["nats"]
-    for vol in nats["volumes"]:
-        src = vol.split(":")[0]
-        if src.startswith("./"):
-            assert (ROOT / src).is_file(), f"compose mounts {src}, which does not exist"
+    for name, svc in compose()["services"].items():
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("./"):
+                assert (ROOT / src).exists(), f"{name} mounts {src}, which does not exist"
     conf = (ROOT / "deploy" / "nats.conf").read_text()
     assert re.search(r"^jetstream\s*\{", conf, re.M)
     assert "max_payload: 8388608" in conf  # as the embedded server: weight chunks fit
@@ -159,3 +159,35 @@ def test_docker_compose_accepts_the_file() -> None:
         out = subprocess.run([exe, "-f", str(ROOT / "compose.yaml"), *extra, "config", "-q"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
+
+
+def test_prometheus_scrapes_what_compose_runs_and_grafana_plots_what_rlfabric_exports() -> None:
+    services = compose()["services"]
+    conf = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    targets = {t for job in conf["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]}
+    for w in ("worker-0", "worker-1"):
+        cmd = services[w]["command"]
+        assert f"{w}:{cmd[cmd.index('--metrics-port') + 1]}" in targets
+    dash = services["dashboard"]["command"]
+    assert f"dashboard:{dash[dash.index('--port') + 1]}" in targets
+    if promtool := shutil.which("promtool"):  # Debian's prometheus package has it
+        out = subprocess.run([promtool, "check", "config", str(ROOT / "deploy/prometheus.yml")],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+    board = json.loads((ROOT / "deploy" / "grafana" / "rlfabric.json").read_text())
+    named = {n for p in board["panels"] for t in p["targets"]
+             for n in re.findall(r"rlfabric_[a-z_]+", t["expr"])}
+    # each a series rlfabric's instruments export (through OpenTelemetry's Prometheus reader)
+    from rlfabric.telemetry import configure, instruments, prometheus_text
+
+    tel = configure(role="test", prometheus=True)
+    try:
+        for inst in vars(instruments.current).values():
+            call = next(c for c in ("add", "set", "record") if hasattr(inst, c))
+            getattr(inst, call)(1, {"state": "ready"})
+        text = prometheus_text()[0].decode()
+    finally:
+        tel.shutdown()
+    exported = set(re.findall(r"^(rlfabric_\w+?)[{ ]", text, re.M))
+    assert named <= exported, (named - exported, sorted(exported))

@@ -29,6 +29,7 @@ from rlfabric.bus import (
     QuorumPolicy,
     new_cmd_id,
 )
+from rlfabric.bus.control.member_events import MemberEvents
 from rlfabric.bus.nats.provision import cluster_size, ensure_consumer, provision_job
 from rlfabric.bus.rollouts.affinity import Affinity
 from rlfabric.bus.rollouts.plane import RolloutPlane, in_groups
@@ -59,7 +60,7 @@ from rlfabric.schemas import (
     Wake,
 )
 from rlfabric.schemas.jobs import ENDED, SEPARATOR
-from rlfabric.telemetry import spans
+from rlfabric.telemetry import instruments, spans
 from rlfabric.trainer.continuation import continue_aborted
 from rlfabric.trainer.desired import DesiredStateWriter
 from rlfabric.trainer.errors import PoolOnly
@@ -93,7 +94,7 @@ class FabricClient:
         #: the policies pushed: results are checked against them (`PolicyMismatch`)
         self.pushed = PushedPolicies(self.run, self.job)
         self.watcher = MembershipWatcher(bus)
-        self.broadcaster = Broadcaster(bus, self.watcher)
+        self.broadcaster = Broadcaster(bus, self.watcher, self.client_id)
         self.desired = DesiredStateWriter(bus, job=self.job)
         #: the job's weight and quota, as the pool's operator set them
         self.share = ShareFollower(bus, self.job)
@@ -158,6 +159,7 @@ class FabricClient:
             client = cls(bus, client_id or f"c{uuid.uuid4().hex[:12]}", policy or QuorumPolicy(),
                          run=run, job=job)
             await tg.start(client.watcher.run)
+            await tg.start(MemberEvents(bus, client.watcher, client.client_id).run)
             await tg.start(client.share.run)
             await tg.start(client.rollouts.listen)
             await client.desired.load()
@@ -329,19 +331,28 @@ class FabricClient:
         weights = module if module is not None else state_dict
         if weights is None:
             raise TypeError("update_weights needs state_dict= or module=")
+        t0, m = time.monotonic(), instruments.current
         with spans.span("update_weights", attributes={spans.WEIGHT_VERSION: version,
                                                       "rlfabric.transport": transport}):
             if delta:
-                return await self._push_delta(version, weights, transport, target, policy,
-                                              verify, reset_prefix_cache)
-            # nats: the chunks are sent while the command is out (workers read as they land)
-            with spans.span("stage_weights"):
-                staged = await self.updates.stage(version, weights, transport,
-                                                  mark_stable=True,
-                                                  with_checksum=verify == "sender",
-                                                  send_now=False)
-            return await self.push_weights(staged, target=target, policy=policy,
-                                           verify=verify, reset_prefix_cache=reset_prefix_cache)
+                rep = await self._push_delta(version, weights, transport, target, policy,
+                                             verify, reset_prefix_cache)
+            else:
+                # nats: the chunks are sent while the command is out (workers read as they
+                # land)
+                with spans.span("stage_weights"):
+                    staged = await self.updates.stage(version, weights, transport,
+                                                      mark_stable=True,
+                                                      with_checksum=verify == "sender",
+                                                      send_now=False)
+                self.last_push_bytes = staged.nbytes
+                rep = await self.push_weights(staged, target=target, policy=policy,
+                                              verify=verify,
+                                              reset_prefix_cache=reset_prefix_cache)
+        kind = {"transport": transport, "delta": str(delta).lower()}
+        m.push_size.record(self.last_push_bytes, kind)
+        m.push_duration.record(time.monotonic() - t0, kind)
+        return rep
 
     async def _push_delta(self, version: int, weights: Any, transport: str,
                           target: Target | None, policy: QuorumPolicy | None, verify: Verify,
@@ -424,11 +435,15 @@ class FabricClient:
                        replies: AsyncIterator[RolloutReply]) -> AsyncIterator[RolloutReply]:
         adapter = adapters_of(requests)
         check = self.pushed.check
+        stale = instruments.current.staleness.record
         # closed with this one: a caller that stops early gives its requests up at once
         async with contextlib.aclosing(cast(AsyncGenerator[RolloutReply, None], replies)):
             async for r in replies:
                 if type(r) is RolloutResult:
                     check(r, adapter.get(r.request_id, ""))
+                    if r.version_spans:
+                        oldest = min(s.version for s in r.version_spans)
+                        stale(max(0, self.desired.state.weight_version - oldest))
                 yield r
 
     def generate(self, requests: Iterable[RolloutRequest], *, timeout: float | None = None,

@@ -75,7 +75,7 @@ from rlfabric.worker.groups import init_transport
 from rlfabric.worker.job_control import JobControl
 from rlfabric.worker.jobs import JobScopes
 from rlfabric.worker.rollouts import RolloutServer
-from rlfabric.worker.state import WorkerStatus
+from rlfabric.worker.state import WorkerStatus, record_state
 from rlfabric.worker.weights import WeightSync
 
 log = logging.getLogger("rlfabric.worker")
@@ -235,6 +235,7 @@ class Worker:
         results: the members key and a `StateEvent`."""
         state = self.status.change(started=started, paused=paused, asleep=asleep,
                                    draining=draining, updating=updating)
+        record_state(self.worker_id, state)
         self.reg.update(state=state, behind=self.status.behind,
                         policy=self.weights.policies.base)
         # a command never waits long on this (a server still recovering its JetStream after a

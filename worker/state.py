@@ -13,8 +13,17 @@ is up takes no requests.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import get_args
 
 from rlfabric.schemas.fleet import WorkerState
+from rlfabric.telemetry import instruments, spans
+
+
+def record_state(worker_id: str, state: WorkerState) -> None:
+    """The state gauge (`rlfabric.worker.state`): 1 for `state`, 0 for every other."""
+    gauge = instruments.current.worker_state
+    for s in get_args(WorkerState):
+        gauge.set(int(s == state), {spans.WORKER_ID: worker_id, "state": s})
 
 
 class WorkerStatus:

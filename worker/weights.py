@@ -32,7 +32,7 @@ from rlfabric.schemas import (
     adapter_key,
     base_policy,
 )
-from rlfabric.telemetry import spans
+from rlfabric.telemetry import instruments, spans
 from rlfabric.transports import (
     GroupSlot,
     Received,
@@ -191,7 +191,13 @@ class WeightSync:
                 await engine.receive_collective(cmd)
                 self.policies.set_base(cmd.version, cmd.run, cmd.digest)
                 return AckFields(weight_version=self.engine.version)
-            return await self._apply(cmd, ready=ctx.ready)
+            t0, outcome = time.monotonic(), "error"
+            try:
+                acked = await self._apply(cmd, ready=ctx.ready)
+                outcome = "ok"
+                return acked
+            finally:
+                record_update(cmd, time.monotonic() - t0, outcome)
 
     # ---- any transport ----
     async def _apply(self, cmd: UpdateWeights,
@@ -332,6 +338,14 @@ class WeightSync:
         self.policies.set_adapter(adapter.name, cmd.version, cmd.run, cmd.digest)
         return AckFields(weight_version=cmd.version, weights_checksum=checksum,
                          detail={"adapter": adapter.name})
+
+
+def record_update(cmd: UpdateWeights, seconds: float, outcome: str) -> None:
+    """A weight update's bytes (what the transport carried: a delta's own) and seconds."""
+    m = instruments.current
+    kind = {"transport": name_of(cmd.transport), "outcome": outcome}
+    m.update_size.record(tensors.buffer_size(cmd.transport.tensors), kind)
+    m.update_duration.record(seconds, kind)
 
 
 def keyed(cmd: UpdateWeights) -> UpdateWeights:

@@ -90,8 +90,8 @@ class FleetReads:
         s = self.subjects
         gone: list[str] = []
         for name in (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
-                     s.sessions_stream, f"KV_{s.members_bucket}", f"KV_{s.state_bucket}",
-                     f"KV_{s.affinity_bucket}"):
+                     s.sessions_stream, s.events_stream, f"KV_{s.members_bucket}",
+                     f"KV_{s.state_bucket}", f"KV_{s.affinity_bucket}"):
             try:
                 await self.js.delete_stream(name)
             except NotFoundError:
@@ -105,7 +105,7 @@ class FleetReads:
         s = self.subjects
         out: dict[str, int | None] = {}
         for name in (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
-                     s.sessions_stream):
+                     s.sessions_stream, s.events_stream):
             try:
                 out[name] = (await self.js.stream_info(name)).state.messages
             except NotFoundError:

@@ -46,9 +46,11 @@ from rlfabric.schemas import (
     STATE_MARK_HEADER,
     Ack,
     Command,
+    CommandEvent,
     FanoutReport,
     MembershipSnapshot,
     SchemaError,
+    UpdateWeights,
     codec_for,
     encode,
     op_of,
@@ -355,9 +357,11 @@ class Broadcaster:
     `seq` (the live copy, see `CommandReceiver`). Acks come in on one standing subscription
     (`<prefix>.ack.*`) and are routed to the open `Fanout` by cmd_id."""
 
-    def __init__(self, bus: Bus, watcher: MembershipWatcher) -> None:
+    def __init__(self, bus: Bus, watcher: MembershipWatcher, source: str = "") -> None:
         self.bus = bus
         self.watcher = watcher
+        #: who sends the commands, in the events that tell their outcomes
+        self.source = source or f"c{uuid.uuid4().hex[:12]}"
         self._open: dict[str, Fanout] = {}
         self._acks: Subscription | None = None
         self._subscribing = anyio.Lock()
@@ -434,11 +438,26 @@ class Broadcaster:
                 yield fo
         finally:
             self._open.pop(cmd.cmd_id, None)
+            if fo.cmd.seq:  # published: its outcome goes to the events stream
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await self.bus.emit(outcome(fo, self.source))
 
     async def broadcast(self, cmd: Command, policy: QuorumPolicy | None = None,
                         phase: Literal["ready", "done"] = "done") -> FanoutReport:
         async with self.open(cmd) as fo:
             return await fo.wait(phase, policy)
+
+
+def outcome(fo: Fanout, source: str) -> CommandEvent:
+    """The `CommandEvent` of `fo` as it stands (its done acks, or ready acks of a two-phase
+    command that never got to done)."""
+    rep = fo.report("done")
+    if not rep.acks and fo._got("ready"):
+        rep = fo.report("ready")
+    return CommandEvent(source=source, cmd_id=rep.cmd_id, op=rep.op,
+                        version=fo.cmd.version if isinstance(fo.cmd, UpdateWeights) else -1,
+                        ok=rep.ok, failed={w: rep.acks[w].error_code for w in rep.failed},
+                        missing=rep.missing, seconds=rep.elapsed_s, at=time.time())
 
 
 def _server(nc: Any) -> str:

@@ -86,7 +86,7 @@ _API = "$JS.API"
 
 def _streams(s: Subjects) -> tuple[str, ...]:
     return (s.rollout_stream, s.results_stream, s.control_stream, s.weights_stream,
-            s.sessions_stream, f"KV_{s.members_bucket}", f"KV_{s.state_bucket}",
+            s.sessions_stream, s.events_stream, f"KV_{s.members_bucket}", f"KV_{s.state_bucket}",
             f"KV_{s.affinity_bucket}")
 
 
@@ -102,8 +102,9 @@ def _read(s: Subjects) -> list[str]:
         *(f"{_API}.DIRECT.GET.{b}.>" for b in buckets),
         *(f"{_API}.DIRECT.GET.{b}" for b in buckets),
         *(f"{_API}.STREAM.MSG.GET.{b}" for b in buckets),
-        # ordered consumers: bucket watches and key listings
-        *(f"{_API}.CONSUMER.CREATE.{b}{t}" for b in buckets for t in ("", ".>")),
+        # ordered consumers: bucket watches and key listings, the events read back
+        *(f"{_API}.CONSUMER.CREATE.{b}{t}" for b in (*buckets, s.events_stream)
+          for t in ("", ".>")),
         "$JS.FC.>",
     ]
 
@@ -186,6 +187,7 @@ def job_permissions(job: str, s: Subjects) -> Permissions:
             f"{p}.control.job.{job}.>", f"{p}.live.job.{job}.>",
             f"$KV.{s.state_bucket}.{job_state_key(job)}",
             f"{p}.worker.*.ping",  # a quorum's probe of a silent worker
+            f"{p}.events.command.*", f"{p}.events.member.*",  # what its client saw, kept
             "$JS.FC.>", "_INBOX.>",
         ),
         subscribe_allow=("_INBOX.>", f"{p}.ack.*", f"{p}.stream.{job}.>", f"{p}.events.>"),

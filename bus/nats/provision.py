@@ -79,6 +79,9 @@ class Limits:
     members_max_bytes: int = 64 * MIB
     state_max_bytes: int = 64 * MIB
     sessions_max_bytes: int = 256 * MIB
+    #: the fleet's events (`rlfabric events`): the oldest go first past either
+    events_max_age: float = 7 * 24 * HOUR
+    events_max_bytes: int = 16 * MIB
     weights_max_age: float = 2 * HOUR
     #: the weights stream's cap. None: set aside as a push needs it (the versions it holds and
     #: the one pushed), starting from WEIGHTS_START; a push JetStream cannot set that aside for
@@ -116,7 +119,7 @@ class Limits:
 
 #: the caps `Limits.for_store` splits a budget across
 _CAPS = ("control_max_bytes", "results_max_bytes", "rollout_max_bytes", "members_max_bytes",
-         "state_max_bytes", "sessions_max_bytes", "affinity_max_bytes")
+         "state_max_bytes", "sessions_max_bytes", "affinity_max_bytes", "events_max_bytes")
 
 
 @dataclass(slots=True)
@@ -192,6 +195,17 @@ def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamCo
             duplicate_window=lim.duplicate_window,
             # a gateway reads a session's records by subject, one direct get each
             allow_direct=True,
+            num_replicas=replicas,
+        ),
+        StreamConfig(
+            name=s.events_stream,
+            subjects=s.events_kept,
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=lim.events_max_age,
+            max_bytes=lim.events_max_bytes,
+            discard=DiscardPolicy.OLD,  # capped: the oldest events go first
+            duplicate_window=lim.duplicate_window,
             num_replicas=replicas,
         ),
         StreamConfig(

@@ -21,9 +21,9 @@ from rlfabric.bus.errors import PUBLISH_FAILED, TRANSIENT, retryable
 from rlfabric.bus.nats.connect import Link
 from rlfabric.bus.nats.puback import PubAcks
 from rlfabric.bus.nats.refusals import Refusals
-from rlfabric.bus.subjects import Subjects
+from rlfabric.bus.subjects import Subjects, check_token
 from rlfabric.concurrency import RateLimited, wait_any
-from rlfabric.schemas import ErrorEvent, StateEvent, encode
+from rlfabric.schemas import Event, encode
 from rlfabric.schemas import headers as schema_headers
 from rlfabric.telemetry import spans
 
@@ -56,9 +56,13 @@ class Publisher:
         """Core-NATS publish of an rlfabric message (buffered; no round trip)."""
         await self.nc.publish(subject, encode(msg), headers=self.headers(extra))
 
-    async def emit(self, event: ErrorEvent | StateEvent) -> None:
-        kind = "error" if isinstance(event, ErrorEvent) else "state"
-        await self.publish(self.subjects.events(kind, event.source), event)
+    async def emit(self, event: Event, *, once: str = "") -> None:
+        """Send a fleet event (core NATS; the events stream keeps it). `once`: its
+        `Nats-Msg-Id`, so that the stream keeps one copy of an event several processes send."""
+        kind = event.__struct_config__.tag
+        assert isinstance(kind, str)
+        await self.publish(self.subjects.events(kind, check_token(event.source, "source")),
+                           event, extra={"Nats-Msg-Id": once} if once else None)
 
     async def persist(self, subject: str, data: bytes, headers: dict[str, str], *,
                       until: float | None = None, attempt_timeout: float = 5.0,

@@ -32,10 +32,10 @@ from rlfabric.worker import Worker
 pytestmark = [pytest.mark.nats, pytest.mark.anyio, pytest.mark.timeout(180)]
 
 MIB = 1024 * 1024
-#: 24 MiB set aside for the job's other streams and buckets, the weights stream's from 16 MiB
+#: 25 MiB set aside for the job's other streams and buckets, the weights stream's from 16 MiB
 SMALL = Limits(rollout_max_bytes=4 * MIB, results_max_bytes=8 * MIB, control_max_bytes=4 * MIB,
                sessions_max_bytes=4 * MIB, members_max_bytes=MIB, state_max_bytes=2 * MIB,
-               affinity_max_bytes=MIB)
+               affinity_max_bytes=MIB, events_max_bytes=MIB)
 
 
 def weights(mib: int) -> dict[str, torch.Tensor]:
