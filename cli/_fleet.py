@@ -120,6 +120,14 @@ def desired_json(view: FleetView) -> dict[str, Any]:
     }
 
 
+def event_row(event: Any) -> dict[str, Any]:
+    """A fleet event (`rlfabric.schemas.Event`) as JSON-ready builtins, every field spelled
+    out (the wire leaves defaults out) and its `kind`."""
+    row: dict[str, Any] = msgspec.to_builtins(msgspec.structs.asdict(event))
+    row["kind"] = event.__struct_config__.tag
+    return row
+
+
 def command_text(c: dict[str, Any]) -> str:
     """A command's outcome (a `CommandEvent` as builtins), in words."""
     version = f" v{c['version']}" if c.get("version", -1) >= 0 else ""

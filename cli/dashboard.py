@@ -26,7 +26,7 @@ from anyio.abc import TaskStatus
 
 from rlfabric.bus import Bus, MembershipWatcher, fleet_view
 from rlfabric.bus.control.view import recent_commands
-from rlfabric.cli._fleet import command_text, desired_line, job_rows, member_row
+from rlfabric.cli._fleet import command_text, desired_line, event_row, job_rows, member_row
 from rlfabric.concurrency.sync import Signal, beside, wait_any
 from rlfabric.schemas import CommandEvent, Event, FleetView, SchemaError, codec_for
 from rlfabric.schemas.fleet import WorkerState
@@ -117,7 +117,7 @@ def page_model(view: FleetView, tokens: list[tuple[float, int]]) -> dict[str, An
         "desired": desired_line(view),
         "workers": [member_row(m, view) for m in view.members],
         "jobs": job_rows(view),
-        "commands": [{**msgspec.to_builtins(c), "text": command_text(msgspec.to_builtins(c))}
+        "commands": [{**event_row(c), "text": command_text(event_row(c))}
                      for c in reversed(view.commands)],
         "tokens_per_min": [[round(t, 1), n] for t, n in tokens],
     }
@@ -130,8 +130,12 @@ def _gauges(view: FleetView) -> None:
     states = collections.Counter(w.state for w in view.members)
     for state in get_args(WorkerState):
         m.fleet_workers.set(states.get(state, 0), {"state": state})
-    for row in job_rows(view):
-        m.job_share.set(row["share_1m"] or 0.0, {"rlfabric.job": row["job"] or "(pool)"})
+    tokens: collections.Counter[str] = collections.Counter()
+    for w in view.members:
+        tokens.update(w.job_tokens)
+    served = sum(tokens.values())
+    for job, n in tokens.items():
+        m.job_share.set(n / served if served else 0.0, {"rlfabric.job": job or "(pool)"})
 
 
 def create_app(feed: FleetFeed) -> Any:

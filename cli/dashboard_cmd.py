@@ -8,7 +8,11 @@ import sys
 import anyio
 
 from rlfabric.bus import Bus, NatsUnavailable
+from rlfabric.bus.errors import BusError
 from rlfabric.cli._common import add_bus_options, connect_options, start_telemetry
+
+#: seconds between two looks for a job that does not exist yet
+JOB_POLL_S = 1.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,11 +35,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 async def _run(args: argparse.Namespace) -> None:
     from rlfabric.cli.dashboard import serve
 
-    async with Bus.connect(connect_options(args, "rlfabric-dashboard"), prefix=args.prefix,
-                           provision_streams=False) as bus, anyio.create_task_group() as tg:
-        port = await tg.start(serve, bus, args.host, args.port)
-        print(f"rlfabric dashboard: the fleet {args.prefix!r} at http://{args.host}:{port}/",
-              flush=True)
+    said = False
+    while True:  # read-only: it waits for the job's first process to create it
+        async with Bus.connect(connect_options(args, "rlfabric-dashboard"), prefix=args.prefix,
+                               provision_streams=False) as bus:
+            try:
+                _ = bus.buckets  # raises where the job does not exist yet
+            except BusError as exc:
+                if not said:
+                    print(f"rlfabric dashboard: {exc}; waiting for it", flush=True)
+                    said = True
+                await anyio.sleep(JOB_POLL_S)
+                continue
+            async with anyio.create_task_group() as tg:
+                port = await tg.start(serve, bus, args.host, args.port)
+                print(f"rlfabric dashboard: the fleet {args.prefix!r} at "
+                      f"http://{args.host}:{port}/", flush=True)
+            return
 
 
 def run(args: argparse.Namespace) -> int:

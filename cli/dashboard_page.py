@@ -38,7 +38,7 @@ PAGE = """<!doctype html>
 <h2>Last commands</h2>
 <table><thead><tr><th>when</th><th>command</th><th>acked</th><th>refused</th><th>missing</th>
 <th>seconds</th></tr></thead><tbody id="commands"></tbody></table>
-<h2>Tokens served per minute</h2>
+<h2>Tokens served per minute <span id="chartmax" class="muted"></span></h2>
 <svg id="chart" viewBox="0 0 600 90" preserveAspectRatio="none"></svg>
 <script>
 const $ = (id) => document.getElementById(id);
@@ -77,7 +77,8 @@ function draw(f) {
   const t0 = pts.length ? pts[0][0] : 0, span = Math.max(1, (pts.at(-1) || [0])[0] - t0);
   $("chart").innerHTML = '<polyline fill="none" stroke="#3d5afe" stroke-width="2" points="' +
     pts.map((p) => `${(600 * (p[0] - t0) / span).toFixed(1)},${(85 - 80 * p[1] / top).toFixed(1)}`)
-      .join(" ") + '"/><text x="4" y="14" font-size="12" fill="#556">' + top + ' max</text>';
+      .join(" ") + '"/>';
+  $("chartmax").textContent = "(" + top + " at most, over the last minutes)";
   $("status").textContent = "live, as of " + when(f.at);
   $("status").className = "";
 }

@@ -12,12 +12,11 @@ import time
 from typing import Any
 
 import anyio
-import msgspec
 
 from rlfabric.bus import Bus, NatsUnavailable
 from rlfabric.bus.control.events import NoEvents, read_events
 from rlfabric.cli._common import add_bus_options, connect_options
-from rlfabric.cli._fleet import command_text
+from rlfabric.cli._fleet import command_text, event_row
 
 KINDS = ("member", "state", "command", "error")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -79,7 +78,7 @@ async def read(args: argparse.Namespace, out: Any) -> int:
     async with Bus.connect(connect_options(args, "rlfabric-events"), prefix=args.prefix,
                            provision_streams=False) as bus:
         async for _, event in read_events(bus, since=since(args.since), follow=args.follow):
-            row = msgspec.to_builtins(event)
+            row = event_row(event)
             if row["kind"] in kinds:
                 print(json.dumps(row) if args.json else line(row), file=out, flush=True)
                 printed += 1

@@ -12,7 +12,14 @@ import msgspec
 
 from rlfabric.bus import Bus, NatsUnavailable, fleet_view
 from rlfabric.cli._common import add_bus_options, connect_options
-from rlfabric.cli._fleet import COLUMNS, command_text, desired_json, job_rows, member_row
+from rlfabric.cli._fleet import (
+    COLUMNS,
+    command_text,
+    desired_json,
+    event_row,
+    job_rows,
+    member_row,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +43,7 @@ async def gather(args: argparse.Namespace) -> dict[str, Any]:
         "desired_state": desired_json(view),
         "jobs": job_rows(view),
         "checkpoint_claim": msgspec.to_builtins(view.checkpoint) if view.checkpoint else None,
-        "commands": [msgspec.to_builtins(c) for c in view.commands],
+        "commands": [event_row(c) for c in view.commands],
     }
 
 

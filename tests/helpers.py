@@ -144,3 +144,13 @@ def past_an_end(results: Iterable[Any], ends: frozenset[int]) -> list[str]:
     """The samples with an end token anywhere but last (they ran past it)."""
     return [f"{r.request_id}/{r.sample_index}" for r in results
             if any(t in ends for t in r.completion_token_ids.tolist()[:-1])]
+
+
+def rlfabric_exe() -> str:
+    """The console script installed next to this Python (what the README's command runs)."""
+    import sysconfig
+    from pathlib import Path
+
+    exe = Path(sysconfig.get_path("scripts")) / "rlfabric"
+    assert exe.exists(), "rlfabric console script not installed: pip install -e ."
+    return str(exe)

@@ -176,8 +176,8 @@ def test_prometheus_scrapes_what_compose_runs_and_grafana_plots_what_rlfabric_ex
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
     board = json.loads((ROOT / "deploy" / "grafana" / "rlfabric.json").read_text())
-    named = {n for p in board["panels"] for t in p["targets"]
-             for n in re.findall(r"rlfabric_[a-z_]+", t["expr"])}
+    named = {n for p in board["panels"] for t in p["targets"]  # series, not `by (labels)`
+             for n in re.findall(r"rlfabric_[a-z_]+", re.sub(r"by \([^)]*\)", "", t["expr"]))}
     # each a series rlfabric's instruments export (through OpenTelemetry's Prometheus reader)
     from rlfabric.telemetry import configure, instruments, prometheus_text
 

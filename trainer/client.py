@@ -338,21 +338,24 @@ class FabricClient:
                 rep = await self._push_delta(version, weights, transport, target, policy,
                                              verify, reset_prefix_cache)
             else:
-                # nats: the chunks are sent while the command is out (workers read as they
-                # land)
-                with spans.span("stage_weights"):
-                    staged = await self.updates.stage(version, weights, transport,
-                                                      mark_stable=True,
-                                                      with_checksum=verify == "sender",
-                                                      send_now=False)
-                self.last_push_bytes = staged.nbytes
-                rep = await self.push_weights(staged, target=target, policy=policy,
-                                              verify=verify,
-                                              reset_prefix_cache=reset_prefix_cache)
+                rep = await self._push_full(version, weights, transport, target, policy,
+                                            verify, reset_prefix_cache)
         kind = {"transport": transport, "delta": str(delta).lower()}
         m.push_size.record(self.last_push_bytes, kind)
         m.push_duration.record(time.monotonic() - t0, kind)
         return rep
+
+    async def _push_full(self, version: int, weights: Any, transport: str,
+                         target: Target | None, policy: QuorumPolicy | None, verify: Verify,
+                         reset_prefix_cache: bool) -> FanoutReport:
+        # nats: the chunks are sent while the command is out (workers read as they land)
+        with spans.span("stage_weights"):
+            staged = await self.updates.stage(version, weights, transport, mark_stable=True,
+                                              with_checksum=verify == "sender",
+                                              send_now=False)
+        self.last_push_bytes = staged.nbytes
+        return await self.push_weights(staged, target=target, policy=policy, verify=verify,
+                                       reset_prefix_cache=reset_prefix_cache)
 
     async def _push_delta(self, version: int, weights: Any, transport: str,
                           target: Target | None, policy: QuorumPolicy | None, verify: Verify,

@@ -4,12 +4,13 @@ what `rlfabric events` prints and the read model's recent commands come from."""
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from rlfabric.bus.errors import BusError
@@ -37,9 +38,8 @@ async def read_events(bus: Bus, *, since: float | None = None, kind: str = "",
         raise NoEvents(f"job {bus.subjects.prefix!r} has no events stream ({stream}): no "
                        "client or worker that keeps events has joined it yet") from None
     send, recv = anyio.create_memory_object_stream[tuple[int, Any]](math.inf)
-    start: dict[str, Any] = (
-        {"deliver_policy": DeliverPolicy.ALL} if since is None else
-        {"deliver_policy": DeliverPolicy.BY_START_TIME, "opt_start_time": _iso(since)})
+    start = ConsumerConfig(deliver_policy=DeliverPolicy.ALL) if since is None else \
+        ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=_utc(since))
 
     async def on_event(msg: Any) -> None:
         seq = msg.metadata.sequence.stream
@@ -54,7 +54,7 @@ async def read_events(bus: Bus, *, since: float | None = None, kind: str = "",
 
     sub = await bus.js.subscribe(bus.subjects.events(kind or "*", "*"), stream=stream,
                                  cb=on_event, ordered_consumer=True, idle_heartbeat=1.0,
-                                 **start)
+                                 config=start)
     try:
         if not follow:
             info = await sub.consumer_info()
@@ -71,7 +71,5 @@ async def read_events(bus: Bus, *, since: float | None = None, kind: str = "",
             await sub.unsubscribe()
 
 
-def _iso(at: float) -> str:
-    import datetime as dt
-
-    return dt.datetime.fromtimestamp(at, dt.UTC).isoformat()
+def _utc(at: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(at, dt.UTC)

@@ -197,17 +197,7 @@ def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamCo
             allow_direct=True,
             num_replicas=replicas,
         ),
-        StreamConfig(
-            name=s.events_stream,
-            subjects=s.events_kept,
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            max_age=lim.events_max_age,
-            max_bytes=lim.events_max_bytes,
-            discard=DiscardPolicy.OLD,  # capped: the oldest events go first
-            duplicate_window=lim.duplicate_window,
-            num_replicas=replicas,
-        ),
+        _events_stream(s, lim, replicas),
         StreamConfig(
             name=s.weights_stream,
             subjects=[s.weights_all],
@@ -220,6 +210,20 @@ def stream_configs(s: Subjects, lim: Limits, replicas: int = 1) -> list[StreamCo
             num_replicas=replicas,
         ),
     ]
+
+
+def _events_stream(s: Subjects, lim: Limits, replicas: int) -> StreamConfig:
+    return StreamConfig(
+        name=s.events_stream,
+        subjects=s.events_kept,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=lim.events_max_age,
+        max_bytes=lim.events_max_bytes,
+        discard=DiscardPolicy.OLD,  # capped: the oldest events go first
+        duplicate_window=lim.duplicate_window,  # a member event several clients send: once
+        num_replicas=replicas,
+    )
 
 
 async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:

@@ -7,21 +7,16 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
+from helpers import rlfabric_exe
 
 from rlfabric.bus.nats.cluster import free_ports
 
 pytestmark = pytest.mark.nats
 
 
-def rlfabric_exe() -> str:
-    """The console script installed next to this Python (what the README's command runs)."""
-    exe = Path(sysconfig.get_path("scripts")) / "rlfabric"
-    assert exe.exists(), "rlfabric console script not installed: pip install -e ."
-    return str(exe)
 
 
 def test_nats_then_status_json_from_a_shell() -> None:

@@ -4,6 +4,7 @@ within its liveness window; a screenshot of the page written for a person to loo
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -43,7 +44,9 @@ def test_the_page_shows_the_fleet_a_push_and_a_kill(nats_url: str, prefix: str, 
                 await fabric.wait_for_workers(2, timeout=60)
                 await fabric.update_weights(version, verify="off", transport="nats",
                                             module=build_model("tiny", dtype=torch.bfloat16))
-        anyio.run(run)
+        # its own thread: the browser's sync API holds an event loop in this one
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(anyio.run, run).result(timeout=120)
 
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])

@@ -10,7 +10,7 @@ import subprocess
 import anyio
 import pytest
 import torch
-from test_cli import rlfabric_exe
+from helpers import rlfabric_exe
 
 from rlfabric.tensors.models import build_model
 from rlfabric.trainer import FabricClient
@@ -44,8 +44,11 @@ def test_events_lists_the_joins_a_push_with_its_acks_and_a_kill(nats_url: str, p
     assert push["failed"] == {} and push["missing"] == [] and push["seconds"] > 0
     states = {(e["source"], e["state"]) for e in events if e["kind"] == "state"}
     assert {("e0", "updating"), ("e1", "updating"), ("e1", "ready")} <= states
-    at = [e["at"] for e in events]
-    assert at == sorted(at)  # in the order they happened
+    # in the order they happened: both joins, the push, the kill
+    order = [(e.get("worker_id"), e.get("change") or e.get("op")) for e in events
+             if e["kind"] in ("member", "command")]
+    assert order.index(("e0", "left")) > order.index((None, "update_weights")) > max(
+        order.index(("e0", "joined")), order.index(("e1", "joined"))), order
 
     text = subprocess.run([rlfabric_exe(), "events", *args, "--kind", "member"],
                           capture_output=True, text=True, timeout=60)

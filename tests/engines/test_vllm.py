@@ -459,7 +459,8 @@ async def test_a_killed_workers_samples_go_on_elsewhere_from_the_tokens_it_sampl
     import psutil  # a dependency of vLLM
 
     # half streamed, half not; most go to kc0
-    reqs = [msgspec.structs.replace(req(f"c{i}", [256, 3 + i], max_tokens=160,
+    # long enough that kc0 is still sampling when it is killed (48 tokens in), however slow
+    reqs = [msgspec.structs.replace(req(f"c{i}", [256, 3 + i], max_tokens=320,
                                         temperature=0.0), stream=i % 2 == 0)
             for i in range(8)]
     with fleet(nats_url) as f:

@@ -101,7 +101,7 @@ def test_prometheus_scrapes_a_worker_and_the_gateway(nats_url: str, prefix: str,
             'sum(rlfabric_weight_update_size_bytes_sum{job="worker"})': lambda v: v == full,
             'sum(rlfabric_gateway_requests_total{job="gateway"})': lambda v: v >= 1,
             'rlfabric_fleet_workers{job="dashboard", state="ready"}': lambda v: v == 1,
-            'sum(rlfabric_job_share_ratio{job="dashboard"})': lambda v: v == 1,
+            'sum(rlfabric_job_share{job="dashboard"})': lambda v: v == 1,
         }
         for promql, ok in checks.items():
             _until(api, promql, ok)
