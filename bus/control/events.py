@@ -18,6 +18,8 @@ from rlfabric.bus.session import Bus
 from rlfabric.schemas import Event, SchemaError, codec_for
 
 _EVENT = codec_for(Event)
+#: seconds without an event after which a read that does not follow is caught up
+IDLE_S = 2.0
 
 
 class NoEvents(BusError):
@@ -25,12 +27,13 @@ class NoEvents(BusError):
 
 
 async def read_events(bus: Bus, *, since: float | None = None, kind: str = "",
-                      follow: bool = False, caught_up: float = 60.0
+                      follow: bool = False, idle: float = IDLE_S
                       ) -> AsyncIterator[tuple[int, Event]]:
     """`(stream sequence, event)` from `since` (a unix time; None: the oldest kept), of one
     `kind` ("": all), in the order they were stored; with `follow`, then each as it comes,
-    until the caller stops. An event this version cannot read is skipped. `NoEvents` if the
-    job has no events stream."""
+    until the caller stops; without, until the last one stored, or until none came for `idle`
+    seconds. An event this version cannot read is skipped. `NoEvents` if the job has no
+    events stream."""
     stream = bus.subjects.events_stream
     try:
         last = (await bus.js.stream_info(stream)).state.last_seq
@@ -61,11 +64,18 @@ async def read_events(bus: Bus, *, since: float | None = None, kind: str = "",
             delivered = info.delivered.stream_seq if info.delivered else 0
             if not last or (info.num_pending == 0 and not delivered):
                 send.close()  # nothing at or after `since`
-        with anyio.fail_after(None if follow else caught_up):
-            async with recv:
-                async for seq, event in recv:
-                    if event is not None:
-                        yield seq, event
+        async with recv:
+            while True:
+                got: tuple[int, Any] | None = None
+                with anyio.move_on_after(math.inf if follow else idle):
+                    try:
+                        got = await recv.receive()
+                    except anyio.EndOfStream:
+                        return
+                if got is None:
+                    return  # caught up: nothing more came
+                if got[1] is not None:
+                    yield got
     finally:
         with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
             await sub.unsubscribe()
