@@ -66,8 +66,6 @@ class PeerSource:
         self.bus = bus
         self.kept = kept
         self.worker_id = worker_id
-        self.served = 0  # chunks given to peers
-        self.fetched = 0  # versions taken from peers
         self._subs: dict[str, Any] = {}  # digest -> its queue subscription
         self._changed = Signal()
         kept.on_change = self._changed.fire
@@ -121,7 +119,6 @@ class PeerSource:
                 why = f"no chunk {ask.index} of {ask.chunk_bytes} bytes in {len(buf)}"
             else:  # a copy: the kept bytes may change once this returns
                 chunk = bytes(memoryview(buf)[start:start + ask.chunk_bytes])
-                self.served += 1
         with contextlib.suppress(Exception):  # the asker is gone: it asks again or gives up
             await self.bus.nc.publish(msg.reply, chunk,
                                       headers={PEER_REFUSED_HEADER: why} if why else None)
@@ -166,7 +163,6 @@ class PeerSource:
             raise TransportError(ErrorCode.FETCH_FAILED, (
                 f"{self.worker_id}: v{cmd.version} from its peers failed part-way "
                 f"({type(exc).__name__}: {exc})")) from exc
-        self.fetched += 1
         log.info("%s: v%d (%.1f MiB) taken from the workers keeping it", self.worker_id,
                  cmd.version, size / 2**20)
         return Received(buf, owned=True)
