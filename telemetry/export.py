@@ -12,7 +12,7 @@
   (every `metrics_interval` seconds and at shutdown).
 - `prometheus_port`: Prometheus' text format on `http://<prometheus_host>:<port>/metrics`
   (OpenTelemetry's Prometheus reader; names after Prometheus' conventions:
-  `rlfabric_rollout_tokens_total`, `rlfabric_control_ack_duration_seconds`, ...); where none
+  `rlfabric_rollout_tokens_total`, `rlfabric_control_command_duration_seconds`, ...); where none
   is given, `RLFABRIC_METRICS_PORT` (a process started with it, every worker a bench starts
   with `--metrics`). `prometheus` alone: the reader, for a server that serves
   `prometheus_text()` itself (the gateway's and the dashboard's `/metrics`).
@@ -43,11 +43,14 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from rlfabric.telemetry import instruments
 from rlfabric.telemetry.spans import set_tracer
+from rlfabric.telemetry.tally import SpreadCollector
 
 log = logging.getLogger("rlfabric.telemetry")
 #: where no port is given, serve Prometheus metrics on this one (0: any free port)
 METRICS_PORT_ENV = "RLFABRIC_METRICS_PORT"
 _json = msgspec.json.Encoder()
+#: whether prometheus_client's registry reads the `Spread` histograms (once per process)
+_spreads_served = False
 
 
 class AppendFile:
@@ -157,9 +160,13 @@ def _prometheus(tel: Telemetry, port: int | None, host: str) -> MetricReader:
     prometheus_client's HTTP server on `port` (0: any free one; `tel.prometheus_port` says
     which) where one is asked for."""
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import start_http_server
+    from prometheus_client import REGISTRY, start_http_server
 
+    global _spreads_served
     reader = PrometheusMetricReader()
+    if not _spreads_served:  # whichever `Instruments` are current when scraped
+        REGISTRY.register(SpreadCollector(lambda: instruments.current.spreads))
+        _spreads_served = True
     if port is not None:
         server, _ = start_http_server(port, addr=host)
         tel.prometheus_port = server.server_address[1]

@@ -439,14 +439,15 @@ class FabricClient:
         adapter = adapters_of(requests)
         check = self.pushed.check
         stale = instruments.current.staleness.record
+        who = {spans.JOB: self.job} if self.job else None
         # closed with this one: a caller that stops early gives its requests up at once
         async with contextlib.aclosing(cast(AsyncGenerator[RolloutReply, None], replies)):
             async for r in replies:
                 if type(r) is RolloutResult:
                     check(r, adapter.get(r.request_id, ""))
-                    if r.version_spans:
-                        oldest = min(s.version for s in r.version_spans)
-                        stale(max(0, self.desired.state.weight_version - oldest))
+                    last = self.desired.state.weight_version
+                    for sp in r.version_spans:
+                        stale(max(0, last - sp.version), who, sp.end - sp.start)
                 yield r
 
     def generate(self, requests: Iterable[RolloutRequest], *, timeout: float | None = None,

@@ -124,8 +124,6 @@ class Fanout:
         self._wake_at = 0
         self._codec = codec_for(Ack)
         self._decode_raw = self._codec.decode_raw
-        self._record = instruments.current.ack_duration.record
-        self._ok = {spans.CMD_OP: op_of(cmd), "status": "ok"}  # an ok ack's metric attributes
         self.span: Span = INVALID_SPAN  # the broadcast's `send` span, while open
         self._recording = False  # whether `span` records (asked once, not per ack)
 
@@ -141,13 +139,10 @@ class Fanout:
         if ack.worker_id in got:
             return
         got[ack.worker_id] = ack
-        elapsed = time.monotonic() - self.t0
-        if ack.status == "ok":
-            self._record(elapsed, self._ok)
-        else:
+        if ack.status != "ok":
             self.errors += 1
-            self._record(elapsed, {**self._ok, "status": ack.status})
         if self._recording:
+            elapsed = time.monotonic() - self.t0
             self.span.add_event("ack", {spans.WORKER_ID: ack.worker_id, "phase": ack.phase,
                                         "status": ack.status, "elapsed_s": elapsed})
         # the waiter re-counts only when the count could meet its quorum, or on an error
@@ -439,8 +434,13 @@ class Broadcaster:
         finally:
             self._open.pop(cmd.cmd_id, None)
             if fo.cmd.seq:  # published: its outcome goes to the events stream
+                ev = outcome(fo, self.source)
+                instruments.current.command_duration.record(ev.seconds, {
+                    spans.CMD_OP: op,
+                    "outcome": "ok" if not (ev.failed or ev.missing) else
+                               "failed" if ev.failed else "missing"})
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                    await self.bus.emit(outcome(fo, self.source))
+                    await self.bus.emit(ev)
 
     async def broadcast(self, cmd: Command, policy: QuorumPolicy | None = None,
                         phase: Literal["ready", "done"] = "done") -> FanoutReport:

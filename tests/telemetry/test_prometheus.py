@@ -1,6 +1,7 @@
 """A real Prometheus server (Debian's `prometheus`) scraping a worker (`--metrics-port`), the
-gateway and the dashboard (`/metrics`): after a push and a few rollouts the metrics are there,
-read back through Prometheus' HTTP API, with the values the fleet has."""
+gateway and the dashboard (`/metrics`), and the trainer (this process): after a push and a few
+rollouts the metrics are there, read back through Prometheus' HTTP API, with the values the
+fleet has."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from helpers import req
 
 from rlfabric.bus.nats.cluster import free_ports
+from rlfabric.telemetry import configure
 from rlfabric.tensors import plan
 from rlfabric.tensors.models import build_model
 from rlfabric.trainer import FabricClient
@@ -63,8 +65,9 @@ def test_prometheus_scrapes_a_worker_and_the_gateway(nats_url: str, prefix: str,
                       module="rlfabric")
     board = dashboard.wait_for(r"at (http://\S+)/", timeout=60).group(1)
     (port,) = free_ports(1)
+    tel = configure(role="trainer", prometheus_port=0, prometheus_host="127.0.0.1")
     targets = {"worker": f"127.0.0.1:{metrics.group(1)}", "gateway": base.split("//")[1],
-               "dashboard": board.split("//")[1]}
+               "dashboard": board.split("//")[1], "trainer": f"127.0.0.1:{tel.prometheus_port}"}
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s}\nscrape_configs:\n" + "".join(
             f"  - job_name: {job}\n    static_configs: [{{targets: ['{t}']}}]\n"
@@ -102,9 +105,17 @@ def test_prometheus_scrapes_a_worker_and_the_gateway(nats_url: str, prefix: str,
             'sum(rlfabric_gateway_requests_total{job="gateway"})': lambda v: v >= 1,
             'rlfabric_fleet_workers{job="dashboard", state="ready"}': lambda v: v == 1,
             'sum(rlfabric_job_share{job="dashboard"})': lambda v: v == 1,
+            'rlfabric_rollout_results_total{job="trainer", outcome="ok"}': lambda v: v == 4,
+            'rlfabric_control_command_duration_seconds_count{job="trainer", '
+            'rlfabric_cmd_op="update_weights", outcome="ok"}': lambda v: v == 1,
+            # every token of v1, pushed last: none behind
+            'rlfabric_rollout_staleness_versions_bucket{job="trainer", le="0.0"}':
+                lambda v: v == 4 * 8,
+            'rlfabric_rollout_staleness_versions_count{job="trainer"}': lambda v: v == 4 * 8,
         }
         for promql, ok in checks.items():
             _until(api, promql, ok)
     finally:
         prom.terminate()
         prom.wait(timeout=30)
+        tel.shutdown()

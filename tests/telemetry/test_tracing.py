@@ -119,9 +119,10 @@ async def test_generate_and_update_weights_are_each_one_trace_across_both_proces
     # metrics, as each process exported them at exit
     [results] = last_points(trainer_metrics, "rlfabric.rollout.results")
     assert (results["attributes"], results["value"]) == ({"outcome": "ok"}, 1)
-    acks = {p["attributes"]["rlfabric.cmd.op"]: p for p in
-            last_points(trainer_metrics, "rlfabric.control.ack.duration")}
-    assert acks["update_weights"]["count"] == 1 and acks["update_weights"]["sum"] > 0
+    cmds = {p["attributes"]["rlfabric.cmd.op"]: p for p in
+            last_points(trainer_metrics, "rlfabric.control.command.duration")}
+    assert cmds["update_weights"]["count"] == 1 and cmds["update_weights"]["sum"] > 0
+    assert cmds["update_weights"]["attributes"]["outcome"] == "ok"
     [tokens] = last_points(worker_metrics, "rlfabric.rollout.tokens")
     assert tokens["value"] == len(out[0].completion_token_ids) > 0
     [version] = last_points(worker_metrics, "rlfabric.weight.version")
