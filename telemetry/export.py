@@ -155,23 +155,43 @@ def _otlp(kind: str) -> Any | None:
         return None
 
 
-def _prometheus(tel: Telemetry, port: int | None, host: str) -> MetricReader:
+def _prometheus(tel: Telemetry, port: int | None, host: str, *,
+                inherited: bool = False) -> MetricReader:
     """OpenTelemetry's Prometheus reader (it registers with prometheus_client's registry), and
     prometheus_client's HTTP server on `port` (0: any free one; `tel.prometheus_port` says
-    which) where one is asked for."""
+    which) where one is asked for. `inherited`: the port came from the environment, which a
+    process passes on to those it starts: taken already, a free one serves instead."""
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import REGISTRY, start_http_server
 
     global _spreads_served
-    reader = PrometheusMetricReader()
+    if port is not None:  # first: a port that fails leaves no reader registered
+        try:
+            server, _ = start_http_server(port, addr=host)
+        except OSError as exc:
+            if not inherited or not port:
+                raise
+            log.warning("%s=%d: %s (a process that started this one may serve there); "
+                        "Prometheus metrics on a free port instead", METRICS_PORT_ENV, port, exc)
+            server, _ = start_http_server(0, addr=host)
+        tel.prometheus_port = server.server_address[1]
+        tel._servers.append(server)
     if not _spreads_served:  # whichever `Instruments` are current when scraped
         REGISTRY.register(SpreadCollector(lambda: instruments.current.spreads))
         _spreads_served = True
-    if port is not None:
-        server, _ = start_http_server(port, addr=host)
-        tel.prometheus_port = server.server_address[1]
-        tel._servers.append(server)
-    return reader
+    return PrometheusMetricReader()
+
+
+def _port_of_env() -> int:
+    value = os.environ[METRICS_PORT_ENV]
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{METRICS_PORT_ENV}={value!r}: not a port; give 0..65535 (0: a free "
+                         "one) or unset it")
+    return port
 
 
 def prometheus_text() -> tuple[bytes, str]:
@@ -253,10 +273,11 @@ def configure(*, role: str, worker_id: str = "", trace_path: str | None = None,
         tel.files.append(metrics_path)
     if (otlp_m := _otlp("metrics")) is not None:
         readers.append(PeriodicExportingMetricReader(otlp_m, export_interval_millis=every))
-    if prometheus_port is None and os.environ.get(METRICS_PORT_ENV):
-        prometheus_port = int(os.environ[METRICS_PORT_ENV])
+    inherited = prometheus_port is None and bool(os.environ.get(METRICS_PORT_ENV))
+    if inherited:
+        prometheus_port = _port_of_env()
     if prometheus or prometheus_port is not None:
-        readers.append(_prometheus(tel, prometheus_port, prometheus_host))
+        readers.append(_prometheus(tel, prometheus_port, prometheus_host, inherited=inherited))
     if readers:
         mp = MeterProvider(resource=resource, metric_readers=readers)
         tel.meter_provider = mp
