@@ -23,7 +23,8 @@ events (a command, a push) go through the SDK.
   `state`, and each job's share of the tokens served in the last minute, as the dashboard
   reads them;
 - `rlfabric_rollout_staleness_versions` (histogram, Prometheus only): the completion tokens a
-  trainer takes, by how many versions each is behind the version it pushed last;
+  trainer takes, by how many versions each is behind the version of its policy (the base
+  weights, or the request's adapter) the trainer pushed last;
 - `rlfabric.errors` (counter): typed errors answered, by `code` (and worker);
 - `rlfabric.gateway.segments` (counter): session turns that started a new trajectory segment,
   by `reason` and tenant (the first turn of a session counts too);

@@ -1,6 +1,6 @@
 """Metrics kept in this process and read when a reader collects them: recording one is a dict
 update, where a synchronous OTel SDK instrument costs microseconds a call, and the hot paths
-(a result, an ack, a token span) record at rates where that is a share of the work.
+(a result, a token span) record at rates where that is a share of the work.
 
 - `Sum`: a counter, reported through an OTel observable counter;
 - `Last`: a gauge (the last value per attribute set), through an OTel observable gauge;
@@ -40,9 +40,6 @@ class Sum:
         key = _key(attributes)
         with self._lock:
             self._sums[key] = self._sums.get(key, 0) + amount
-
-    def value(self, attributes: Attributes | None = None) -> float:
-        return self._sums.get(_key(attributes), 0)
 
     def _observe(self, options: CallbackOptions) -> Iterable[Observation]:
         with self._lock:

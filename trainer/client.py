@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -430,24 +430,35 @@ class FabricClient:
 
     def check_result(self, result: RolloutReply, adapter: str = "") -> None:
         """`PolicyMismatch` if `result` (of a request for `adapter`, "" for the base weights)
-        holds tokens of a policy this client did not push (once it pushed for that target)."""
+        holds tokens of a policy this client did not push (once it pushed for that target).
+        Its tokens count in the staleness metric, as `generate`'s results do (those are
+        checked already)."""
         if type(result) is RolloutResult:
             self.pushed.check(result, adapter)
+            self._took(result, adapter, instruments.current.staleness.record)
+
+    def _took(self, r: RolloutResult, adapter: str, stale: Callable[..., None]) -> None:
+        """Count `r`'s tokens in the staleness metric, each by how many versions it is behind
+        the last push of its policy."""
+        state = self.desired.state
+        cmd = state.adapters.get(adapter) if adapter else None
+        last = cmd.version if cmd is not None else -1 if adapter else state.weight_version
+        who = {spans.JOB: self.job} if self.job else None
+        for sp in r.version_spans:
+            stale(max(0, last - sp.version), who, sp.end - sp.start)
 
     async def _checked(self, requests: list[RolloutRequest],
                        replies: AsyncIterator[RolloutReply]) -> AsyncIterator[RolloutReply]:
         adapter = adapters_of(requests)
         check = self.pushed.check
         stale = instruments.current.staleness.record
-        who = {spans.JOB: self.job} if self.job else None
         # closed with this one: a caller that stops early gives its requests up at once
         async with contextlib.aclosing(cast(AsyncGenerator[RolloutReply, None], replies)):
             async for r in replies:
                 if type(r) is RolloutResult:
-                    check(r, adapter.get(r.request_id, ""))
-                    last = self.desired.state.weight_version
-                    for sp in r.version_spans:
-                        stale(max(0, last - sp.version), who, sp.end - sp.start)
+                    name = adapter.get(r.request_id, "")
+                    check(r, name)
+                    self._took(r, name, stale)
                 yield r
 
     def generate(self, requests: Iterable[RolloutRequest], *, timeout: float | None = None,

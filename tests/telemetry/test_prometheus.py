@@ -105,7 +105,10 @@ def test_prometheus_scrapes_a_worker_and_the_gateway(nats_url: str, prefix: str,
             'sum(rlfabric_gateway_requests_total{job="gateway"})': lambda v: v >= 1,
             'rlfabric_fleet_workers{job="dashboard", state="ready"}': lambda v: v == 1,
             'sum(rlfabric_job_share{job="dashboard"})': lambda v: v == 1,
+            f"rlfabric_rollout_queue_depth{w}": lambda v: v == 0,  # all answered
             'rlfabric_rollout_results_total{job="trainer", outcome="ok"}': lambda v: v == 4,
+            'sum(rlfabric_weight_push_size_bytes_sum{job="trainer"})': lambda v: v == full,
+            'sum(rlfabric_weight_push_duration_seconds_count{job="trainer"})': lambda v: v == 1,
             'rlfabric_control_command_duration_seconds_count{job="trainer", '
             'rlfabric_cmd_op="update_weights", outcome="ok"}': lambda v: v == 1,
             # every token of v1, pushed last: none behind

@@ -28,6 +28,7 @@ from rlfabric.schemas import (
     TokenDelta,
     codec_for,
 )
+from rlfabric.telemetry import instruments
 from rlfabric.tensors import lora
 from rlfabric.tensors.checksums import checksum
 from rlfabric.tensors.models import build_model
@@ -223,6 +224,17 @@ async def test_pause_abort_returns_partials_that_continue(client, workers, serve
         assert m.completion_token_ids.tolist() == whole_by_prompt[m.request_id[1:]]
 
 
+def _staleness() -> Counter[int]:
+    """Tokens taken so far in this process by how many versions behind (the metric's
+    buckets: 0, 1, 2, ...), over every attribute set."""
+    sp = instruments.current.staleness
+    out: Counter[int] = Counter()
+    for _attrs, weights, _sum, _count in sp.snapshot():
+        for bound, w in zip(sp.bounds, weights, strict=False):
+            out[int(bound)] += w
+    return out
+
+
 @pytest.mark.parametrize("served", ENGINES)
 async def test_pause_keep_update_resume_gives_two_version_spans(client, workers,
                                                                 served: Served) -> None:
@@ -234,6 +246,7 @@ async def test_pause_keep_update_resume_gives_two_version_spans(client, workers,
         # 16 samples: a random model ends a sample at EOS now and then; not all 16 early
         reqs = [req(f"r{i}", [256, 40 + i], max_tokens=300, seed=i) for i in range(16)]
         out: list = []
+        stale_before = _staleness()
         async with anyio.create_task_group() as tg:
             await _streamed_until_tokens(fabric, reqs, out, tg)
             t0 = time.monotonic()
@@ -241,8 +254,13 @@ async def test_pause_keep_update_resume_gives_two_version_spans(client, workers,
             assert rep.ok == ("k0",) and time.monotonic() - t0 < KEEP_ACK_S
             await fabric.update_weights(1, module=v1)
             await fabric.resume()
+        for r in out:  # taken after v1's push: each v0 token is 1 version behind
+            fabric.check_result(r)
+        stale = _staleness() - stale_before
     two = [r for r in out if len(r.version_spans) == 2]
     assert two, [r.version_spans for r in out]
+    old = sum(s.end - s.start for r in out for s in r.version_spans if s.version == 0)
+    assert stale == Counter({0: sum(len(r.logprobs) for r in out) - old, 1: old})
     by_id = {r.request_id: r for r in reqs}
     for r in two:
         (a, b) = r.version_spans
