@@ -117,8 +117,8 @@ def page_model(view: FleetView, tokens: list[tuple[float, int]]) -> dict[str, An
         "desired": desired_line(view),
         "workers": [member_row(m, view) for m in view.members],
         "jobs": job_rows(view),
-        "commands": [{**event_row(c), "text": command_text(event_row(c))}
-                     for c in reversed(view.commands)],
+        "commands": [{**row, "text": command_text(row)}
+                     for row in map(event_row, reversed(view.commands))],
         "tokens_per_min": [[round(t, 1), n] for t, n in tokens],
     }
 
